@@ -1,0 +1,402 @@
+"""Writing and loading trainforge checkpoint directories: atomic, verified, safe to load.
+
+Every strategy saves through this module (sharded ones add their own sub-directories)::
+
+    w = CheckpointWriter(root / "step-000200", rank=r, world_size=n, barrier=strategy.barrier)
+    w.save_tensors("model", state_dict, max_shard_size="5GB")  # safetensors, + HF index when sharded
+    w.save_object("optimizer", optimizer.state_dict())         # torch.save; each rank its own names
+    w.track("dcp/__1_0.distcp")                                # a file this rank wrote by other means
+    w.finalize({"step": 200, "epoch": 1, "strategy": "ddp", "precision": "32"})  # every rank -> Path
+
+    load_tensors(ckpt_dir, "model", device="cpu") -> dict[str, Tensor]   # aliases (tied weights) restored
+    load_object(ckpt_dir, "optimizer", map_location="cpu")               # torch.load(weights_only=True)
+    to_plain(obj) / from_plain(obj)   # numpy arrays and scalars <-> data weights_only accepts
+
+and, from ``checkpoint_verify`` (re-exported here): read_metadata, verify_checkpoint,
+find_latest_valid, resolve_checkpoint, write_latest_pointer, read_latest_pointer,
+list_checkpoints, delete_checkpoint. The directory layout and crash guarantees are described there.
+
+Tied weights: safetensors refuses tensors that share storage. Tensors that are the very same view
+(same storage, offset, shape, stride, dtype) are written once and the other names recorded as
+aliases (``trainforge_aliases`` in the safetensors header, or in the index's ``metadata`` when
+sharded), as ``safetensors.torch.save_model`` does; ``load_tensors`` gives the alias the same tensor
+object back, so the tie survives. Different views of one storage are cloned into separate
+tensors (they load untied). Non-contiguous tensors are made contiguous. Readers of the plain
+safetensors files (``transformers``, ``safetensors.torch.load_file``) see only the kept names, as
+with Hugging Face's own tied-weight checkpoints.
+
+The files of a checkpoint must be on a filesystem every rank sees (as torch.distributed.checkpoint
+assumes): rank 0 hashes, commits and renames what all ranks wrote.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+import safetensors
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from strategies.checkpoint_verify import (  # noqa: F401  (re-exported API)
+    ASIDE, FORMAT_VERSION, METADATA_FILE, PARTIAL, RESERVED_KEYS, PathLike, check_name, delete_checkpoint,
+    file_crc32, find_latest_valid, fsync_dir, list_checkpoints, metadata_checksum, read_latest_pointer,
+    read_metadata, remove_stale, resolve_checkpoint, verify_checkpoint, write_latest_pointer)
+from strategies.errors import CheckpointError, ConfigurationError
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB" as Hugging Face counts it
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def parse_size(value: Union[int, str], what: str = "max_shard_size") -> int:
+    """Bytes from an int or a string such as ``"5GB"`` (10**9), ``"500MB"``, ``"2GiB"`` (2**30)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if m is None or float(m.group(1)) <= 0:
+        raise ConfigurationError(f"{what}={value!r} is not a size: give a positive number of bytes or a string "
+                                 f"like '5GB', '500MB' or '2GiB'")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def _check_rel(name: str) -> str:
+    """A file name inside a checkpoint: '/'-separated parts, none hidden or '..'."""
+    if not isinstance(name, str) or not name or not all(_PART_RE.match(p) for p in name.split("/")):
+        raise ConfigurationError(f"name={name!r} is not valid inside a checkpoint: use letters, digits and _ . = + - "
+                                 f"with '/' between parts, not starting with '.', e.g. 'optimizer' or 'rng/rank-00001'")
+    return name
+
+
+def _versions() -> Dict[str, str]:
+    try:
+        ours = importlib.metadata.version("trainforge")
+    except importlib.metadata.PackageNotFoundError:
+        ours = "unknown"
+    return {"trainforge": ours, "torch": torch.__version__, "safetensors": safetensors.__version__,
+            "python": platform.python_version()}
+
+
+def _dedupe(state_dict: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """Tensors safetensors accepts (contiguous, no shared storage) and the aliases {dropped: kept}."""
+    groups: Dict[Tuple[str, int], List[str]] = {}
+    for key, t in state_dict.items():
+        if not isinstance(key, str) or not isinstance(t, torch.Tensor):
+            raise ConfigurationError(f"save_tensors: entry {key!r} is a {type(t).__name__}; only str -> Tensor entries "
+                                     f"go to safetensors, store other state with save_object")
+        if t.device.type == "meta" or t.layout != torch.strided:
+            raise ConfigurationError(f"save_tensors: tensor {key!r} is {t.device.type}/{t.layout}; safetensors stores "
+                                     f"dense tensors with data: materialize it, or store it with save_object")
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        groups.setdefault((str(t.device), ptr) if ptr else ("", id(t)), []).append(key)
+    kept: Dict[str, torch.Tensor] = {}
+    aliases: Dict[str, str] = {}
+    for names in groups.values():
+        by_view: Dict[Tuple[Any, ...], str] = {}
+        for key in names:
+            t = state_dict[key]
+            view = (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if view in by_view:
+                aliases[key] = by_view[view]
+            else:
+                by_view[view] = key
+        for key in by_view.values():
+            t = state_dict[key].detach()
+            kept[key] = t.clone(memory_format=torch.contiguous_format) if len(by_view) > 1 else t.contiguous()
+    return {k: kept[k] for k in state_dict if k in kept}, aliases
+
+
+class CheckpointWriter:
+    """One save of one checkpoint directory, created on every rank with the same ``final_dir``.
+
+    Everything is written under ``tmp_dir`` (``<parent>/.<name>.partial``); ``finalize`` makes it
+    durable and renames it into place. ``barrier`` is the strategy's barrier (required when
+    ``world_size > 1``). A leftover ``tmp_dir`` from a killed save is removed here by rank 0."""
+
+    def __init__(self, final_dir: PathLike, *, rank: int = 0, world_size: int = 1,
+                 barrier: Optional[Callable[[], Any]] = None) -> None:
+        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+            raise ConfigurationError(f"rank={rank!r}, world_size={world_size!r}: need 0 <= rank < world_size")
+        if world_size > 1 and barrier is None:
+            raise ConfigurationError(f"world_size={world_size} needs barrier=<the strategy's barrier callable> so rank 0 "
+                                     f"commits only after every rank has written its files")
+        self.final_dir = Path(final_dir).absolute()
+        check_name(self.final_dir.name)
+        self.root = self.final_dir.parent
+        self.tmp_dir = self.root / f".{self.final_dir.name}{PARTIAL}"
+        self.rank, self.world_size, self._barrier_fn = rank, world_size, barrier
+        self._files: Dict[str, Dict[str, Any]] = {}
+        self._done = False
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if self.tmp_dir.exists():
+                shutil.rmtree(self.tmp_dir)
+            self.tmp_dir.mkdir()
+        self._barrier()
+        if not self.tmp_dir.is_dir():
+            raise CheckpointError(f"{self.tmp_dir}: not visible on rank {rank}; the checkpoint directory must be on a "
+                                  f"filesystem every rank shares")
+
+    def _barrier(self) -> None:
+        if self._barrier_fn is not None:
+            self._barrier_fn()
+
+    def _path(self, rel: str) -> Path:
+        if self._done:
+            raise ConfigurationError(f"{self.final_dir}: this writer is finalized; create a new CheckpointWriter")
+        if rel in self._files:
+            raise ConfigurationError(f"{rel!r} was already written to {self.tmp_dir}; give each piece its own name")
+        path = self.tmp_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def track(self, rel: str) -> None:
+        """Record (size, crc32) and fsync a file this rank wrote under ``tmp_dir`` by other means.
+        Untracked files are still covered: rank 0 hashes them at ``finalize``."""
+        size, crc = file_crc32(self.tmp_dir / _check_rel(rel), fsync=True)
+        self._files[rel] = {"size": size, "crc32": crc}
+
+    def save_tensors(self, name: str, state_dict: Mapping[str, torch.Tensor],
+                     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> List[str]:
+        """Write ``<name>.safetensors``, or above ``max_shard_size`` bytes the shards
+        ``<name>-0000i-of-0000N.safetensors`` plus ``<name>.safetensors.index.json`` (HF format).
+        Returns the file names written."""
+        limit = parse_size(max_shard_size)
+        tensors, aliases = _dedupe(state_dict)
+        sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+        shards: List[List[str]] = [[]]
+        used = 0
+        for key, size in sizes.items():
+            if shards[-1] and used + size > limit:
+                shards.append([])
+                used = 0
+            shards[-1].append(key)
+            used += size
+        base = _check_rel(name)
+        n = len(shards)
+        names = [f"{base}.safetensors"] if n == 1 else [f"{base}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        for file, keys in zip(names, shards):
+            header = {"format": "pt"}  # transformers refuses safetensors files without format=pt
+            if n == 1 and aliases:
+                header["trainforge_aliases"] = json.dumps(aliases, sort_keys=True)
+            save_file({k: tensors[k] for k in keys}, str(self._path(file)), metadata=header)
+            self.track(file)
+        if n > 1:
+            meta: Dict[str, Any] = {"total_size": sum(sizes.values())}
+            if aliases:
+                meta["trainforge_aliases"] = aliases
+            index = {"metadata": meta, "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
+            file = f"{base}.safetensors.index.json"
+            self._path(file).write_text(json.dumps(index, indent=2, sort_keys=True), encoding="utf-8")
+            self.track(file)
+            names.append(file)
+        return names
+
+    def save_object(self, name: str, obj: Any) -> str:
+        """``torch.save`` to ``<name>.pt``. Refuses (ConfigurationError, nothing kept) an object that
+        ``torch.load(weights_only=True)`` could not read back, e.g. numpy arrays: see ``to_plain``."""
+        file = f"{_check_rel(name)}.pt"
+        path = self._path(file)
+        torch.save(obj, path)
+        check = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch >= 2.5
+        unsafe = check(path) if check is not None else []
+        if unsafe:
+            path.unlink()
+            raise ConfigurationError(
+                f"save_object({name!r}): the object holds {', '.join(unsafe)}, which torch.load(weights_only=True) "
+                f"refuses, so it could never be loaded; store tensors, numbers, strings, lists, tuples and dicts "
+                f"(convert numpy values with strategies.checkpoint_io.to_plain)")
+        self.track(file)
+        return file
+
+    def finalize(self, metadata: Optional[Mapping[str, Any]] = None, *, update_latest: bool = True) -> Path:
+        """Called by every rank. ``metadata`` needs ``step`` (int); ``epoch``, ``strategy``,
+        ``precision`` and any JSON-serializable extras are stored too. Rank 0 writes the manifest
+        and metadata.json, fsyncs, renames into place, then moves ``latest`` (unless
+        ``update_latest=False``). Returns ``final_dir``."""
+        meta = self._metadata(metadata)
+        if self.rank != 0:
+            frag = self.tmp_dir / f".manifest-rank-{self.rank:05d}.json"
+            _write_durable(frag, json.dumps(self._files))
+        self._barrier()
+        if self.rank == 0:
+            try:
+                self._commit(meta, update_latest)
+            finally:  # release the other ranks even if the commit failed; they check the outcome
+                self._barrier()
+        else:
+            self._barrier()
+            if self.tmp_dir.exists() or not (self.final_dir / METADATA_FILE).is_file():
+                raise CheckpointError(f"{self.final_dir}: rank 0 did not commit this checkpoint; see rank 0's error")
+        self._done = True
+        return self.final_dir
+
+    def _metadata(self, metadata: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+        given = dict(metadata or {})
+        reserved = [k for k in RESERVED_KEYS if k in given]
+        if reserved:
+            raise ConfigurationError(f"finalize(metadata=...): {reserved} are written by trainforge itself; remove them")
+        step = given.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigurationError(f"finalize(metadata=...): step={step!r} must be a non-negative int "
+                                     f"(the trainer's global_step)")
+        meta = {"format_version": FORMAT_VERSION, "step": step, "epoch": None, "world_size": self.world_size,
+                "strategy": None, "precision": None, "versions": _versions(),
+                "created": datetime.now(timezone.utc).isoformat(timespec="microseconds")}
+        meta.update(given)
+        try:
+            return json.loads(json.dumps(meta))  # canonical form: what read_metadata will see
+        except (TypeError, ValueError) as e:
+            raise ConfigurationError(f"finalize(metadata=...): not JSON-serializable ({e}); store such state with "
+                                     f"save_object") from None
+
+    def _commit(self, meta: Dict[str, Any], update_latest: bool) -> None:
+        tmp = self.tmp_dir
+        files, owner = dict(self._files), {rel: 0 for rel in self._files}
+        for frag in sorted(tmp.glob(".manifest-rank-*.json")):
+            rank = int(frag.stem.rsplit("-", 1)[1])
+            for rel, entry in json.loads(frag.read_text(encoding="utf-8")).items():
+                if rel in files and files[rel] != entry:
+                    raise CheckpointError(f"{tmp / rel}: written by rank {owner[rel]} and rank {rank}; give each rank "
+                                          f"its own file name, e.g. f'rng/rank-{{rank:05d}}'")
+                files[rel], owner[rel] = entry, rank
+            frag.unlink()
+        for path in sorted(tmp.rglob("*")):
+            rel = path.relative_to(tmp).as_posix()
+            if path.is_file() and rel != METADATA_FILE:
+                if rel not in files:  # written by a backend (DCP, DeepSpeed) without track()
+                    size, crc = file_crc32(path, fsync=True)
+                    files[rel] = {"size": size, "crc32": crc}
+                elif path.stat().st_size != files[rel]["size"]:
+                    raise CheckpointError(f"{path}: changed size after it was written; two writers used {tmp}?")
+        for rel in files:
+            if not (tmp / rel).is_file():
+                raise CheckpointError(f"{tmp / rel}: missing file (rank {owner.get(rel, 0)} wrote it) before commit")
+        meta["files"] = dict(sorted(files.items()))
+        meta["checksum"] = metadata_checksum(meta)
+        _write_durable(tmp / METADATA_FILE, json.dumps(meta, indent=2, sort_keys=True))
+        for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            fsync_dir(d)
+        fsync_dir(tmp)
+        aside = self.root / f".{self.final_dir.name}{ASIDE}"
+        if self.final_dir.exists():  # overwrite: old copy aside first, never a moment without one
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.rename(self.final_dir, aside)
+        os.rename(tmp, self.final_dir)
+        fsync_dir(self.root)
+        if update_latest:
+            write_latest_pointer(self.root, self.final_dir.name)
+        remove_stale(self.root)  # the aside copy, partials of killed saves, interrupted deletions
+        fsync_dir(self.root)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_safetensors(path: Path, device: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    try:
+        with safe_open(str(path), framework="pt", device=device) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except Exception as e:  # SafetensorError (bad header), OSError, ValueError: all mean "unreadable"
+        raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupted") from None
+
+
+def load_tensors(ckpt_dir: PathLike, name: str = "model", device: Union[str, torch.device] = "cpu"
+                 ) -> Dict[str, torch.Tensor]:
+    """Tensors saved by ``save_tensors(name, ...)`` (single file or sharded), aliases restored.
+    Does not re-check checksums: ``verify_checkpoint``/``resolve_checkpoint`` do that."""
+    ckpt_dir, base = Path(ckpt_dir), _check_rel(name)
+    single, index = ckpt_dir / f"{base}.safetensors", ckpt_dir / f"{base}.safetensors.index.json"
+    device = str(device)
+    if index.is_file():
+        try:
+            idx = json.loads(index.read_text(encoding="utf-8"))
+            weight_map: Dict[str, str] = dict(idx["weight_map"])
+            aliases = dict(idx.get("metadata", {}).get("trainforge_aliases", {}))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: unparsable safetensors index ({e!r}); the file is corrupted") from None
+        out: Dict[str, torch.Tensor] = {}
+        for file in dict.fromkeys(weight_map.values()):
+            if not isinstance(file, str) or not _PART_RE.match(file):
+                raise CheckpointError(f"{index}: invalid shard file name {file!r} in weight_map")
+            out.update(_read_safetensors(ckpt_dir / file, device)[0])
+        missing = sorted(set(weight_map) - set(out))
+        if missing:
+            raise CheckpointError(f"{index}: tensors {missing[:5]} listed in weight_map are missing from their shards")
+    elif single.is_file():
+        out, header = _read_safetensors(single, device)
+        try:
+            aliases = json.loads(header.get("trainforge_aliases", "{}"))
+        except ValueError:
+            raise CheckpointError(f"{single}: unparsable trainforge_aliases in the safetensors header") from None
+    else:
+        present = sorted(p.name for p in ckpt_dir.glob("*.safetensors*")) if ckpt_dir.is_dir() else []
+        raise CheckpointError(f"{single}: missing file (and no {index.name}); safetensors files in {ckpt_dir}: {present}")
+    for alias, kept in aliases.items():
+        if kept not in out:
+            raise CheckpointError(f"{single if not index.is_file() else index}: alias {alias!r} -> {kept!r}, "
+                                  f"which is not in the file; the checkpoint is corrupted")
+        out[alias] = out[kept]
+    return out
+
+
+def load_object(ckpt_dir: PathLike, name: str, map_location: Any = "cpu") -> Any:
+    """``torch.load(<name>.pt, weights_only=True)``; any pickled code reference is refused."""
+    path = Path(ckpt_dir) / f"{_check_rel(name)}.pt"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing file")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        found = _GLOBAL_RE.search(str(e))
+        if found is not None:
+            raise CheckpointError(
+                f"refused to load {path}: it contains a pickled object that would import {found.group(1)} when "
+                f"loaded; checkpoints written by trainforge never do; do not load files from untrusted sources. "
+                f"Nothing in it was executed") from None
+        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
+                              f"the file is truncated or corrupted") from None
+
+
+def to_plain(obj: Any) -> Any:
+    """A copy of ``obj`` with numpy arrays as ``{"__ndarray__": ..}`` dicts and numpy scalars as
+    Python numbers, so it survives ``torch.load(weights_only=True)``. Dicts, lists, tuples recurse."""
+    kind = type(obj)
+    if kind.__module__.split(".")[0] == "numpy":
+        if kind.__name__ == "ndarray":
+            return {"__ndarray__": obj.ravel().tolist(), "dtype": str(obj.dtype), "shape": list(obj.shape)}
+        if hasattr(obj, "item"):
+            return obj.item()
+    if isinstance(obj, dict):
+        return {to_plain(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return kind(to_plain(v) for v in obj) if kind in (list, tuple) else [to_plain(v) for v in obj]
+    return obj
+
+
+def from_plain(obj: Any) -> Any:
+    """Inverse of ``to_plain``: the ``{"__ndarray__": ..}`` dicts become numpy arrays again."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__ndarray__", "dtype", "shape"}:
+            import numpy  # only needed when numpy state was saved, so only imported then
+
+            return numpy.asarray(obj["__ndarray__"], dtype=obj["dtype"]).reshape(obj["shape"])
+        return {k: from_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_plain(v) for v in obj)
+    return obj
