@@ -1,0 +1,58 @@
+"""Strategies own placement and parallelism. ``resolve_strategy`` turns a user's choice into one."""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Mapping, Optional, Union
+
+from strategies.base import Strategy
+from strategies.ddp import DDPStrategy
+from strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
+from strategies.single import SingleDeviceStrategy
+
+# name -> "module:Class"; imported on first use so a backend library is needed only when chosen.
+_REGISTRY = {
+    "single": "strategies.single:SingleDeviceStrategy",
+    "ddp": "strategies.ddp:DDPStrategy",
+    "fsdp": "strategies.fsdp:FSDPStrategy",
+    "deepspeed": "strategies.deepspeed:DeepSpeedStrategy",
+}
+_NOT_BUILT = {"megatron": "Megatron-style tensor/pipeline parallelism", "xla": "XLA device placement"}
+STRATEGY_NAMES = ("auto",) + tuple(_REGISTRY)
+
+
+def strategy_class(name: str) -> type:
+    if name in _NOT_BUILT:
+        raise ConfigurationError(
+            f"strategy={name!r} ({_NOT_BUILT[name]}) is not available in this version of trainforge; "
+            f"choose one of: {', '.join(STRATEGY_NAMES)}")
+    if name not in _REGISTRY:
+        raise ConfigurationError(f"strategy={name!r} is not one of: {', '.join(STRATEGY_NAMES)}; "
+                                 "or pass a Strategy object")
+    module_name, cls_name = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+def resolve_strategy(strategy: Union[str, Strategy, None] = "auto", environ: Optional[Mapping[str, str]] = None,
+                     **kwargs: Any) -> Strategy:
+    """``"auto"``: several processes in the environment -> DDP, one -> single device."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    name = "auto" if strategy is None else str(strategy).lower()
+    if name == "auto":
+        from strategies.environment import detect_environment
+
+        env = detect_environment(os.environ if environ is None else environ)
+        name = "ddp" if env.world_size > 1 else "single"
+    return strategy_class(name)(**kwargs)
+
+
+__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "resolve_strategy", "strategy_class",
+           "STRATEGY_NAMES", "TrainforgeError", "ConfigurationError", "CheckpointError", "LaunchError"]
+
+
+def __getattr__(name: str) -> Any:  # lazy FSDPStrategy / DeepSpeedStrategy
+    for key, target in _REGISTRY.items():
+        if target.endswith(":" + name):
+            return strategy_class(key)
+    raise AttributeError(f"module 'strategies' has no attribute {name!r}")

@@ -1,0 +1,167 @@
+"""DistributedDataParallel over the process group that the environment describes."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Callable, ContextManager, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from strategies.base import REDUCE_OPS, Strategy
+from strategies.errors import ConfigurationError, invalid_choice
+
+log = logging.getLogger("trainforge")
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+COMM_HOOKS = ("fp16", "bf16")
+
+
+class ProcessGroupMixin:
+    """Process-group start, device choice and collectives, shared by every multi-process strategy.
+
+    A mixin rather than a base class: FSDP and DeepSpeed reuse the collectives without being a
+    kind of DDP (DESIGN.md: composition over inheritance)."""
+
+    _owns_process_group = False
+
+    def _start_process_group(self, backend: Optional[str], timeout: timedelta) -> torch.device:
+        from strategies.environment import default_backend, detect_environment
+
+        env = detect_environment()
+        self.cluster = env
+        device = self._device
+        if device is None:
+            device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_available():
+            raise ConfigurationError("torch.distributed is not available in this torch build; use strategy='single'")
+        if not dist.is_initialized():
+            os.environ.update(env.as_env())
+            backend = backend or default_backend(device)
+            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            self._owns_process_group = True
+        if dist.get_rank() == 0:
+            log.info("trainforge: strategy=%s backend=%s world_size=%d environment=%s master=%s:%s device=%s",
+                     self.name, dist.get_backend(), dist.get_world_size(), env.kind, env.master_addr,
+                     env.master_port, device.type)
+        return device
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def local_rank(self) -> int:
+        cluster = getattr(self, "cluster", None)
+        return cluster.local_rank if cluster is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if op not in REDUCE_OPS:
+            raise invalid_choice("op", op, REDUCE_OPS)
+        if self.world_size == 1:
+            return tensor
+        out = tensor.clone()
+        dist.all_reduce(out, op=_REDUCE.get(op, dist.ReduceOp.SUM))
+        if op == "mean":
+            out = out / self.world_size if out.is_floating_point() else out // self.world_size
+        return out
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor.unsqueeze(0)
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.stack(parts)
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.world_size == 1:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            out = obj.clone().contiguous()
+            dist.broadcast(out, src)
+            return out
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _stop_process_group(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+
+class DDPStrategy(ProcessGroupMixin, Strategy):
+    """``DistributedDataParallel``; accumulation skips gradient sync with ``no_sync``.
+
+    ``comm_hook``: "fp16" or "bf16" compresses gradients for the all-reduce, or pass a DDP hook
+    callable (``(state, bucket) -> Future``) with ``comm_hook_state``."""
+
+    name = "ddp"
+    redirect_forward = True
+
+    def __init__(self, device: Optional[Union[torch.device, str]] = None, *, find_unused_parameters: bool = False,
+                 static_graph: bool = False, gradient_as_bucket_view: bool = False,
+                 comm_hook: Optional[Union[str, Callable]] = None, comm_hook_state: Any = None,
+                 process_group_backend: Optional[str] = None, timeout: timedelta = timedelta(minutes=30),
+                 **ddp_kwargs: Any) -> None:
+        super().__init__(device)
+        if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
+            raise invalid_choice("comm_hook", comm_hook, COMM_HOOKS, "or pass a DDP communication hook callable")
+        self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                               gradient_as_bucket_view=gradient_as_bucket_view, **ddp_kwargs)
+        self.comm_hook, self.comm_hook_state = comm_hook, comm_hook_state
+        self.backend, self.timeout = process_group_backend, timeout
+
+    def setup_environment(self) -> None:
+        self._device = self._start_process_group(self.backend, self.timeout)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        if self.world_size == 1:
+            return module
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        self._register_comm_hook(ddp)
+        return ddp
+
+    def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
+        if self.comm_hook is None:
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(
+            self.comm_hook, self.comm_hook) if isinstance(self.comm_hook, str) else self.comm_hook
+        ddp.register_comm_hook(self.comm_hook_state, hook)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        if enabled and isinstance(module, DistributedDataParallel):
+            return module.no_sync()
+        return contextlib.nullcontext()
+
+    def teardown(self) -> None:
+        self._stop_process_group()

@@ -1,0 +1,270 @@
+"""``Accelerator``: HF Accelerate's thin wrapper for users who keep their own loop.
+
+Converting a raw loop takes about five lines::
+
+    accelerator = Accelerator(precision="bf16-mixed", gradient_accumulation_steps=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for batch in loader:                       # sharded, on the device, set_epoch handled
+        with accelerator.accumulate(model):    # no gradient sync until the window ends
+            loss = model(batch)
+            accelerator.backward(loss)         # scaled for accumulation and fp16
+            optimizer.step(); optimizer.zero_grad()   # act only on the window's last micro-batch
+
+The Trainer runs on this same object, so placement, precision, accumulation and checkpointing
+have one code path.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+
+import torch
+from torch import nn
+
+from strategies import Strategy, resolve_strategy
+from strategies.data_utils import apply_to_tensors
+from strategies.errors import ConfigurationError
+from trainer.precision import Precision
+from trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
+
+
+class Accelerator:
+    def __init__(self, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
+                 gradient_accumulation_steps: Optional[int] = None, seed: int = 0) -> None:
+        from trainer.launch_config import launch_defaults
+
+        defaults = launch_defaults()  # what `trainforge launch` was told; explicit arguments win
+        strategy = strategy if strategy is not None else defaults.get("strategy", "auto")
+        precision = precision if precision is not None else defaults.get("precision", "32")
+        accum = gradient_accumulation_steps if gradient_accumulation_steps is not None else \
+            defaults.get("gradient_accumulation_steps", 1)
+        if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
+            raise ConfigurationError(f"gradient_accumulation_steps={accum!r} must be an int >= 1 "
+                                     "(1 means no accumulation)")
+        strategy_kwargs = defaults.get(str(strategy), {}) if isinstance(strategy, str) else {}
+        self.strategy = resolve_strategy(strategy, **(strategy_kwargs if isinstance(strategy_kwargs, dict) else {}))
+        self.strategy.setup_environment()
+        self.precision = Precision(precision, self.strategy.root_device)
+        self.strategy.precision = self.precision
+        self.gradient_accumulation_steps = accum
+        self.gradient_state = GradientState()
+        self.seed = seed
+        self.step = 0  # micro-batches into the current accumulation window
+        self._models: List[nn.Module] = []
+        self._optimizers: List[PreparedOptimizer] = []
+        self._schedulers: List[PreparedScheduler] = []
+        self._dataloaders: List[PreparedDataLoader] = []
+        self._custom_objects: List[Any] = []
+
+    # ---- topology --------------------------------------------------------------------------------
+    device = property(lambda self: self.strategy.root_device)
+    process_index = property(lambda self: self.strategy.global_rank)
+    local_process_index = property(lambda self: self.strategy.local_rank)
+    num_processes = property(lambda self: self.strategy.world_size)
+    is_main_process = property(lambda self: self.strategy.is_global_zero)
+    is_local_main_process = property(lambda self: self.strategy.local_rank == 0)
+    sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        self.strategy.barrier()
+
+    # ---- prepare ---------------------------------------------------------------------------------
+    def prepare(self, *objects: Any) -> Any:
+        """Models, optimizers, schedulers and dataloaders, in any order; returns them in that order."""
+        models = [o for o in objects if isinstance(o, nn.Module)]
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        if len(models) > 1 and self.strategy.world_size > 1 and optimizers:
+            raise ConfigurationError("prepare() got several models with optimizers; prepare one trained model per "
+                                     "call (frozen models can be prepared in a separate call)")
+        result: Dict[int, Any] = {}
+        for model in models:
+            wrapped, new_opts = self.strategy.setup(model, optimizers)
+            optimizers_out = new_opts
+            self._models.append(wrapped)
+            result[id(model)] = wrapped
+        if not models and optimizers:
+            optimizers_out = optimizers
+        for original, opt in zip(optimizers, optimizers_out if optimizers else []):
+            prepared = PreparedOptimizer(opt, self.strategy, self.gradient_state)
+            self._optimizers.append(prepared)
+            result[id(original)] = prepared
+        out = []
+        for obj in objects:
+            if id(obj) in result:
+                out.append(result[id(obj)])
+            elif _is_scheduler(obj):
+                out.append(self._prepare_scheduler(obj))
+            elif isinstance(obj, torch.utils.data.DataLoader):
+                out.append(self.prepare_data_loader(obj))
+            else:
+                out.append(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
+        from trainer.seed import seeds_workers, worker_init_fn
+
+        sharded = self.strategy.setup_dataloader(loader, seed=self.seed)
+        if getattr(sharded, "num_workers", 0) > 0 and sharded.worker_init_fn is None and seeds_workers():
+            sharded.worker_init_fn = worker_init_fn
+        prepared = PreparedDataLoader(sharded, self.device, self.gradient_state, self.precision)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        prepared = PreparedScheduler(scheduler, self.gradient_state)
+        self._schedulers.append(prepared)
+        return prepared
+
+    # ---- the step --------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None) -> None:
+        if self.gradient_accumulation_steps > 1 and not getattr(self.strategy, "handles_accumulation", False):
+            loss = loss / self.gradient_accumulation_steps
+        self.strategy.backward(loss, model if model is not None else (self._models[0] if self._models else None))
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Inside: gradients sync (and optimizers step) only on the window's last micro-batch or the
+        dataloader's last batch."""
+        self.step += 1
+        sync = self.step % self.gradient_accumulation_steps == 0 or self.gradient_state.end_of_dataloader
+        if sync:
+            self.step = 0
+        self.gradient_state.sync_gradients = sync
+        with contextlib.ExitStack() as stack:
+            for model in models or self._models[:1]:
+                stack.enter_context(self.strategy.no_backward_sync(model, enabled=not sync))
+            yield
+
+    def autocast(self) -> Any:
+        return self.precision.autocast()
+
+    def unscale_gradients(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        for opt in [optimizer] if optimizer is not None else self._optimizers:
+            self.precision.unscale_(getattr(opt, "optimizer", opt))
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        self.unscale_gradients()
+        return self.strategy.clip_gradients(list(parameters), max_norm=max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        self.unscale_gradients()
+        self.strategy.clip_gradients(list(parameters), clip_value=clip_value)
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        model = self.strategy.unwrap(model)
+        return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+
+    # ---- collectives -----------------------------------------------------------------------------
+    def gather(self, data: Any) -> Any:
+        """Tensors (nested in dicts/lists) from every process, concatenated along dim 0."""
+        return apply_to_tensors(data, self._gather_one)
+
+    def _gather_one(self, tensor: torch.Tensor) -> torch.Tensor:
+        stacked = self.strategy.all_gather(tensor)
+        return stacked if tensor.dim() == 0 else stacked.reshape(-1, *tensor.shape[1:])
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """Like ``gather`` but drops the duplicates that even sharding added on the last batch, so
+        every sample of the dataset is counted exactly once."""
+        state = self.gradient_state
+        if not (state.end_of_dataloader and state.padding):
+            return self.gather(data)
+        keep_until = -state.padding
+
+        def gather_last(tensor: torch.Tensor) -> torch.Tensor:
+            stacked = self.strategy.all_gather(tensor)        # [W, b, ...]; sample j of rank r is global
+            ordered = stacked.transpose(0, 1).reshape(-1, *tensor.shape[1:])  # position j*W + r
+            return ordered[:keep_until]                       # the padding is the tail of global order
+
+        return apply_to_tensors(data, gather_last)
+
+    def reduce(self, data: Any, reduction: str = "sum") -> Any:
+        return apply_to_tensors(data, lambda t: self.strategy.all_reduce(t, reduction))
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.strategy.broadcast(obj, src)
+
+    def pad_across_processes(self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad tensors along ``dim`` to the largest size on any process (so they can be gathered)."""
+
+        def pad(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() == 0:
+                return tensor
+            size = torch.tensor(tensor.shape[dim], device=self.device)
+            longest = int(self.strategy.all_reduce(size, "max"))
+            if longest == tensor.shape[dim]:
+                return tensor
+            shape = list(tensor.shape)
+            shape[dim] = longest - tensor.shape[dim]
+            filler = tensor.new_full(shape, pad_index)
+            return torch.cat([filler, tensor] if pad_first else [tensor, filler], dim=dim)
+
+        return apply_to_tensors(data, pad)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        from strategies.data import split_between_processes
+
+        yield split_between_processes(inputs, self.process_index, self.num_processes, apply_padding=apply_padding)
+
+    # ---- state -----------------------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise ConfigurationError(f"register_for_checkpointing got {bad[0]!r}, which has no "
+                                     "state_dict()/load_state_dict(); register objects that have both")
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: str, **kwargs: Any) -> Any:
+        from trainer.checkpointing import save_accelerator_state
+
+        return save_accelerator_state(self, output_dir, **kwargs)
+
+    def load_state(self, input_dir: str, **kwargs: Any) -> Any:
+        from trainer.checkpointing import load_accelerator_state
+
+        return load_accelerator_state(self, input_dir, **kwargs)
+
+    def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Optional[int] = None) -> Any:
+        from trainer.checkpointing import save_weights
+
+        return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
+
+    def end_training(self) -> None:
+        self.strategy.teardown()
+
+    def run_step(self, model: nn.Module, method: str, *args: Any) -> Any:
+        """Call ``module.<method>(*args)`` through the prepared model's ``forward``, so wrappers that act
+        in forward (DDP's reducer, FSDP's parameter gathering) see it."""
+        user = self.unwrap_model(model)
+        step: Callable = getattr(user, method)
+        if model is user and not getattr(self.strategy, "redirect_forward", False):
+            return step(*args)
+        original = user.__dict__.get("forward")
+
+        def redirected(*a: Any, **k: Any) -> Any:
+            _restore_forward(user, original)
+            return step(*a, **k)
+
+        user.forward = redirected
+        try:
+            return model(*args)
+        finally:
+            _restore_forward(user, original)
+
+
+def _restore_forward(module: nn.Module, original: Any) -> None:
+    if original is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = original
+
+
+def _is_scheduler(obj: Any) -> bool:
+    lr_scheduler = torch.optim.lr_scheduler
+    base = getattr(lr_scheduler, "LRScheduler", None) or lr_scheduler._LRScheduler
+    return isinstance(obj, (base, lr_scheduler.ReduceLROnPlateau))

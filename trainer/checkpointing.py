@@ -1,0 +1,185 @@
+"""What a Trainer or Accelerator checkpoint holds, on top of the directory format of
+``strategies.checkpoint_io`` (atomic, verified, weights_only).
+
+Layout of one checkpoint directory::
+
+    model.safetensors (+ index)   weights, written by the strategy (sharded strategies: their own subdir)
+    optimizers.pt                 optimizer states (the strategy's format)
+    trainer_state.pt              progress, schedulers, grad scaler, callback states (rank 0)
+    rng_rank{r}.pt                python/numpy/torch/CUDA generator states of rank r
+    dataloader_rank{r}.pt         position of rank r's loader (a global sample count inside)
+    metadata.json                 format version, step, world size, strategy, precision, versions, manifest
+
+RNG states are restored last, just before the loop continues, so nothing between loading and the
+next batch can shift the random streams (that is what makes resume bit-identical).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from strategies.checkpoint_io import (CheckpointWriter, load_object, read_metadata, resolve_checkpoint)
+from strategies.errors import CheckpointError, ConfigurationError
+from trainer.events import Event
+from trainer.seed import rng_state, set_rng_state
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.accelerator import Accelerator
+    from trainer.trainer import Trainer
+
+log = logging.getLogger("trainforge")
+
+
+def checkpoint_root(trainer: "Trainer") -> Path:
+    """Where ``ckpt_path="last"`` and ``resume="auto"`` look: the first ModelCheckpoint's directory."""
+    from callbacks.checkpoint import ModelCheckpoint
+
+    for cb in trainer.callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            return cb.directory(trainer)
+    return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def _write_rank_state(writer: CheckpointWriter, rank: int, loaders: List[Any]) -> None:
+    writer.save_object(f"rng_rank{rank}", rng_state())
+    writer.save_object(f"dataloader_rank{rank}", [dl.state_dict() for dl in loaders])
+
+
+def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
+    """This rank's RNG and loader states. On a different number of processes the loader position
+    is the global sample count (the same in every rank's file); RNG states come from rank
+    ``rank % old_world_size`` (exactness across a world-size change covers samples, not RNG)."""
+    old_world = int(meta.get("world_size", 1))
+    rank = strategy.global_rank
+    source = rank if old_world == strategy.world_size else rank % old_world
+    if old_world != strategy.world_size and strategy.is_global_zero:
+        log.warning("trainforge: resuming a checkpoint written by %d process(es) on %d; the data position "
+                    "continues from the same global sample", old_world, strategy.world_size)
+    return load_object(path, f"rng_rank{source}"), load_object(path, f"dataloader_rank{0 if old_world != strategy.world_size else source}")
+
+
+# ---- Trainer ------------------------------------------------------------------------------------
+def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str) -> Path:
+    strategy = trainer.strategy
+    writer = CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size,
+                              barrier=strategy.barrier)
+    state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": {}}
+    trainer._fire(Event.SAVE_CHECKPOINT, state)  # callbacks and the module may add to state["extra"]
+    strategy.save_checkpoint(writer, trainer.model, trainer.optimizers)
+    state.update({
+        "progress": trainer.progress.state_dict(),
+        "schedulers": [cfg["scheduler"].state_dict() for cfg in trainer.lr_scheduler_configs],
+        "precision": trainer.accelerator.precision.state_dict(),
+        "accumulation_step": trainer.accelerator.step,
+        "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
+    })
+    if strategy.is_global_zero:
+        writer.save_object("trainer_state", state)
+    _write_rank_state(writer, strategy.global_rank, [trainer.train_dataloader])
+    p = trainer.progress
+    return writer.finalize({"step": p.global_step, "epoch": p.epoch, "batch_idx": p.batch_idx,
+                            "strategy": strategy.name,
+                            "precision": trainer.precision, "kind": "trainer"})
+
+
+def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool = True) -> Optional[Path]:
+    """Restore everything but RNG now; RNG is restored by the loop just before the next batch."""
+    path = resolve_checkpoint(checkpoint_root(trainer), ckpt_path, missing_ok=not required)
+    if path is None:
+        if trainer.is_global_zero:
+            log.info("trainforge: no checkpoint under %s; starting from scratch", checkpoint_root(trainer))
+        return None
+    meta = read_metadata(path)
+    if meta.get("kind", "trainer") != "trainer":
+        raise CheckpointError(f"{path} was written by Accelerator.save_state; load it with Accelerator.load_state")
+    strategy = trainer.strategy
+    strategy.load_checkpoint(path, trainer.model, trainer.optimizers)
+    state = load_object(path, "trainer_state")
+    trainer.progress.load_state_dict(state["progress"])
+    for cfg, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+        cfg["scheduler"].load_state_dict(sched_state)
+    trainer.accelerator.precision.load_state_dict(state["precision"])
+    trainer.accelerator.step = int(state.get("accumulation_step", 0))
+    for cb in trainer.callbacks:
+        if cb.state_key in state["callbacks"]:
+            cb.load_state_dict(state["callbacks"][cb.state_key])
+    trainer._fire(Event.LOAD_CHECKPOINT, state)
+    rng, (loader_state,) = _read_rank_state(path, meta, strategy)
+    trainer.train_dataloader.load_state_dict(loader_state, world_size=strategy.world_size, rank=strategy.global_rank)
+    trainer._pending_rng = rng
+    if trainer.is_global_zero:
+        log.info("trainforge: resumed from %s (epoch %d, step %d)", path, trainer.progress.epoch,
+                 trainer.progress.global_step)
+    return path
+
+
+def restore_pending_rng(owner: Any) -> None:
+    rng = getattr(owner, "_pending_rng", None)
+    if rng is not None:
+        set_rng_state(rng)
+        owner._pending_rng = None
+
+
+# ---- Accelerator ----------------------------------------------------------------------------------
+def save_accelerator_state(acc: "Accelerator", output_dir: os.PathLike | str) -> Path:
+    strategy = acc.strategy
+    if len(acc._models) > 1:
+        raise ConfigurationError(f"save_state got {len(acc._models)} prepared models; it saves one trained model "
+                                 "(save others with save_model)")
+    writer = CheckpointWriter(output_dir, rank=strategy.global_rank, world_size=strategy.world_size,
+                              barrier=strategy.barrier)
+    model = acc._models[0] if acc._models else None
+    optimizers = [o.optimizer for o in acc._optimizers]
+    if model is not None:
+        strategy.save_checkpoint(writer, model, optimizers)
+    if strategy.is_global_zero:
+        writer.save_object("trainer_state", {
+            "schedulers": [s.state_dict() for s in acc._schedulers],
+            "precision": acc.precision.state_dict(), "accumulation_step": acc.step,
+            "custom": [o.state_dict() for o in acc._custom_objects]})
+    _write_rank_state(writer, strategy.global_rank, acc._dataloaders)
+    return writer.finalize({"strategy": strategy.name,
+                            "precision": acc.precision.name, "kind": "accelerator"}, update_latest=False)
+
+
+def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> Path:
+    path = resolve_checkpoint(Path(input_dir).parent, input_dir)
+    meta = read_metadata(path)
+    strategy = acc.strategy
+    if acc._models:
+        strategy.load_checkpoint(path, acc._models[0], [o.optimizer for o in acc._optimizers])
+    state = load_object(path, "trainer_state")
+    for sched, sd in zip(acc._schedulers, state["schedulers"]):
+        sched.load_state_dict(sd)
+    acc.precision.load_state_dict(state["precision"])
+    acc.step = int(state["accumulation_step"])
+    if len(state["custom"]) != len(acc._custom_objects):
+        raise CheckpointError(f"{path} holds {len(state['custom'])} registered object(s) but "
+                              f"{len(acc._custom_objects)} are registered now; register the same objects in the "
+                              "same order before load_state")
+    for obj, sd in zip(acc._custom_objects, state["custom"]):
+        obj.load_state_dict(sd)
+    rng, loader_states = _read_rank_state(path, meta, strategy)
+    for dl, sd in zip(acc._dataloaders, loader_states):
+        dl.load_state_dict(sd, world_size=strategy.world_size, rank=strategy.global_rank)
+    set_rng_state(rng)
+    return path
+
+
+# ---- consolidated weights ------------------------------------------------------------------------
+def save_weights(strategy: Any, model: Any, path: os.PathLike | str, max_shard_size: Optional[int] = None) -> Path:
+    """One safetensors file (or shards + HF index) of the full model, plus ``config.json`` when the
+    model carries a Hugging Face config, so ``transformers`` can load the directory."""
+    writer = CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size,
+                              barrier=strategy.barrier)
+    weights = strategy.module_state_dict(model)
+    if strategy.is_global_zero:
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+        writer.save_tensors("model", weights, **kwargs)
+        config = getattr(strategy.unwrap(model), "config", None)
+        if hasattr(config, "to_json_string"):
+            (writer.tmp_dir / "config.json").write_text(config.to_json_string())
+    return writer.finalize({"strategy": strategy.name, "kind": "weights"},
+                           update_latest=False)

@@ -1,0 +1,147 @@
+"""The Trainer's settings (validated up front, before any work) and its explicit progress counters."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from strategies.errors import ConfigurationError, invalid_choice
+
+CLIP_ALGORITHMS = ("norm", "value")
+NONFINITE_POLICIES = ("raise", "skip", "off")
+
+
+@dataclass
+class LoopConfig:
+    max_epochs: Optional[int] = None
+    max_steps: int = -1
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = None
+    gradient_clip_algorithm: str = "norm"
+    val_check_interval: Union[int, float] = 1.0
+    check_val_every_n_epoch: Optional[int] = 1
+    limit_train_batches: Union[int, float] = 1.0
+    limit_val_batches: Union[int, float] = 1.0
+    log_every_n_steps: int = 50
+    nonfinite_loss: str = "raise"
+    num_sanity_val_steps: int = 0
+
+    def validate(self) -> None:
+        if self.max_epochs is None and self.max_steps in (-1, None):
+            raise ConfigurationError("neither max_epochs nor max_steps is set, so the run would never end; "
+                                     "pass max_epochs=N or max_steps=N (with both, training stops at the first "
+                                     "one reached)")
+        if self.max_epochs is not None and (not isinstance(self.max_epochs, int) or self.max_epochs < 0):
+            raise ConfigurationError(f"max_epochs={self.max_epochs!r} must be an int >= 0 or None")
+        if not isinstance(self.max_steps, int) or self.max_steps < -1:
+            raise ConfigurationError(f"max_steps={self.max_steps!r} must be an int >= 0 (or -1 for no limit)")
+        if not isinstance(self.accumulate_grad_batches, int) or isinstance(self.accumulate_grad_batches, bool) \
+                or self.accumulate_grad_batches < 1:
+            raise ConfigurationError(f"accumulate_grad_batches={self.accumulate_grad_batches!r} must be an int >= 1 "
+                                     "(1 means an optimizer step after every batch)")
+        if self.gradient_clip_algorithm not in CLIP_ALGORITHMS:
+            raise invalid_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, CLIP_ALGORITHMS)
+        if self.gradient_clip_val is not None and not (self.gradient_clip_val > 0 and math.isfinite(self.gradient_clip_val)):
+            raise ConfigurationError(f"gradient_clip_val={self.gradient_clip_val!r} must be a positive number or None")
+        if self.nonfinite_loss not in NONFINITE_POLICIES:
+            raise invalid_choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
+        for name in ("limit_train_batches", "limit_val_batches", "val_check_interval"):
+            _check_fraction_or_count(name, getattr(self, name))
+        if not isinstance(self.log_every_n_steps, int) or self.log_every_n_steps < 1:
+            raise ConfigurationError(f"log_every_n_steps={self.log_every_n_steps!r} must be an int >= 1")
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _check_fraction_or_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{name}={value!r} must be a fraction in (0, 1] or a batch count >= 1")
+    if isinstance(value, float) and not 0.0 < value <= 1.0:
+        raise ConfigurationError(f"{name}={value!r}: a float is a fraction of the epoch and must be in (0, 1]; "
+                                 "pass an int for a number of batches")
+    if isinstance(value, int) and value < 0:
+        raise ConfigurationError(f"{name}={value!r} must be >= 0")
+
+
+def limited(count: int, limit: Union[int, float]) -> int:
+    """Batches to run out of ``count`` under a ``limit_*_batches`` setting."""
+    if isinstance(limit, float):
+        return count if limit == 1.0 else max(1, int(count * limit))
+    return min(count, limit)
+
+
+@dataclass
+class Progress:
+    """Where the run is. Incremented by the loop, saved in checkpoints, never inferred."""
+
+    epoch: int = 0
+    global_step: int = 0
+    batch_idx: int = 0           # micro-batches of this epoch already consumed
+    accumulation_step: int = 0   # micro-batches into the current accumulation window
+    skipped_nonfinite: int = 0
+
+    def state_dict(self) -> Dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        for key, value in state.items():
+            setattr(self, key, int(value))
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: torch.optim.Optimizer
+    schedulers: List[Dict[str, Any]] = field(default_factory=list)
+
+
+SCHEDULER_INTERVALS = ("step", "epoch")
+
+
+def parse_optimizers(result: Any, module_name: str) -> OptimizerConfig:
+    """What ``configure_optimizers`` may return: an optimizer, ``(optimizer, scheduler)``,
+    ``([optimizer], [scheduler])``, or ``{"optimizer": ..., "lr_scheduler": sched | {"scheduler": ...,
+    "interval": "step"|"epoch", "frequency": 1, "name": ...}}``."""
+    hint = ("return an optimizer, (optimizer, scheduler), or {'optimizer': opt, 'lr_scheduler': "
+            "{'scheduler': sched, 'interval': 'step', 'frequency': 1}}")
+    optimizer, scheduler = None, None
+    if isinstance(result, torch.optim.Optimizer):
+        optimizer = result
+    elif isinstance(result, dict):
+        optimizer, scheduler = result.get("optimizer"), result.get("lr_scheduler")
+    elif isinstance(result, (list, tuple)) and len(result) == 2:
+        optimizer, scheduler = result
+        if isinstance(optimizer, (list, tuple)):
+            if len(optimizer) != 1:
+                raise ConfigurationError(f"{module_name}.configure_optimizers returned {len(optimizer)} optimizers; "
+                                         "the Trainer steps one optimizer (use the Accelerator for several)")
+            optimizer = optimizer[0]
+        if isinstance(scheduler, (list, tuple)):
+            scheduler = scheduler[0] if scheduler else None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigurationError(f"{module_name}.configure_optimizers returned {result!r}, which holds no "
+                                 f"torch.optim.Optimizer; {hint}")
+    schedulers = []
+    if scheduler is not None:
+        entry = dict(scheduler) if isinstance(scheduler, dict) else {"scheduler": scheduler}
+        entry.setdefault("interval", "epoch")
+        entry.setdefault("frequency", 1)
+        entry.setdefault("name", None)
+        if entry["interval"] not in SCHEDULER_INTERVALS:
+            raise invalid_choice("lr_scheduler interval", entry["interval"], SCHEDULER_INTERVALS)
+        if not hasattr(entry.get("scheduler"), "step"):
+            raise ConfigurationError(f"{module_name}.configure_optimizers: lr_scheduler {entry.get('scheduler')!r} "
+                                     f"has no step(); {hint}")
+        if not isinstance(entry["frequency"], int) or entry["frequency"] < 1:
+            raise ConfigurationError(f"lr_scheduler frequency={entry['frequency']!r} must be an int >= 1")
+        schedulers.append(entry)
+    return OptimizerConfig(optimizer, schedulers)
+
+
+def resolve_root_dir(path: Optional[str]) -> str:
+    root = os.path.abspath(path if path is not None else os.path.join(os.getcwd(), "runs"))
+    os.makedirs(root, exist_ok=True)
+    return root

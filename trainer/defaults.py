@@ -1,0 +1,22 @@
+"""The callbacks a Trainer installs unless the user gave their own of the same kind."""
+from __future__ import annotations
+
+from typing import List
+
+from callbacks.base import Callback
+
+
+def default_callbacks(user: List[Callback], progress_bar: bool, checkpointing: bool) -> List[Callback]:
+    from callbacks.checkpoint import ModelCheckpoint
+    from callbacks.progress import ProgressBar
+    from callbacks.trackers.base import TrackerCallback
+    from callbacks.trackers.csv import CSVLogger
+
+    out = list(user)
+    if progress_bar and not any(isinstance(c, ProgressBar) for c in out):
+        out.append(ProgressBar())
+    if not any(isinstance(c, TrackerCallback) for c in out):
+        out.append(CSVLogger())  # always available; the default when no tracker is given
+    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in out):
+        out.append(ModelCheckpoint(save_last=True, keep_last_k=1))  # the newest epoch end, resumable
+    return out

@@ -1,0 +1,67 @@
+"""The lifecycle events of a run, in the order the Trainer fires them.
+
+``Trainer.fit`` is, written as pseudocode (each ``EVENT`` line is one dispatch, first to the
+``TrainingModule`` and then to every callback in order)::
+
+    SETUP(stage="fit")
+    [LOAD_CHECKPOINT(checkpoint)]                  # when resuming
+    FIT_START
+    while not done:                                # epochs
+        EPOCH_START
+        for batch_idx, batch in train_loader:      # resumes mid-epoch at the exact next batch
+            BATCH_START(batch, batch_idx)
+            loss = module.training_step(batch, batch_idx)     # under autocast
+            BEFORE_BACKWARD(loss)
+            accelerator.backward(loss)             # gradient sync skipped inside accumulation
+            AFTER_BACKWARD
+            if this micro-batch completes an accumulation window:
+                BEFORE_OPTIMIZER_STEP(optimizer)   # gradients unscaled, not yet clipped
+                clip, optimizer.step(), scheduler.step() (interval "step"), zero_grad()
+                global_step += 1
+                [LOG(metrics, step)]               # every ``log_every_n_steps``
+            BATCH_END(outputs, batch, batch_idx)
+            if validation is due:                  # val_check_interval
+                VALIDATION_START
+                for each val batch: module.validation_step(...); VALIDATION_BATCH_END(...)
+                LOG(epoch metrics of validation, step)
+                VALIDATION_END                     # checkpoints and early stopping act here
+            [SAVE_CHECKPOINT(checkpoint)]          # whenever a checkpoint is written
+            if trainer.should_stop or max_steps reached: break
+        LOG(epoch metrics of training, step)
+        EPOCH_END
+        scheduler.step() (interval "epoch")
+    FIT_END
+    TEARDOWN(stage="fit")
+
+    any exception inside the above:  EXCEPTION(exception), TEARDOWN, then the exception is re-raised.
+
+``validate``/``test`` fire SETUP, VALIDATION_START, VALIDATION_BATCH_END per batch, LOG,
+VALIDATION_END and TEARDOWN with ``trainer.stage`` set to "validate" or "test"; ``predict`` fires
+SETUP and TEARDOWN only.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Event(str, enum.Enum):
+    """One lifecycle event. The value is the name of the hook method that receives it."""
+
+    SETUP = "on_setup"
+    FIT_START = "on_fit_start"
+    EPOCH_START = "on_train_epoch_start"
+    BATCH_START = "on_train_batch_start"
+    BEFORE_BACKWARD = "on_before_backward"
+    AFTER_BACKWARD = "on_after_backward"
+    BEFORE_OPTIMIZER_STEP = "on_before_optimizer_step"
+    BATCH_END = "on_train_batch_end"
+    EPOCH_END = "on_train_epoch_end"
+    VALIDATION_START = "on_validation_start"
+    VALIDATION_BATCH_END = "on_validation_batch_end"
+    VALIDATION_END = "on_validation_end"
+    LOG = "on_log"
+    SAVE_CHECKPOINT = "on_save_checkpoint"
+    LOAD_CHECKPOINT = "on_load_checkpoint"
+    FIT_END = "on_fit_end"
+    EXCEPTION = "on_exception"
+    TEARDOWN = "on_teardown"

@@ -1,0 +1,125 @@
+"""Numeric precision: autocast, gradient scaling, module conversion.
+
+Names are Lightning's (``"32" "16-mixed" "bf16-mixed" "bf16-true" "fp8"``) with HF Accelerate's
+aliases (``"no"``/``"fp32"``, ``"fp16"``, ``"bf16"``), since those are what users already type.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Dict, Optional
+
+import torch
+from torch import nn
+
+from strategies.errors import ConfigurationError
+
+PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
+ALIASES = {"no": "32", "fp32": "32", "32-true": "32", "32": "32", "fp16": "16-mixed", "16": "16-mixed",
+           "16-mixed": "16-mixed", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
+           "fp8": "fp8"}
+
+
+def normalize_precision(value: Any) -> str:
+    key = str(value).lower().strip()
+    if key not in ALIASES:
+        raise ConfigurationError(
+            f"precision={value!r} is not one of: {', '.join(PRECISIONS)} "
+            f"(aliases: 'no'/'fp32' -> '32', 'fp16' -> '16-mixed', 'bf16' -> 'bf16-mixed')")
+    return ALIASES[key]
+
+
+class Precision:
+    """One object per run; the strategy calls ``convert_module``, ``backward`` and ``optimizer_step``."""
+
+    def __init__(self, precision: Any = "32", device: torch.device = torch.device("cpu")) -> None:
+        self.name = normalize_precision(precision)
+        self.device = torch.device(device)
+        self.skipped_steps = 0  # optimizer steps skipped by the grad scaler (inf/nan gradients)
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        if self.name == "16-mixed":
+            if self.device.type == "cpu":
+                raise ConfigurationError(
+                    "precision='16-mixed' needs a GPU: float16 autocast with gradient scaling is not supported "
+                    "on CPU. Use precision='bf16-mixed' on CPU (same memory savings, no loss scaling needed).")
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        if self.name == "fp8":
+            self._check_fp8()
+        self._unscaled: set = set()
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        return {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16}.get(self.name)
+
+    def autocast(self) -> ContextManager:
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.name == "bf16-true":
+            return module.to(torch.bfloat16)
+        if self.name == "fp8":
+            from torchao.float8 import convert_to_float8_training  # checked in _check_fp8
+
+            return convert_to_float8_training(module, module_filter_fn=_fp8_filter)
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        """bf16-true: floating inputs become bfloat16 so they match the parameters."""
+        if self.name != "bf16-true":
+            return data
+        from strategies.data_utils import apply_to_tensors
+
+        return apply_to_tensors(data, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale gradients once per step, before clipping or inspecting them."""
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> Any:
+        if self.scaler is None:
+            return optimizer.step()
+        scale_before = self.scaler.get_scale()
+        out = self.scaler.step(optimizer)
+        self.scaler.update()
+        self._unscaled.discard(id(optimizer))
+        if self.scaler.get_scale() < scale_before:  # the scaler lowers its scale exactly when it skipped
+            self.skipped_steps += 1
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        state: Dict[str, Any] = {"name": self.name, "skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def _check_fp8(self) -> None:
+        if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ConfigurationError(
+                f"precision='fp8' needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper); this process "
+                f"runs on {self.device}. Use precision='bf16-mixed' instead.")
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as exc:
+            raise ConfigurationError("precision='fp8' uses torchao's float8 training: pip install torchao") from exc
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name!r})"
+
+
+def _fp8_filter(module: nn.Module, fqn: str) -> bool:
+    """fp8 matmuls need both dims divisible by 16; keep the rest (and the output head) in bf16."""
+    if not isinstance(module, nn.Linear):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0 and "lm_head" not in fqn

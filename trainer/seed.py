@@ -1,0 +1,79 @@
+"""Seeding every generator a run uses, and capturing/restoring their states for exact resume."""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+_MAX_SEED = 2**32 - 1
+_seed_workers = False  # set by seed_everything(workers=...); read when loaders are prepared
+
+
+def seed_everything(seed: int = 0, workers: bool = True, rank_offset: bool = False) -> int:
+    """Seed python, numpy, torch (and all CUDA devices).
+
+    ``workers=True`` makes dataloader workers derive their seeds from this one (torch seeds each
+    worker from the loader's base seed, itself drawn from torch's generator; numpy and python
+    ``random`` in workers are seeded by ``worker_init_fn`` below). ``rank_offset=True`` adds the
+    process rank (from RANK) so augmentation differs across ranks while staying reproducible.
+    Returns the seed used."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= _MAX_SEED:
+        from strategies.errors import ConfigurationError
+
+        raise ConfigurationError(f"seed={seed!r} must be an int in [0, {_MAX_SEED}]")
+    if rank_offset:
+        seed = (seed + int(os.environ.get("RANK", "0"))) % (_MAX_SEED + 1)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA devices too
+    global _seed_workers
+    _seed_workers = workers
+    return seed
+
+
+def seeds_workers() -> bool:
+    """Whether the last ``seed_everything`` asked for worker seeding (prepared loaders then use
+    ``worker_init_fn`` when the user gave none)."""
+    return _seed_workers
+
+
+def worker_init_fn(worker_id: int) -> None:
+    """Seed numpy and python ``random`` inside a dataloader worker from torch's per-worker seed."""
+    seed = torch.initial_seed() % (_MAX_SEED + 1)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def rng_state() -> Dict[str, Any]:
+    """This process's generator states, as tensors and plain values (loadable with weights_only)."""
+    np_state = np.random.get_state()
+    state: Dict[str, Any] = {
+        "python": _plain(random.getstate()),
+        "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    npst = state["numpy"]
+    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
+                         npst["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    cuda: Optional[Any] = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value

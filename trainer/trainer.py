@@ -1,0 +1,386 @@
+"""``Trainer``: owns the loop and sends lifecycle events (see ``trainer/events.py``) to the module
+and the callbacks. It runs on an ``Accelerator``, so it shares every code path for placement,
+precision, accumulation and checkpointing with users of the thin API."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from callbacks.base import Callback
+from strategies import Strategy
+from strategies.data_utils import batch_size_of
+from strategies.errors import ConfigurationError, TrainforgeError
+from trainer.accelerator import Accelerator
+from trainer.checkpointing import load_trainer_checkpoint, restore_pending_rng
+from trainer.config import LoopConfig, Progress, limited, parse_optimizers, resolve_root_dir
+from trainer.events import Event
+from trainer.metrics import MetricStore
+from trainer.module import TrainingModule
+from trainer.seed import seed_everything
+
+log = logging.getLogger("trainforge")
+
+
+class Trainer:
+    def __init__(self, *, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
+                 max_epochs: Optional[int] = None, max_steps: int = -1, accumulate_grad_batches: Optional[int] = None,
+                 gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
+                 val_check_interval: Union[int, float] = 1.0, check_val_every_n_epoch: Optional[int] = 1,
+                 limit_train_batches: Union[int, float] = 1.0, limit_val_batches: Union[int, float] = 1.0,
+                 log_every_n_steps: int = 50, callbacks: Optional[Sequence[Callback]] = None,
+                 default_root_dir: Optional[str] = None, enable_progress_bar: bool = True,
+                 enable_checkpointing: bool = True, compile: bool = False, seed: Optional[int] = None,
+                 nonfinite_loss: str = "raise", resume: Optional[str] = None) -> None:
+        self.config = LoopConfig(max_epochs=max_epochs, max_steps=max_steps,
+                                 accumulate_grad_batches=accumulate_grad_batches or 1,
+                                 gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
+                                 val_check_interval=val_check_interval, check_val_every_n_epoch=check_val_every_n_epoch,
+                                 limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+                                 log_every_n_steps=log_every_n_steps, nonfinite_loss=nonfinite_loss)
+        self.config.validate()
+        if resume not in (None, "auto"):
+            raise ConfigurationError(f"resume={resume!r} is not one of: None, 'auto' (to resume from a given "
+                                     "checkpoint, pass fit(..., ckpt_path=PATH))")
+        if seed is not None:
+            seed_everything(seed)
+        self.accelerator = Accelerator(strategy, precision, accumulate_grad_batches, seed=seed or 0)
+        self.strategy = self.accelerator.strategy
+        self.default_root_dir = resolve_root_dir(default_root_dir)
+        self.compile, self.resume, self.seed = compile, resume, seed
+        from trainer.defaults import default_callbacks
+
+        self.callbacks: List[Callback] = default_callbacks(list(callbacks or []), enable_progress_bar,
+                                                           enable_checkpointing)
+        self.progress = Progress()
+        self.stage = "fit"
+        self.should_stop = False
+        self.callback_metrics: Dict[str, torch.Tensor] = {}
+        self.module: Optional[TrainingModule] = None
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.lr_scheduler_configs: List[Dict[str, Any]] = []
+        self.train_dataloader: Any = None
+        self.val_dataloaders: List[Any] = []
+        self.num_training_batches = 0
+        self._metrics = {"train": MetricStore(), "val": MetricStore()}
+        self._running = "train"
+        self._batch: Any = None
+        self._listeners: Dict[Event, List[Any]] = {}
+        self._pending_rng: Optional[Dict[str, Any]] = None
+        self._last_output: Any = None
+
+    # ---- read-only views callbacks rely on -------------------------------------------------------
+    global_step = property(lambda self: self.progress.global_step)
+    current_epoch = property(lambda self: self.progress.epoch)
+    batch_idx = property(lambda self: self.progress.batch_idx)
+    is_global_zero = property(lambda self: self.strategy.is_global_zero)
+    global_rank = property(lambda self: self.strategy.global_rank)
+    world_size = property(lambda self: self.strategy.world_size)
+    device = property(lambda self: self.strategy.root_device)
+    precision = property(lambda self: self.accelerator.precision.name)
+    max_steps = property(lambda self: self.config.max_steps)
+    max_epochs = property(lambda self: self.config.max_epochs)
+    log_every_n_steps = property(lambda self: self.config.log_every_n_steps)
+    optimizers = property(lambda self: [self.optimizer.optimizer] if self.optimizer is not None else [])
+
+    @property
+    def hparams(self) -> Dict[str, Any]:
+        module_hparams = dict(self.module.hparams) if self.module is not None else {}
+        return {"trainer": {**self.config.as_dict(), "strategy": self.strategy.name, "precision": self.precision,
+                            "world_size": self.world_size, "seed": self.seed}, **module_hparams}
+
+    # ---- events ----------------------------------------------------------------------------------
+    def _fire(self, event: Event, *args: Any) -> None:
+        """The one dispatch point: the module first, then the callbacks in order."""
+        for target in self._listeners.get(event, ()):
+            getattr(target, event.value)(self, self.module, *args)
+
+    def _build_listeners(self) -> None:
+        targets = [self.module, *self.callbacks]
+        self._listeners = {event: [t for t in targets if _overrides(t, event.value)] for event in Event}
+
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        """Send metrics to every tracker (the LOG event); call it on every rank."""
+        for name, value in metrics.items():
+            self.callback_metrics[name] = torch.tensor(float(value))
+        self._fire(Event.LOG, dict(metrics), self.global_step if step is None else step)
+
+    def _log(self, name: str, value: Any, *, on_step: Optional[bool], on_epoch: Optional[bool], prog_bar: bool,
+             sync_dist: bool, batch_size: Optional[int]) -> None:
+        training = self._running == "train"
+        on_step = training if on_step is None else on_step
+        on_epoch = (not training) if on_epoch is None else on_epoch
+        if on_epoch and batch_size is None:
+            batch_size = batch_size_of(self._batch)
+        self._metrics[self._running].log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
+                                         sync_dist=sync_dist, batch_size=batch_size or 1)
+
+    def _emit(self, metrics: Dict[str, float]) -> None:
+        if metrics:
+            self.log_metrics(metrics)
+
+    # ---- fit -------------------------------------------------------------------------------------
+    def fit(self, module: TrainingModule, train_dataloaders: Any, val_dataloaders: Any = None,
+            ckpt_path: Optional[str] = None) -> None:
+        self._attach(module, "fit")
+        self._check_loader(train_dataloaders, "train_dataloaders")
+        try:
+            self._setup_fit(module, train_dataloaders, val_dataloaders)
+            self._fire(Event.SETUP, "fit")
+            path = ckpt_path if ckpt_path is not None else ("last" if self.resume == "auto" else None)
+            if path is not None:
+                load_trainer_checkpoint(self, path, required=ckpt_path is not None)
+            self._fire(Event.FIT_START)
+            restore_pending_rng(self)  # last thing before the loop: keeps resumed random streams exact
+            self._fit_loop()
+            self._fire(Event.FIT_END)
+            self._fire(Event.TEARDOWN, "fit")
+        except BaseException as exc:
+            self._fire(Event.EXCEPTION, exc)
+            self._fire(Event.TEARDOWN, "fit")
+            raise
+
+    def _setup_fit(self, module: TrainingModule, train_loader: Any, val_loaders: Any) -> None:
+        acc = self.accelerator
+        if self.compile:
+            for child in module.children():
+                child.compile()
+        if self.strategy.requires_optimizer_after_setup:
+            self.model = acc.prepare(module)
+            cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__)
+            self.optimizer = acc.prepare(cfg.optimizer)
+        else:
+            cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__)
+            self.model, self.optimizer = acc.prepare(module, cfg.optimizer)
+        self.lr_scheduler_configs = cfg.schedulers
+        self.train_dataloader = acc.prepare_data_loader(train_loader)
+        self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
+        self.num_training_batches = limited(len(self.train_dataloader), self.config.limit_train_batches)
+        if self.num_training_batches == 0:
+            raise ConfigurationError("train_dataloaders yields no batch on this process (limit_train_batches="
+                                     f"{self.config.limit_train_batches!r}); give it data or raise the limit")
+
+    def _fit_loop(self) -> None:
+        cfg, p, loader = self.config, self.progress, self.train_dataloader
+        if p.batch_idx >= self.num_training_batches:  # resumed from an end-of-epoch checkpoint
+            p.epoch, p.batch_idx = p.epoch + 1, 0
+        while not self._finished() and (cfg.max_epochs is None or p.epoch < cfg.max_epochs):
+            self.module.train()
+            loader.set_epoch(p.epoch)
+            self._fire(Event.EPOCH_START)
+            for batch in loader:
+                self._train_batch(batch, p.batch_idx)
+                p.batch_idx += 1
+                if self._validation_due():
+                    self._run_validation(self.val_dataloaders, "validation_step")
+                self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
+                if self._finished() or p.batch_idx >= self.num_training_batches:
+                    break
+            if p.batch_idx >= self.num_training_batches:  # a complete epoch (not a max_steps/should_stop cut)
+                self._emit(self._metrics["train"].pop_epoch_metrics(self.strategy))
+                self._step_schedulers("epoch")
+                self._fire(Event.EPOCH_END)
+                p.epoch, p.batch_idx = p.epoch + 1, 0
+            else:
+                break
+        self._warn_skips()
+
+    def _finished(self) -> bool:
+        max_steps = self.config.max_steps
+        return self.should_stop or (max_steps >= 0 and self.progress.global_step >= max_steps)
+
+    def _train_batch(self, batch: Any, batch_idx: int) -> None:
+        acc, cfg, p = self.accelerator, self.config, self.progress
+        self._batch, self._running = batch, "train"
+        self._fire(Event.BATCH_START, batch, batch_idx)
+        acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches
+        with acc.accumulate(self.model):
+            with acc.autocast():
+                output = acc.run_step(self.model, "training_step", batch, batch_idx)
+            loss = output["loss"] if isinstance(output, dict) else output
+            self._last_output = output
+            if loss is not None and self._check_loss(loss, batch_idx):
+                self._fire(Event.BEFORE_BACKWARD, loss)
+                acc.backward(loss, self.model)
+                self._fire(Event.AFTER_BACKWARD)
+            if acc.sync_gradients:
+                self._optimizer_step()
+        p.accumulation_step = acc.step
+
+    def _optimizer_step(self) -> None:
+        acc, cfg = self.accelerator, self.config
+        acc.unscale_gradients(self.optimizer)
+        self._fire(Event.BEFORE_OPTIMIZER_STEP, self.optimizer.optimizer)
+        if cfg.gradient_clip_val is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            if cfg.gradient_clip_algorithm == "norm":
+                self.strategy.clip_gradients(params, max_norm=cfg.gradient_clip_val)
+            else:
+                self.strategy.clip_gradients(params, clip_value=cfg.gradient_clip_val)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.progress.global_step += 1
+        self._step_schedulers("step")
+        if self.progress.global_step % cfg.log_every_n_steps == 0:
+            self._emit(self._metrics["train"].pop_step_metrics(self.strategy))
+
+    def _check_loss(self, loss: torch.Tensor, batch_idx: int) -> bool:
+        if not isinstance(loss, torch.Tensor):
+            raise TrainforgeError(f"training_step returned {type(loss).__name__}; return the loss tensor, a dict "
+                                  "with a 'loss' key, or None to skip the batch")
+        policy = self.config.nonfinite_loss
+        if policy == "off" or bool(torch.isfinite(loss).all()):
+            return True
+        if policy == "skip":
+            self.progress.skipped_nonfinite += 1
+            return False
+        raise TrainforgeError(f"non-finite loss ({float(loss)}) at epoch {self.current_epoch}, batch {batch_idx}, "
+                              f"global step {self.global_step}; pass nonfinite_loss='skip' to skip such batches "
+                              "(they are counted), or lower the learning rate")
+
+    def _step_schedulers(self, interval: str) -> None:
+        count = self.global_step if interval == "step" else self.current_epoch + 1
+        for cfg in self.lr_scheduler_configs:
+            if cfg["interval"] == interval and count % cfg["frequency"] == 0:
+                scheduler = cfg["scheduler"]
+                if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    key = cfg.get("monitor")
+                    if key not in self.callback_metrics:
+                        raise ConfigurationError(f"ReduceLROnPlateau monitors {key!r}, not among the logged metrics "
+                                                 f"{sorted(self.callback_metrics)}; set 'monitor' in its config")
+                    scheduler.step(float(self.callback_metrics[key]))
+                else:
+                    scheduler.step()
+
+    def _validation_due(self) -> bool:
+        if not self.val_dataloaders or self.config.limit_val_batches == 0:
+            return False
+        every_epoch = self.config.check_val_every_n_epoch
+        if every_epoch is not None and (self.current_epoch + 1) % every_epoch != 0:
+            return False
+        interval = self.config.val_check_interval
+        n = self.num_training_batches
+        every = max(1, int(n * interval)) if isinstance(interval, float) else interval
+        return self.progress.batch_idx % every == 0 or self.progress.batch_idx == n
+
+    def _warn_skips(self) -> None:
+        skipped = self.accelerator.precision.skipped_steps
+        if skipped and self.is_global_zero:
+            log.warning("trainforge: the fp16 grad scaler skipped %d optimizer step(s) on inf/nan gradients", skipped)
+        if self.progress.skipped_nonfinite and self.is_global_zero:
+            log.warning("trainforge: %d batch(es) with a non-finite loss were skipped", self.progress.skipped_nonfinite)
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    def _run_validation(self, loaders: List[Any], step_name: str) -> None:
+        was_training, self._running = self.module.training, "val"
+        self.module.eval()
+        self._fire(Event.VALIDATION_START)
+        with torch.no_grad():
+            for loader in loaders:
+                limit = limited(len(loader), self.config.limit_val_batches)
+                for batch_idx, batch in enumerate(loader):
+                    if batch_idx >= limit:
+                        break
+                    self._batch = batch
+                    with self.accelerator.autocast():
+                        out = self.accelerator.run_step(self.model, step_name, batch, batch_idx)
+                    self._fire(Event.VALIDATION_BATCH_END, out, batch, batch_idx)
+        self._emit(self._metrics["val"].pop_epoch_metrics(self.strategy))
+        self._fire(Event.VALIDATION_END)
+        self._running = "train"
+        if was_training:
+            self.module.train()
+
+    def validate(self, module: TrainingModule, dataloaders: Any) -> Dict[str, float]:
+        return self._evaluate(module, dataloaders, "validate", "validation_step")
+
+    def test(self, module: TrainingModule, dataloaders: Any) -> Dict[str, float]:
+        return self._evaluate(module, dataloaders, "test", "test_step")
+
+    def _evaluate(self, module: TrainingModule, dataloaders: Any, stage: str, step_name: str) -> Dict[str, float]:
+        self._attach(module, stage)
+        loaders = _as_list(dataloaders)
+        for i, dl in enumerate(loaders):
+            self._check_loader(dl, f"dataloaders[{i}]")
+        try:
+            self._prepare_eval(module)
+            self._fire(Event.SETUP, stage)
+            before = dict(self.callback_metrics)
+            self._run_validation([self.accelerator.prepare_data_loader(dl) for dl in loaders], step_name)
+            self._fire(Event.TEARDOWN, stage)
+        except BaseException as exc:
+            self._fire(Event.EXCEPTION, exc)
+            self._fire(Event.TEARDOWN, stage)
+            raise
+        return {k: float(v) for k, v in self.callback_metrics.items() if before.get(k) is not v}
+
+    def predict(self, module: TrainingModule, dataloaders: Any) -> List[Any]:
+        self._attach(module, "predict")
+        self._prepare_eval(module)
+        self._fire(Event.SETUP, "predict")
+        outputs = []
+        module.eval()
+        with torch.no_grad():
+            for batch_idx, batch in enumerate(self.accelerator.prepare_data_loader(dataloaders)):
+                with self.accelerator.autocast():
+                    outputs.append(self.accelerator.run_step(self.model, "predict_step", batch, batch_idx))
+        self._fire(Event.TEARDOWN, "predict")
+        return outputs
+
+    def _prepare_eval(self, module: TrainingModule) -> None:
+        if self.model is None or self.accelerator.unwrap_model(self.model) is not module:
+            self.model = self.accelerator.prepare(module)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> Any:
+        """Everything needed to resume exactly, as one checkpoint directory (every rank calls it)."""
+        from trainer.checkpointing import save_trainer_checkpoint
+
+        return save_trainer_checkpoint(self, path)
+
+    def save_weights(self, path: str, max_shard_size: Optional[int] = None) -> Any:
+        """Consolidated safetensors weights of the module (loadable by safetensors and transformers)."""
+        from trainer.checkpointing import save_weights
+
+        return save_weights(self.strategy, self.model, path, max_shard_size=max_shard_size)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _attach(self, module: TrainingModule, stage: str) -> None:
+        if not isinstance(module, TrainingModule):
+            raise ConfigurationError(f"expected a TrainingModule, got {type(module).__name__}; subclass "
+                                     "trainer.TrainingModule and implement training_step and configure_optimizers")
+        required = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}.get(stage)
+        if required and getattr(type(module), required) is getattr(TrainingModule, required):
+            raise ConfigurationError(f"{type(module).__name__} does not implement {required}(self, batch, batch_idx),"
+                                     f" which Trainer.{stage if stage != 'validate' else 'validate'}() needs")
+        if stage == "fit" and type(module).configure_optimizers is TrainingModule.configure_optimizers:
+            raise ConfigurationError(f"{type(module).__name__} does not implement configure_optimizers(self); "
+                                     "return an optimizer such as torch.optim.AdamW(self.parameters(), lr=3e-4)")
+        object.__setattr__(module, "_trainer", self)
+        self.module, self.stage, self.should_stop = module, stage, False
+        self._build_listeners()
+
+    @staticmethod
+    def _check_loader(loader: Any, name: str) -> None:
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise ConfigurationError(f"{name} must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+        try:
+            empty = len(loader) == 0
+        except TypeError:
+            return  # an IterableDataset without a length
+        if empty:
+            raise ConfigurationError(f"{name} is empty (len == 0, dataset of {len(loader.dataset)} samples with "
+                                     f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data")
+
+
+def _overrides(target: Any, hook: str) -> bool:
+    method = getattr(type(target), hook, None)
+    return method is not None and method is not getattr(Callback, hook)
+
+
+def _as_list(loaders: Any) -> List[Any]:
+    if loaders is None:
+        return []
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]

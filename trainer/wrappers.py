@@ -1,0 +1,149 @@
+"""The objects ``Accelerator.prepare`` hands back: they look like what the user passed in."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+from strategies.data_utils import move_to_device
+
+
+@dataclass
+class GradientState:
+    """Shared by the Accelerator and its prepared objects: is this micro-batch a sync step?"""
+
+    sync_gradients: bool = True
+    end_of_dataloader: bool = False
+    padding: int = 0  # duplicates the sampler added at the end of this epoch (dropped by gather_for_metrics)
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """Steps and zeroes only on sync steps of gradient accumulation; otherwise the wrapped optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, gradient_state: GradientState) -> None:
+        # Deliberately no super().__init__: this is a view of ``optimizer``, sharing its state.
+        self.optimizer, self.strategy, self.gradient_state = optimizer, strategy, gradient_state
+
+    @property
+    def param_groups(self):  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self):  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self.gradient_state.sync_gradients:
+            return self.strategy.optimizer_step(self.optimizer)
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"Prepared({self.optimizer!r})"
+
+
+class PreparedScheduler:
+    """Steps only when the optimizer really stepped (a sync step of accumulation)."""
+
+    def __init__(self, scheduler: Any, gradient_state: GradientState) -> None:
+        self.scheduler, self.gradient_state = scheduler, gradient_state
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.gradient_state.sync_gradients:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+class PreparedDataLoader:
+    """A sharded, resumable loader (``strategies.data``) that moves batches to the device, calls
+    ``set_epoch`` for the user, and tells the Accelerator when an epoch's last batch arrives.
+
+    ``batch_in_epoch`` counts batches handed out this epoch; with the global batch size preserved it
+    is also the number of global steps into the epoch, whatever the number of processes."""
+
+    def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any) -> None:
+        self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._resumed = False
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # dataset, batch_size, sampler, ...
+        return getattr(self.loader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch or not self._resumed:
+            self.epoch, self._resumed, self.batch_in_epoch = epoch, False, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        from strategies.data import num_padding_samples
+
+        if not self._resumed:
+            self.batch_in_epoch = 0
+            sampler = getattr(self.loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+        self._resumed = False
+        try:
+            total = len(self.loader)
+        except TypeError:  # an IterableDataset without __len__: the end is known only when it comes
+            total = -1
+        state = self.gradient_state
+        state.padding = num_padding_samples(self.loader)
+        device, convert = self.device, self.precision.convert_input if self.precision is not None else None
+        state.end_of_dataloader = False
+        for batch in self.loader:
+            self.batch_in_epoch += 1
+            state.end_of_dataloader = self.batch_in_epoch == total
+            batch = move_to_device(batch, device)
+            yield convert(batch) if convert is not None else batch
+        state.end_of_dataloader = True
+        self.epoch += 1
+        self.batch_in_epoch = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        from strategies.data import loader_state_dict
+
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state_dict(self.loader)}
+
+    def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
+        from strategies.data import load_loader_state
+
+        load_loader_state(self.loader, state["loader"], world_size=world_size, rank=rank)
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        self._resumed = True
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer.optimizer if isinstance(optimizer, PreparedOptimizer) else optimizer
+
+
+def unwrap_scheduler(scheduler: Optional[Any]) -> Any:
+    return scheduler.scheduler if isinstance(scheduler, PreparedScheduler) else scheduler
