@@ -1,0 +1,143 @@
+"""``CSVLogger``: metrics to a CSV file, hyperparameters to ``hparams.yaml``; no extra dependency.
+
+Format (wide): one row per LOG event, columns ``step`` and then the metric names in the order they
+first appeared; a metric absent from an event leaves its cell empty. When a new metric name appears
+later the file is rewritten once with the extended header (through a temporary file and an atomic
+rename), so the file is always a plain rectangular CSV that ``csv.DictReader`` or ``pandas.read_csv``
+reads directly. The run's end status (FINISHED or FAILED) goes to ``status.txt`` beside it.
+
+A new run (not a resume) that finds a previous run's file renames it to ``metrics.1.csv`` (next free
+number) rather than mixing two runs in one file. A resumed fit appends to the same file and first
+drops the rows written after the checkpoint's step, which the resumed fit logs again.
+"""
+from __future__ import annotations
+
+import csv
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import yaml
+
+from callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer import Trainer
+
+
+class CSVLogger(TrackerCallback):
+    """Write metrics to ``path`` (default ``<default_root_dir>/metrics.csv``) on the main process."""
+
+    name = "CSVLogger"
+
+    def __init__(self, path: Optional[str] = None, failure_policy: Optional[FailurePolicy] = None) -> None:
+        super().__init__(failure_policy)
+        self.path = os.fspath(path) if path is not None else None
+        self._file: Optional[str] = None  # resolved path of the current run
+        self._resumed_step: Optional[int] = None
+        self._started_once = False
+        self._fresh = False
+        self._hparams: Dict[str, Any] = {}
+        self._columns: List[str] = []
+
+    def __repr__(self) -> str:
+        return f"CSVLogger(path={self._file or self.path!r})"
+
+    @property
+    def file(self) -> Optional[str]:
+        """The CSV file of the current (or last) run."""
+        return self._file
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"path": self._file}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if state_dict.get("path"):
+            self._file = state_dict["path"]
+            self._resumed_step = -1  # set to the trainer's step in _prepare
+
+    # --- backend ---
+    def _prepare(self, trainer: "Trainer") -> None:
+        self._hparams = dict(getattr(trainer, "hparams", None) or {})
+        self._fresh = not self._started_once and self._resumed_step is None
+        if self.path is not None:
+            self._file = os.path.abspath(self.path)
+        elif self._file is None:
+            self._file = os.path.join(os.path.abspath(trainer.default_root_dir), "metrics.csv")
+        if self._resumed_step is not None:
+            self._resumed_step = int(trainer.global_step)
+        self._started_once = True
+
+    def _open(self) -> None:
+        os.makedirs(os.path.dirname(self._file), exist_ok=True)
+        if self._fresh and os.path.exists(self._file) and os.path.getsize(self._file) > 0:
+            os.replace(self._file, _free_name(self._file))
+        self._fresh = False
+        header, rows = self._read()
+        if self._resumed_step is not None:
+            # Rows after the checkpoint's step are logged again by the resumed fit.
+            rows = [r for r in rows if not r.get("step") or int(float(r["step"])) <= self._resumed_step]
+            self._rewrite(header, rows)
+            self._resumed_step = None
+        self._columns = header[1:] if header else []
+
+    def _write_params(self, params: Dict[str, Any]) -> None:
+        target = os.path.join(os.path.dirname(self._file), "hparams.yaml")
+        _atomic_write(target, yaml.safe_dump(_plain(self._hparams), sort_keys=False))
+
+    def _write_metrics(self, records: MetricRecords) -> None:
+        new = [k for _, values in records for k in values if k not in self._columns]
+        if new or not os.path.exists(self._file) or os.path.getsize(self._file) == 0:
+            header, rows = self._read()
+            self._columns += list(dict.fromkeys(new))
+            self._rewrite(["step"] + self._columns, rows)
+        with open(self._file, "a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["step"] + self._columns)
+            for step, values in records:
+                writer.writerow({"step": step, **{k: repr(float(v)) for k, v in values.items()}})
+
+    def _close(self, status: str) -> None:
+        _atomic_write(os.path.join(os.path.dirname(self._file), "status.txt"), status + "\n")
+
+    # --- file helpers ---
+    def _read(self):
+        if not os.path.exists(self._file):
+            return [], []
+        with open(self._file, newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            return list(reader.fieldnames or []), rows
+
+    def _rewrite(self, header: List[str], rows: List[Dict[str, str]]) -> None:
+        tmp = self._file + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header or ["step"])
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self._file)
+
+
+def _free_name(path: str) -> str:
+    stem, ext = os.path.splitext(path)
+    for n in range(1, 100_000):
+        candidate = f"{stem}.{n}{ext}"
+        if not os.path.exists(candidate):
+            return candidate
+    raise FileExistsError(f"no free name left for an old {path}")
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _plain(value: Any) -> Any:
+    """Make hyperparameters YAML-safe: mappings, lists and scalars kept; anything else a string."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

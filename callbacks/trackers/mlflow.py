@@ -1,0 +1,198 @@
+"""``MLflowLogger``: parameters, metrics and (optionally) checkpoints of a run in MLflow.
+
+It talks to MLflow through ``mlflow.tracking.MlflowClient`` with an explicit run id: no global
+active run, so two trackers (or two tests) in one process never interfere. Metrics are written with
+``log_batch`` (the writer thread merges what queued up meanwhile into one call). The default store is
+an embedded SQLite database ``<default_root_dir>/mlflow.db`` with artifacts under
+``<default_root_dir>/mlruns``; any tracking URI works, e.g. ``http://127.0.0.1:5000`` of a running
+``mlflow server``.
+
+Remote servers: MLflow's HTTP client retries a failed request itself (environment variables
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, default 7 with back-off factor 2, i.e. about 4 minutes, and
+``MLFLOW_HTTP_REQUEST_TIMEOUT``). Those retries happen on the tracker's writer thread, never in the
+training loop; lower them if the end of a run should not wait ``flush_timeout_s`` for a dead server.
+
+Checkpoints (``log_checkpoints=True``): a checkpoint directory is uploaded as artifacts under
+``checkpoints/<name>`` once it is complete. Two ways in, both asynchronous: ``ModelCheckpoint`` (or
+the user) calls ``log_checkpoint(path)`` after the directory is in place; and SAVE_CHECKPOINT events
+whose checkpoint dict carries the final directory under ``"path"`` are remembered and uploaded at the
+next hook once that directory exists (checkpoints are written to a temporary directory and renamed
+into place, so existence means complete).
+
+Resume: ``state_dict`` holds the run id (and tracking URI); a resumed fit continues that run.
+MLflow parameters cannot change within a run, so on resume only parameters the run lacks are added.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
+from strategies.errors import ConfigurationError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer import Trainer, TrainingModule
+
+_BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
+
+
+def mlflow_key(name: str) -> str:
+    """A metric/param name MLflow accepts: other characters become ``_``, no empty path segments."""
+    key = _BAD_KEY_CHARS.sub("_", str(name))
+    parts = ["_" if p in (".", "..") else p for p in key.split("/") if p]
+    return "/".join(parts)[:250] or "_"
+
+
+class MLflowLogger(TrackerCallback):
+    """Log to MLflow on the main process. See the module docstring."""
+
+    name = "MLflowLogger"
+
+    def __init__(
+        self,
+        tracking_uri: Optional[str] = None,
+        experiment_name: str = "trainforge",
+        run_name: Optional[str] = None,
+        run_id: Optional[str] = None,
+        tags: Optional[Dict[str, Any]] = None,
+        log_checkpoints: bool = False,
+        artifact_location: Optional[str] = None,
+        failure_policy: Optional[FailurePolicy] = None,
+    ) -> None:
+        super().__init__(failure_policy)
+        require("mlflow.tracking", "mlflow", "MLflowLogger")
+        if not isinstance(experiment_name, str) or not experiment_name.strip():
+            raise ConfigurationError(f"MLflowLogger(experiment_name={experiment_name!r}) must be a non-empty string")
+        if tags is not None and not isinstance(tags, dict):
+            raise ConfigurationError(f"MLflowLogger(tags={tags!r}) must be a dict of tag name to value")
+        self.tracking_uri = tracking_uri
+        self.experiment_name = experiment_name
+        self.run_name = run_name
+        self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        self.log_checkpoints = bool(log_checkpoints)
+        self.artifact_location = artifact_location
+        self._run_id = run_id
+        self._explicit_run_id = run_id is not None
+        self._state_uri: Optional[str] = None
+        self._uri: Optional[str] = None
+        self._experiment_id: Optional[str] = None
+        self._client = None
+        self._waiting_checkpoints: List[str] = []
+
+    def __repr__(self) -> str:
+        return (f"MLflowLogger(tracking_uri={self._uri or self.tracking_uri!r}, "
+                f"experiment_name={self.experiment_name!r}, run_id={self._run_id!r})")
+
+    @property
+    def run_id(self) -> Optional[str]:
+        """The MLflow run id (known once the run was opened on the writer thread)."""
+        self._wait_opened()
+        return self._run_id
+
+    @property
+    def resolved_tracking_uri(self) -> Optional[str]:
+        return self._uri
+
+    def state_dict(self) -> Dict[str, Any]:
+        self._wait_opened()
+        return {"run_id": self._run_id, "tracking_uri": self._uri, "experiment_id": self._experiment_id}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not self._explicit_run_id and state_dict.get("run_id"):
+            self._run_id = state_dict["run_id"]
+            self._state_uri = state_dict.get("tracking_uri")
+
+    # --- checkpoints ---
+    def log_checkpoint(self, path: str) -> None:
+        """Upload a complete checkpoint directory as artifacts (asynchronous; main process only)."""
+        if self.log_checkpoints and self._writer is not None:
+            self._queue_artifacts(os.path.abspath(path))
+
+    def on_save_checkpoint(self, trainer: "Trainer", module: "TrainingModule", checkpoint: Dict[str, Any]) -> None:
+        path = checkpoint.get("path") if isinstance(checkpoint, dict) else None
+        if self.log_checkpoints and trainer.is_global_zero and isinstance(path, (str, os.PathLike)):
+            self._waiting_checkpoints.append(os.path.abspath(path))
+            self._poll_checkpoints()
+
+    def _poll_checkpoints(self) -> None:
+        for path in [p for p in self._waiting_checkpoints if os.path.isdir(p)]:
+            self._waiting_checkpoints.remove(path)
+            self.log_checkpoint(path)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._poll_checkpoints()
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+        self._poll_checkpoints()
+
+    def _finish(self, status: str) -> None:
+        self._poll_checkpoints()
+        super()._finish(status)
+
+    # --- backend ---
+    def _prepare(self, trainer: "Trainer") -> None:
+        root = os.path.abspath(trainer.default_root_dir)
+        self._uri = self.tracking_uri or self._state_uri or "sqlite:///" + os.path.join(root, "mlflow.db")
+        self._default_artifacts = None
+        if self.artifact_location is not None:
+            self._default_artifacts = self.artifact_location
+        elif self.tracking_uri is None:
+            self._default_artifacts = Path(root, "mlruns").as_uri()
+
+    def _open(self) -> None:
+        from mlflow.tracking import MlflowClient
+
+        if self._uri.startswith("sqlite:///"):
+            os.makedirs(os.path.dirname(self._uri[len("sqlite:///"):]) or ".", exist_ok=True)
+        client = MlflowClient(tracking_uri=self._uri)
+        self._existing_params: Dict[str, str] = {}
+        if self._run_id is not None:
+            run = client.get_run(self._run_id)  # raises if the run is not in this store
+            self._existing_params = dict(run.data.params)
+            self._experiment_id = run.info.experiment_id
+            if run.info.status != "RUNNING":
+                client.update_run(self._run_id, status="RUNNING")
+        else:
+            experiment = client.get_experiment_by_name(self.experiment_name)
+            if experiment is None:
+                self._experiment_id = client.create_experiment(self.experiment_name, self._default_artifacts)
+            else:
+                if experiment.lifecycle_stage == "deleted":
+                    client.restore_experiment(experiment.experiment_id)
+                self._experiment_id = experiment.experiment_id
+            run = client.create_run(self._experiment_id, tags=self.tags, run_name=self.run_name)
+            self._run_id = run.info.run_id
+        self._client = client
+
+    def _write_params(self, params: Dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        entries = {}
+        for key, value in params.items():
+            name = mlflow_key(key)
+            if name not in self._existing_params:  # values of a run's params are immutable
+                entries[name] = str(value)[:MAX_PARAM_VAL_LENGTH]
+        items = [Param(k, v) for k, v in entries.items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self._client.log_batch(self._run_id, params=items[i:i + MAX_PARAMS_TAGS_PER_BATCH], synchronous=True)
+        self._existing_params.update(entries)
+
+    def _write_metrics(self, records: MetricRecords) -> None:
+        from mlflow.entities import Metric
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(mlflow_key(k), v, now, step) for step, values in records for k, v in values.items()]
+        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            self._client.log_batch(self._run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH], synchronous=True)
+
+    def _write_artifacts(self, path: str) -> None:
+        self._client.log_artifacts(self._run_id, path, artifact_path=f"checkpoints/{os.path.basename(path)}")
+
+    def _close(self, status: str) -> None:
+        self._client.set_terminated(self._run_id, status=status)
