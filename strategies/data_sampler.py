@@ -1,0 +1,164 @@
+"""A ``DistributedSampler`` that can start mid-epoch at a global sample position.
+
+Global order of epoch ``e``: exactly torch's ``DistributedSampler`` order (``randperm`` from a
+generator seeded with ``seed + e``, padded by repeating from the start to a multiple of the world
+size, or the tail dropped with ``drop_last``). Rank ``r`` of ``W`` takes ``order[start + r :: W]``,
+where ``start`` is the number of global samples already consumed this epoch. Because the position
+is global, a run saved with ``W`` processes can continue with ``W'`` from the same sample, and
+resuming costs one ``randperm`` of the dataset length, whatever the position.
+
+``pad=False`` neither pads nor drops: the last ranks may get one sample fewer (uneven; meant for
+evaluation, where duplicates would skew metrics and no gradient all-reduce can hang).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterator, Optional, Sized
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from .errors import ConfigurationError
+
+#: Key that marks a state dict as this sampler's (found by value, wherever a loader nests it).
+SAMPLER_STATE_MARKER = "trainforge_sampler"
+#: A marked state carrying this key is ignored by ``load_state_dict`` (see ``data.py``).
+KEEP_POSITION = "keep_position"
+
+
+def epoch_length(num_samples: int, num_replicas: int, drop_last: bool, pad: bool = True) -> int:
+    """Global positions in one epoch: ``DistributedSampler.total_size``, or the dataset length when
+    neither padding nor dropping."""
+    if not pad and not drop_last:
+        return num_samples
+    if drop_last and num_samples % num_replicas != 0:
+        per_rank = math.ceil((num_samples - num_replicas) / num_replicas)
+    else:
+        per_rank = math.ceil(num_samples / num_replicas)
+    return per_rank * num_replicas
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` with a global, saveable position inside the epoch.
+
+    ``state_dict()["consumed"]`` counts the global samples handed out so far this epoch (indices
+    this sampler yielded, times ``num_replicas``). Under a ``StatefulDataLoader`` that number is
+    snapshotted when each batch is dispatched, and the loader's state carries the snapshot of the
+    last batch handed to the loop, so prefetched batches are never counted.
+    ``set_epoch`` to a different epoch starts that epoch at 0; ``set_epoch`` to the current epoch
+    keeps a position just loaded (so callers may call it unconditionally at every epoch start).
+    """
+
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False, *, pad: bool = True) -> None:
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ConfigurationError(f"num_replicas={num_replicas!r} must be an integer >= 1")
+        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ConfigurationError(
+                f"rank={rank!r} is not valid for num_replicas={num_replicas}: use 0..{num_replicas - 1}")
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.pad = pad
+        n = len(dataset)
+        self.total_size = epoch_length(n, num_replicas, drop_last, pad)
+        self.num_samples = len(range(rank, self.total_size, num_replicas))
+        self._consumed = 0   # global position of the current (or next) iteration
+        self._resume_at = 0  # one-shot start of the next __iter__, set by load_state_dict
+
+    # -- order ----------------------------------------------------------------------------
+    def global_order(self) -> list:
+        """All ranks' indices for the current epoch, in global position order."""
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        else:
+            indices = list(range(n))
+        if self.drop_last or not self.pad:
+            return indices[: self.total_size]
+        padding = self.total_size - n  # same padding rule as torch's DistributedSampler
+        if padding <= n:
+            return indices + indices[:padding]
+        return indices + (indices * math.ceil(padding / n))[:padding]
+
+    def __iter__(self) -> Iterator[int]:
+        # The start is read now (so a snapshot taken right after iter() is right) but the one-shot
+        # resume offset is cleared only once iteration really begins: StatefulDataLoader may call
+        # iter() on the sampler more than once while restoring, without pulling from it.
+        start = min(self._resume_at, self.total_size)
+        self._consumed = start
+        return self._iterate(start)
+
+    def _iterate(self, start: int) -> Iterator[int]:
+        self._resume_at = 0
+        order = self.global_order()
+        end = len(order)
+        for position in range(start + self.rank, end, self.num_replicas):
+            self._consumed = min(position - self.rank + self.num_replicas, end)
+            yield order[position]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._consumed = 0
+            self._resume_at = 0
+        self.epoch = epoch
+
+    # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        return {SAMPLER_STATE_MARKER: 1, "epoch": self.epoch, "consumed": self._consumed,
+                "seed": self.seed, "num_replicas": self.num_replicas,
+                "dataset_len": len(self.dataset), "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "pad": self.pad}
+
+    def check_compatible(self, state: Dict[str, Any]) -> None:
+        """Raise ConfigurationError if ``state`` describes a different epoch order."""
+        if state.get(SAMPLER_STATE_MARKER) != 1:
+            raise ConfigurationError(
+                f"not a ResumableDistributedSampler state (keys: {sorted(state)}); pass the dict "
+                "returned by state_dict()")
+        n = len(self.dataset)
+        if state["dataset_len"] != n:
+            raise ConfigurationError(
+                f"the data position was saved for a dataset of {state['dataset_len']} samples but "
+                f"this dataset has {n}: resume with the same dataset, or do not load the data state "
+                "(start the epoch over)")
+        for key in ("seed", "shuffle", "drop_last", "pad"):
+            if state[key] != getattr(self, key):
+                raise ConfigurationError(
+                    f"the data position was saved with {key}={state[key]!r} but this sampler has "
+                    f"{key}={getattr(self, key)!r}: the epoch order would differ, so samples would "
+                    f"repeat or be skipped. Use {key}={state[key]!r} to resume")
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue at ``state``'s epoch and global position, whatever its ``num_replicas``."""
+        if state.get(KEEP_POSITION):
+            return  # already applied by ResumableDataLoader.load_state_dict
+        self.check_compatible(state)
+        consumed, old_replicas = int(state["consumed"]), int(state["num_replicas"])
+        finished = consumed >= epoch_length(state["dataset_len"], old_replicas, state["drop_last"],
+                                            state["pad"])
+        if not finished and consumed % self.num_replicas != 0:
+            raise ConfigurationError(
+                f"cannot continue at global sample {consumed} with num_replicas={self.num_replicas}: "
+                f"the position must be a multiple of the number of processes so every rank gets the "
+                f"same count. Resume with a number of processes that divides {consumed} (it was "
+                f"saved with {old_replicas})")
+        self.epoch = int(state["epoch"])
+        self._resume_at = self.total_size if finished else consumed
+        self._consumed = self._resume_at
+
+    @property
+    def consumed(self) -> int:
+        """Global samples of this epoch handed out so far (including any prefetched ones)."""
+        return self._consumed
+
+
+def as_sampler_state(obj: Any) -> Optional[Dict[str, Any]]:
+    """``obj`` if it is a ResumableDistributedSampler state dict, else None."""
+    if isinstance(obj, dict) and obj.get(SAMPLER_STATE_MARKER) == 1:
+        return obj
+    return None
