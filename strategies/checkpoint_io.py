@@ -36,6 +36,7 @@ import os
 import platform
 import re
 import shutil
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
@@ -57,6 +58,7 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+_SAVE_ID = ".save-id"  # a random id rank 0 gives each save; stored as metadata["save_id"]
 
 
 def parse_size(value: Union[int, str], what: str = "max_shard_size") -> int:
@@ -142,10 +144,13 @@ class CheckpointWriter:
             if self.tmp_dir.exists():
                 shutil.rmtree(self.tmp_dir)
             self.tmp_dir.mkdir()
+            _write_durable(self.tmp_dir / _SAVE_ID, uuid.uuid4().hex)
         self._barrier()
-        if not self.tmp_dir.is_dir():
+        try:  # every rank learns this save's id: it tells them later whether rank 0 committed it
+            self.save_id = (self.tmp_dir / _SAVE_ID).read_text(encoding="utf-8")
+        except OSError:
             raise CheckpointError(f"{self.tmp_dir}: not visible on rank {rank}; the checkpoint directory must be on a "
-                                  f"filesystem every rank shares")
+                                  f"filesystem every rank shares") from None
 
     def _barrier(self) -> None:
         if self._barrier_fn is not None:
@@ -236,7 +241,11 @@ class CheckpointWriter:
                 self._barrier()
         else:
             self._barrier()
-            if self.tmp_dir.exists() or not (self.final_dir / METADATA_FILE).is_file():
+            try:  # final_dir cannot change before this rank joins the next save's finalize
+                committed = json.loads((self.final_dir / METADATA_FILE).read_text(encoding="utf-8"))["save_id"]
+            except (OSError, ValueError, KeyError, TypeError):
+                committed = None
+            if committed != self.save_id:
                 raise CheckpointError(f"{self.final_dir}: rank 0 did not commit this checkpoint; see rank 0's error")
         self._done = True
         return self.final_dir
@@ -262,6 +271,8 @@ class CheckpointWriter:
 
     def _commit(self, meta: Dict[str, Any], update_latest: bool) -> None:
         tmp = self.tmp_dir
+        (tmp / _SAVE_ID).unlink()
+        meta["save_id"] = self.save_id
         files, owner = dict(self._files), {rel: 0 for rel in self._files}
         for frag in sorted(tmp.glob(".manifest-rank-*.json")):
             rank = int(frag.stem.rsplit("-", 1)[1])

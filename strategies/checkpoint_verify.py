@@ -38,7 +38,7 @@ METADATA_FILE = "metadata.json"
 LATEST_FILE = "latest"
 PARTIAL, ASIDE, DELETING = ".partial", ".old", ".deleting"
 # Keys finalize() writes itself; a caller may not provide them.
-RESERVED_KEYS = ("format_version", "world_size", "versions", "created", "files", "checksum")
+RESERVED_KEYS = ("format_version", "world_size", "versions", "created", "files", "checksum", "save_id")
 _CHUNK = 8 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 
