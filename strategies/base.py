@@ -30,6 +30,12 @@ class Strategy:
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         self._device = torch.device(device) if device is not None else None
         self.precision: Any = None  # set by the Accelerator before setup()
+        # Training settings some backends need at setup (DeepSpeed's generated config); set by the
+        # Accelerator / Trainer before setup(), defaults otherwise.
+        self.accumulation_steps = 1
+        self.micro_batch_size: Optional[int] = None
+        self.gradient_clip_val: Optional[float] = None
+        self.gradient_clip_algorithm = "norm"
 
     # ---- topology -------------------------------------------------------------------------
     @property

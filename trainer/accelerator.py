@@ -47,6 +47,7 @@ class Accelerator:
         self.precision = Precision(precision, self.strategy.root_device)
         self.strategy.precision = self.precision
         self.gradient_accumulation_steps = accum
+        self.strategy.accumulation_steps = accum  # read by backends that accumulate themselves (DeepSpeed)
         self.gradient_state = GradientState()
         self.seed = seed
         self.step = 0  # micro-batches into the current accumulation window
@@ -108,9 +109,18 @@ class Accelerator:
         from trainer.seed import seeds_workers, worker_init_fn
 
         sharded = self.strategy.setup_dataloader(loader, seed=self.seed)
+        if getattr(self.strategy, "micro_batch_size", None) is None:
+            self.strategy.micro_batch_size = loader.batch_size  # the first loader prepared is the training one
         if getattr(sharded, "num_workers", 0) > 0 and sharded.worker_init_fn is None and seeds_workers():
             sharded.worker_init_fn = worker_init_fn
-        prepared = PreparedDataLoader(sharded, self.device, self.gradient_state, self.precision)
+        own_generator = sharded.generator is None
+        if own_generator:
+            # Creating an iterator draws a worker base seed; from the global RNG that would shift
+            # the model's random stream on resume. A loader-owned generator, reseeded per epoch,
+            # keeps worker seeds a function of (seed, epoch) and the global stream untouched.
+            sharded.generator = torch.Generator()
+        prepared = PreparedDataLoader(sharded, self.device, self.gradient_state, self.precision,
+                                      generator_seed=self.seed if own_generator else None)
         self._dataloaders.append(prepared)
         return prepared
 

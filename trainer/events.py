@@ -4,9 +4,9 @@
 ``TrainingModule`` and then to every callback in order)::
 
     SETUP(stage="fit")
-    [LOAD_CHECKPOINT(checkpoint)]                  # when resuming
+    [LOAD_CHECKPOINT(checkpoint)]                  # when resuming (RNG is restored after FIT_START)
     FIT_START
-    while not done:                                # epochs
+    while epochs remain:
         EPOCH_START
         for batch_idx, batch in train_loader:      # resumes mid-epoch at the exact next batch
             BATCH_START(batch, batch_idx)
@@ -14,24 +14,28 @@
             BEFORE_BACKWARD(loss)
             accelerator.backward(loss)             # gradient sync skipped inside accumulation
             AFTER_BACKWARD
-            if this micro-batch completes an accumulation window:
+            if this micro-batch completes an accumulation window (or the epoch):
                 BEFORE_OPTIMIZER_STEP(optimizer)   # gradients unscaled, not yet clipped
-                clip, optimizer.step(), scheduler.step() (interval "step"), zero_grad()
-                global_step += 1
+                clip, optimizer.step(), zero_grad(), global_step += 1, scheduler.step() ("step")
                 [LOG(metrics, step)]               # every ``log_every_n_steps``
-            BATCH_END(outputs, batch, batch_idx)
-            if validation is due:                  # val_check_interval
+            if validation is due:                  # val_check_interval, check_val_every_n_epoch
                 VALIDATION_START
                 for each val batch: module.validation_step(...); VALIDATION_BATCH_END(...)
-                LOG(epoch metrics of validation, step)
-                VALIDATION_END                     # checkpoints and early stopping act here
-            [SAVE_CHECKPOINT(checkpoint)]          # whenever a checkpoint is written
+                LOG(validation epoch metrics, step)
+                VALIDATION_END                     # monitored checkpoints and early stopping act here
+            BATCH_END(outputs, batch, batch_idx)   # step checkpoints are written here
             if trainer.should_stop or max_steps reached: break
-        LOG(epoch metrics of training, step)
-        EPOCH_END
-        scheduler.step() (interval "epoch")
+        if the epoch ran to its end:
+            LOG(training epoch metrics, step)
+            scheduler.step() ("epoch")
+            EPOCH_END                              # epoch checkpoints are written here
     FIT_END
     TEARDOWN(stage="fit")
+
+    SAVE_CHECKPOINT(checkpoint) fires inside any of the above whenever a checkpoint is written,
+    before the files are, so callbacks and the module can add to ``checkpoint["extra"]``.
+    Validation runs before BATCH_END so that a checkpoint written there already includes it: a
+    resumed run replays nothing and skips nothing.
 
     any exception inside the above:  EXCEPTION(exception), TEARDOWN, then the exception is re-raised.
 

@@ -34,7 +34,7 @@ class Trainer:
                  enable_checkpointing: bool = True, compile: bool = False, seed: Optional[int] = None,
                  nonfinite_loss: str = "raise", resume: Optional[str] = None) -> None:
         self.config = LoopConfig(max_epochs=max_epochs, max_steps=max_steps,
-                                 accumulate_grad_batches=accumulate_grad_batches or 1,
+                                 accumulate_grad_batches=1 if accumulate_grad_batches is None else accumulate_grad_batches,
                                  gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
                                  val_check_interval=val_check_interval, check_val_every_n_epoch=check_val_every_n_epoch,
                                  limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
@@ -144,6 +144,10 @@ class Trainer:
 
     def _setup_fit(self, module: TrainingModule, train_loader: Any, val_loaders: Any) -> None:
         acc = self.accelerator
+        # Settings a backend may need at setup (DeepSpeed writes them into its generated config).
+        self.strategy.gradient_clip_val = self.config.gradient_clip_val
+        self.strategy.gradient_clip_algorithm = self.config.gradient_clip_algorithm
+        self.train_dataloader = acc.prepare_data_loader(train_loader)
         if self.compile:
             for child in module.children():
                 child.compile()
@@ -155,7 +159,6 @@ class Trainer:
             cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__)
             self.model, self.optimizer = acc.prepare(module, cfg.optimizer)
         self.lr_scheduler_configs = cfg.schedulers
-        self.train_dataloader = acc.prepare_data_loader(train_loader)
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
         self.num_training_batches = limited(len(self.train_dataloader), self.config.limit_train_batches)
         if self.num_training_batches == 0:
@@ -236,7 +239,7 @@ class Trainer:
         if policy == "skip":
             self.progress.skipped_nonfinite += 1
             return False
-        raise TrainforgeError(f"non-finite loss ({float(loss)}) at epoch {self.current_epoch}, batch {batch_idx}, "
+        raise TrainforgeError(f"non-finite loss ({float(loss.detach())}) at epoch {self.current_epoch}, batch {batch_idx}, "
                               f"global step {self.global_step}; pass nonfinite_loss='skip' to skip such batches "
                               "(they are counted), or lower the learning rate")
 

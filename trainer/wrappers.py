@@ -86,8 +86,10 @@ class PreparedDataLoader:
     ``batch_in_epoch`` counts batches handed out this epoch; with the global batch size preserved it
     is also the number of global steps into the epoch, whatever the number of processes."""
 
-    def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any) -> None:
+    def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any,
+                 generator_seed: Optional[int] = None) -> None:
         self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
+        self.generator_seed = generator_seed  # reseed the loader's own generator at each epoch start
         self.epoch = 0
         self.batch_in_epoch = 0
         self._resumed = False
@@ -110,6 +112,8 @@ class PreparedDataLoader:
             sampler = getattr(self.loader, "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self.epoch)
+            if self.generator_seed is not None:
+                self.loader.generator.manual_seed(self.generator_seed * 1_000_003 + self.epoch)
         self._resumed = False
         try:
             total = len(self.loader)

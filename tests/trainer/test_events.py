@@ -1,0 +1,71 @@
+"""The order of events in a fit with validation is the order trainer/events.py documents."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from callbacks import Callback
+from tests.helpers.models import Regressor, make_net, regression_data
+from trainer import Event, Trainer
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.events = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            return lambda trainer, module, *args: object.__getattribute__(self, "events").append(name)
+        return object.__getattribute__(self, name)
+
+
+# Recorder overrides every hook dynamically; make the dispatcher see it as overriding them all.
+for _event in Event:
+    setattr(Recorder, _event.value, lambda self, *a: None)
+
+
+class RecordingModule(Regressor):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = []
+
+    def on_fit_start(self, trainer, module):
+        self.events.append("on_fit_start")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.events.append("on_train_batch_end")
+
+
+def test_fit_event_order_matches_documented_loop(tmp_path):
+    rec = Recorder()
+    module = RecordingModule(make_net())
+    trainer = Trainer(max_epochs=1, log_every_n_steps=1, callbacks=[rec], default_root_dir=str(tmp_path),
+                      enable_progress_bar=False, enable_checkpointing=False)
+    data = regression_data(n=16)
+    trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=16))
+    step = ["on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_log"]
+    validation = ["on_validation_start", "on_validation_batch_end", "on_log", "on_validation_end"]
+    expected = (["on_setup", "on_fit_start", "on_train_epoch_start"]
+                + step + ["on_train_batch_end"]
+                + step + validation + ["on_train_batch_end"]
+                + ["on_train_epoch_end", "on_fit_end", "on_teardown"])
+    assert rec.events == expected
+    # the module receives the same events, and before the callbacks (one mechanism, module first)
+    assert module.events == ["on_fit_start", "on_train_batch_end", "on_train_batch_end"]
+
+
+def test_exception_fires_exception_then_teardown_and_reraises(tmp_path):
+    rec = Recorder()
+
+    class Boom(Regressor):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise RuntimeError("boom at batch 1")
+            return super().training_step(batch, batch_idx)
+
+    trainer = Trainer(max_epochs=1, callbacks=[rec], default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    with pytest.raises(RuntimeError, match="boom at batch 1"):
+        trainer.fit(Boom(make_net()), DataLoader(regression_data(n=32), batch_size=8))
+    assert rec.events[-2:] == ["on_exception", "on_teardown"]
