@@ -1,0 +1,191 @@
+"""The trainforge CLI, run as `python -m trainer ...` subprocesses (real torchrun, gloo, 2 ranks)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from trainer import cli
+from trainer.launch import resolve_settings, torchrun_argv
+from strategies.errors import ConfigurationError
+from trainer.launch_config import LAUNCH_CONFIG_ENV, launch_defaults, resolve_answers, save_config
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_cli(args, tmp_path, timeout=60, stdin=None, **env_extra):
+    """`python -m trainer ARGS` with an isolated config home; the whole process group dies on timeout."""
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg"), **env_extra}
+    env.pop(LAUNCH_CONFIG_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, args)], cwd=tmp_path, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_launch_two_ranks_all_reduce_with_config_defaults_and_flag_overrides(tmp_path):
+    save_config({"nproc_per_node": 1, "strategy": "ddp", "precision": "bf16-mixed",
+                 "gradient_accumulation_steps": 4}, tmp_path / "xdg" / "trainforge" / "default_config.yaml")
+    out = tmp_path / "out"
+    out.mkdir()
+    result = run_cli(["launch", "--nproc-per-node", "2", "--precision", "16-mixed",
+                      SCRIPTS / "cli_allreduce.py", "--out", out], tmp_path)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, record in enumerate(records):
+        assert (record["rank"], record["world_size"], record["kind"]) == (rank, 2, "torchrun")
+        assert record["sum"] == 1.0 + 2.0  # ranks contribute rank + 1
+        # strategy and accumulation from the file, precision from the flag that overrides it
+        assert record["defaults"] == {"strategy": "ddp", "precision": "16-mixed",
+                                      "gradient_accumulation_steps": 4}
+        assert record["argv"] == [str(SCRIPTS / "cli_allreduce.py"), "--out", str(out)]
+        assert record["sys_path0"] == str(SCRIPTS)
+
+
+@pytest.mark.slow
+def test_crashing_rank_fails_the_job_fast_with_its_traceback(tmp_path):
+    crash_time = tmp_path / "crash_time"
+    result = run_cli(["launch", "--nproc-per-node", "2", SCRIPTS / "cli_crash.py", crash_time], tmp_path,
+                     timeout=90)
+    ended = time.time()
+    assert result.returncode == 1  # the failed rank's exit code
+    # rank 0 sleeps 120 s: the job must end soon after rank 1 crashed, not when rank 0 wakes up
+    assert ended - float(crash_time.read_text()) < 20
+    output = result.stdout + result.stderr
+    assert "RuntimeError: rank one exploded on purpose" in output
+    assert "rank 1 (local rank 1) failed" in result.stderr
+    assert "rank      : 1 (local_rank: 1)" in result.stderr  # torchrun's root-cause summary
+
+
+def test_master_port_in_use_is_refused_before_start(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli(["launch", "--nproc-per-node", "2", "--master-port", port,
+                          SCRIPTS / "cli_crash.py"], tmp_path)
+    assert result.returncode == 2
+    assert f"master port {port} is already in use" in result.stderr
+    assert "--master-port" in result.stderr
+    assert "exploded" not in result.stdout + result.stderr  # nothing was started
+    assert "Traceback" not in result.stderr
+
+
+def test_config_non_interactive_writes_flags_and_defaults(tmp_path):
+    target = tmp_path / "cfg.yaml"
+    result = run_cli(["config", "--non-interactive", "--config-file", target, "--strategy", "deepspeed",
+                      "--zero-stage", "3", "--offload-param-device", "cpu", "--precision", "bf16",
+                      "--nproc-per-node", "2", "--accelerator", "cpu"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(target.read_text()) == {
+        "compute_environment": "this_machine", "accelerator": "cpu", "nproc_per_node": 2,
+        "strategy": "deepspeed",
+        "deepspeed": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "cpu"},
+        "precision": "bf16-mixed", "gradient_accumulation_steps": 1}
+
+
+def test_config_interactive_reasks_bad_answers_and_writes_default_location(tmp_path):
+    answers = ["multi_node", "3", "1", "head-node", "", "c10d", "cpu", "0", "4", "zero", "fsdp",
+               "SHARD_GRAD_OP", "fp17", "fp16", "8"]  # "" takes the default; 0, zero, fp17 are re-asked
+    result = run_cli(["config", "--interactive"], tmp_path, stdin="\n".join(answers) + "\n")
+    assert result.returncode == 0, result.stderr
+    assert "nproc_per_node='0' must be an integer >= 1" in result.stdout
+    assert "strategy='zero' is not one of: auto, single, ddp" in result.stdout
+    assert "precision='fp17' is not one of" in result.stdout
+    written = yaml.safe_load((tmp_path / "xdg" / "trainforge" / "default_config.yaml").read_text())
+    assert written == {"compute_environment": "multi_node", "nnodes": 3, "node_rank": 1,
+                       "master_addr": "head-node", "master_port": 29500, "rdzv_backend": "c10d",
+                       "accelerator": "cpu", "nproc_per_node": 4, "strategy": "fsdp",
+                       "fsdp": {"sharding_strategy": "SHARD_GRAD_OP"}, "precision": "16-mixed",
+                       "gradient_accumulation_steps": 8}
+
+
+def test_interactive_questions_give_up_after_bounded_bad_answers():
+    replies, said = iter(["bad"] * 10), []
+    with pytest.raises(ConfigurationError, match="no valid answer for 'compute_environment' after 3"):
+        resolve_answers({}, interactive=True, ask=lambda prompt: next(replies), say=said.append)
+    assert len(said) == 3
+
+
+def test_env_reports_versions_and_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    save_config({"strategy": "ddp"}, tmp_path / "trainforge" / "default_config.yaml")
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"- torch version: {torch.__version__}" in out
+    assert f"- CPU count: {os.cpu_count()}" in out
+    assert "    strategy: ddp" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["launch", "--strategy", "ddpp", "s.py"], "--strategy='ddpp' is not one of: auto, single, ddp, fsdp"),
+    (["launch", "--precision", "fp17", "s.py"], "--precision='fp17' is not one of: 32, 16-mixed, bf16-mixed"),
+    (["launch", "--nproc-per-node", "0", "s.py"], "--nproc-per-node='0' must be an integer >= 1"),
+    (["launch", "--nproc-per-node", "two", "s.py"], "--nproc-per-node='two' must be an integer >= 1"),
+    (["launch"], "no training script given"),
+    (["launch", "missing_script.py"], "script 'missing_script.py' does not exist"),
+    (["launch", "--config-file", "nope.yaml", "s.py"], "config file 'nope.yaml' does not exist"),
+    (["launch", "--nnodes", "2", "--node-rank", "2", "s.py"], "node_rank=2 must be < nnodes=2"),
+    (["config", "--non-interactive", "--zero-stage", "4"], "--zero-stage='4' must be an integer >= 0 and <= 3"),
+    (["config", "--non-interactive", "--strategy", "deepspeed", "--offload-param-device", "cpu"],
+     "offload_param_device='cpu' needs zero_stage=3"),
+])
+def test_bad_inputs_are_reported_without_traceback(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("raise SystemExit('must not run')\n")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_unknown_key_in_config_file_is_named(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.yaml").write_text("strategy: ddp\nprecison: bf16\n")
+    (tmp_path / "s.py").write_text("")
+    assert cli.main(["launch", "--config-file", str(tmp_path / "bad.yaml"), str(tmp_path / "s.py")]) == 2
+    assert "'precison' is not one of" in capsys.readouterr().err
+
+
+def test_torchrun_arguments_are_torchruns_own(tmp_path, monkeypatch):
+    import torch.distributed.run as torchrun
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    for name in ("PET_NNODES", "PET_MASTER_PORT", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    parser = cli.build_parser()
+    args = parser.parse_args(["launch", "--nproc-per-node", "2", "--max-restarts", "3",
+                              "--monitor-interval", "0.5", "train.py", "--lr", "1"])
+    parsed = torchrun.parse_args(torchrun_argv(resolve_settings(args), args.script, args.script_args))
+    assert (parsed.nproc_per_node, parsed.max_restarts, parsed.monitor_interval) == ("2", 3, 0.5)
+    assert parsed.standalone and parsed.module  # free port on one node; script under the bootstrap
+    assert (parsed.training_script, parsed.training_script_args) == ("trainer._bootstrap",
+                                                                     ["train.py", "--lr", "1"])
+    args = parser.parse_args(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0",
+                              "--master-port", "1234", "train.py"])
+    parsed = torchrun.parse_args(torchrun_argv(resolve_settings(args), args.script, args.script_args))
+    assert not parsed.standalone
+    assert (parsed.nnodes, parsed.node_rank, parsed.master_addr, parsed.master_port) == ("2", 1, "h0", 1234)
+
+
+def test_launch_defaults_empty_outside_launch_and_read_inside(tmp_path):
+    assert launch_defaults({}) == {}
+    path = save_config({"nproc_per_node": 2, "strategy": "deepspeed", "deepspeed.zero_stage": 2},
+                       tmp_path / "resolved.yaml")
+    assert launch_defaults({LAUNCH_CONFIG_ENV: str(path)}) == {"strategy": "deepspeed",
+                                                              "deepspeed": {"zero_stage": 2}}
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        launch_defaults({LAUNCH_CONFIG_ENV: str(tmp_path / "gone.yaml")})

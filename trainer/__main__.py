@@ -1,0 +1,7 @@
+"""``python -m trainer`` is the ``trainforge`` command line."""
+import sys
+
+from trainer.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

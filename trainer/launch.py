@@ -1,0 +1,129 @@
+"""``trainforge launch``: starts the processes of a job with torch.distributed.run (torchrun).
+
+We build torchrun's own argument list and call its ``parse_args``/``run`` in this process (as HF
+Accelerate's launcher does), so rendezvous, elastic restarts (``--max-restarts``), signal
+forwarding and killing the other ranks when one fails are torchrun's tested code, not ours. What
+we add:
+
+- settings from the config file, overridden by flags, validated before anything starts, written
+  to a temporary YAML file whose path the workers get as ``TRAINFORGE_LAUNCH_CONFIG``;
+- single node without ``--master-port``: torchrun's ``--standalone`` rendezvous on a free port,
+  so concurrent jobs on one machine do not collide;
+- an explicit master port already in use on node 0 is reported before any process starts;
+- the script runs through ``trainer._bootstrap`` (torch elastic ``@record``), so a crashing rank's
+  traceback reaches the failure summary, and the exit code is non-zero.
+
+Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import Any, List, Mapping, Sequence
+
+from strategies.environment import port_is_free
+from strategies.errors import ConfigurationError, LaunchError
+from trainer.launch_config import (LAUNCH_CONFIG_ENV, add_setting_arguments, default_config_path,
+                                   flags_given, load_config, save_config, validate)
+
+HELP = "run a training script on N processes per node (torchrun underneath)"
+TORCHRUN_DEFAULT_PORT = 29500
+_TORCHRUN_FLAGS = (("nproc_per_node", "--nproc-per-node"), ("nnodes", "--nnodes"),
+                   ("node_rank", "--node-rank"), ("master_addr", "--master-addr"),
+                   ("master_port", "--master-port"), ("rdzv_backend", "--rdzv-backend"),
+                   ("rdzv_endpoint", "--rdzv-endpoint"), ("max_restarts", "--max-restarts"),
+                   ("monitor_interval", "--monitor-interval"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config-file", default=None,
+                        help=f"settings file (default: {default_config_path()} when it exists)")
+    add_setting_arguments(parser)
+    parser.add_argument("script", nargs="?", help="the training script, run as `python script.py args` "
+                        "on every rank")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def resolve_settings(args: argparse.Namespace) -> dict:
+    """Config file values (``--config-file`` or the default file when present), then flags."""
+    default_file = default_config_path()
+    if args.config_file:
+        settings = load_config(args.config_file)
+    else:
+        settings = load_config(default_file) if default_file.is_file() else {}
+    settings.update(flags_given(args))
+    return validate(settings, "config file and flags")
+
+
+def _effective(settings: Mapping[str, Any], key: str, environ: Mapping[str, str]) -> Any:
+    """A setting as torchrun will see it: ours, else its PET_* environment default (Kubeflow sets those)."""
+    return settings.get(key, environ.get("PET_" + key.upper()))
+
+
+def uses_standalone(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> bool:
+    """One node and no rendezvous address given: let torchrun pick a free port."""
+    nnodes = str(_effective(settings, "nnodes", environ) or 1)
+    return (nnodes in ("1", "1:1") and _effective(settings, "master_port", environ) is None
+            and not _effective(settings, "rdzv_endpoint", environ)
+            and _effective(settings, "rdzv_backend", environ) in (None, "static"))
+
+
+def torchrun_argv(settings: Mapping[str, Any], script: str, script_args: Sequence[str]) -> List[str]:
+    """torchrun's command line for these settings; the script runs under ``trainer._bootstrap``."""
+    argv: List[str] = []
+    for key, flag in _TORCHRUN_FLAGS:
+        if key in settings:
+            argv += [flag, str(settings[key])]
+    if uses_standalone(settings):
+        argv.append("--standalone")
+    return argv + ["--module", "trainer._bootstrap", script, *script_args]
+
+
+def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> None:
+    """On node 0 of a static rendezvous, the master port must be free before we start anything."""
+    if uses_standalone(settings, environ) or (_effective(settings, "rdzv_backend", environ) or "static") != "static":
+        return
+    if int(_effective(settings, "node_rank", environ) or 0) != 0:
+        return
+    port = int(_effective(settings, "master_port", environ) or TORCHRUN_DEFAULT_PORT)
+    if not port_is_free(port):
+        raise LaunchError(f"master port {port} is already in use on this machine (another job or "
+                          f"process listens on it). Fix: pass a different --master-port, or on a "
+                          f"single node leave --master-port out to pick a free port automatically")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    settings = resolve_settings(args)
+    if args.script is None:
+        raise ConfigurationError("no training script given; usage: trainforge launch [options] "
+                                 "script.py [script args...]")
+    if not os.path.isfile(args.script):
+        raise ConfigurationError(f"script {args.script!r} does not exist (working directory "
+                                 f"{os.getcwd()}); give the path of your training script")
+    check_master_port(settings)
+    parsed = torchrun.parse_args(torchrun_argv(settings, args.script, args.script_args))
+    fd, path = tempfile.mkstemp(prefix="trainforge-launch-", suffix=".yaml")
+    os.close(fd)
+    save_config(settings, path)
+    previous = os.environ.get(LAUNCH_CONFIG_ENV)
+    os.environ[LAUNCH_CONFIG_ENV] = path  # inherited by every worker torchrun starts
+    try:
+        torchrun.run(parsed)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        print(error.format_msg(), file=sys.stderr)
+        print(f"trainforge launch: rank {rank} (local rank {failure.local_rank}) failed with exit code "
+              f"{failure.exitcode}; the other ranks were stopped. Its traceback is above.", file=sys.stderr)
+        return failure.exitcode if 0 < failure.exitcode < 256 else 1
+    finally:
+        os.remove(path)
+        if previous is None:
+            os.environ.pop(LAUNCH_CONFIG_ENV, None)
+        else:
+            os.environ[LAUNCH_CONFIG_ENV] = previous
+    return 0

@@ -1,0 +1,307 @@
+"""Launch settings: one YAML file written by ``trainforge config`` and read by ``trainforge launch``.
+
+Precedence: built-in defaults < config file (``--config-file`` or the default file) < flags. The
+default file is ``$XDG_CONFIG_HOME/trainforge/default_config.yaml`` (``~/.config/...`` without
+XDG_CONFIG_HOME). ``launch`` writes the resolved settings to a temporary YAML file and exports its
+path as ``TRAINFORGE_LAUNCH_CONFIG`` to the workers; ``launch_defaults()`` reads it back there, and
+the Trainer/Accelerator use those values where the user's code set nothing.
+
+File layout (every key optional)::
+
+    compute_environment: this_machine      # or multi_node
+    nnodes: 2                              # or "MIN:MAX" (elastic)
+    node_rank: 0
+    master_addr: 10.0.0.1
+    master_port: 29500
+    rdzv_backend: static                   # rdzv_endpoint, max_restarts, monitor_interval too
+    accelerator: auto                      # auto | cpu | gpu
+    nproc_per_node: 8
+    strategy: deepspeed                    # auto single ddp fsdp deepspeed
+    precision: bf16-mixed                  # 32 16-mixed bf16-mixed bf16-true fp8
+    gradient_accumulation_steps: 4
+    deepspeed: {zero_stage: 3, offload_optimizer_device: cpu, offload_param_device: none}
+    fsdp: {sharding_strategy: FULL_SHARD}
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Mapping, Optional
+
+import yaml
+
+from strategies import STRATEGY_NAMES
+from strategies.errors import ConfigurationError, invalid_choice
+from trainer.precision import ALIASES as PRECISION_ALIASES
+from trainer.precision import PRECISIONS
+
+HELP = "answer a few questions and write the launch config file"
+LAUNCH_CONFIG_ENV = "TRAINFORGE_LAUNCH_CONFIG"
+TRAINING_KEYS = ("accelerator", "strategy", "precision", "gradient_accumulation_steps", "deepspeed", "fsdp")
+MAX_ATTEMPTS = 3  # re-asks of one question before `config` gives up
+
+Parser = Callable[[str, Any], Any]
+
+
+def _choice(*choices: str, aliases: Optional[Mapping[str, str]] = None) -> Parser:
+    by_lower = {c.lower(): c for c in choices}
+    by_lower.update(aliases or {})
+
+    def parse(name: str, value: Any) -> str:
+        text = str(value).strip()
+        if text.lower() not in by_lower:
+            raise invalid_choice(name, value, choices, "Pick one of those")
+        return by_lower[text.lower()]
+
+    parse.choices = choices  # type: ignore[attr-defined]  # shown in the questions
+    return parse
+
+
+def _integer(minimum: int, maximum: Optional[int] = None) -> Parser:
+    def parse(name: str, value: Any) -> int:
+        bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        try:
+            number = int(str(value).strip()) if not isinstance(value, (bool, float)) else None
+        except ValueError:
+            number = None
+        if number is None or number < minimum or (maximum is not None and number > maximum):
+            raise ConfigurationError(f"{name}={value!r} must be an integer {bound}")
+        return number
+
+    return parse
+
+
+def _positive_float(name: str, value: Any) -> float:
+    try:
+        number = float(str(value).strip()) if not isinstance(value, bool) else -1.0
+    except ValueError:
+        number = -1.0
+    if not number > 0:
+        raise ConfigurationError(f"{name}={value!r} must be a number of seconds > 0")
+    return number
+
+
+def _nnodes(name: str, value: Any) -> Any:
+    parts = str(value).strip().split(":")
+    numbers = [_integer(1)(name, p) for p in parts] if len(parts) in (1, 2) else []
+    if not numbers or (len(numbers) == 2 and numbers[0] > numbers[1]):
+        raise ConfigurationError(f"{name}={value!r} must be a node count >= 1 or 'MIN:MAX' with MIN <= MAX")
+    return numbers[0] if len(numbers) == 1 else f"{numbers[0]}:{numbers[1]}"
+
+
+def _text(name: str, value: Any) -> str:
+    if value is None or not str(value).strip():
+        raise ConfigurationError(f"{name}={value!r} must not be empty")
+    return str(value).strip()
+
+
+def _default_nproc(answers: Mapping[str, Any]) -> int:
+    if answers.get("accelerator") == "cpu":
+        return 1
+    import torch  # device_count() reads NVML; it does not initialise CUDA
+
+    return max(torch.cuda.device_count(), 1)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its key (dotted for the nested deepspeed/fsdp sections), flag and question."""
+
+    key: str
+    flag: str
+    question: str
+    parse: Parser
+    default: Any = None              # a value or a function of the answers so far
+    ask_if: Callable[[Mapping[str, Any]], bool] = lambda answers: True
+    asked: bool = True               # False: flag/file only, never asked nor defaulted
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+def _multi(a: Mapping[str, Any]) -> bool:
+    return a.get("compute_environment") == "multi_node"
+
+
+def _ds(a: Mapping[str, Any]) -> bool:
+    return a.get("strategy") == "deepspeed"
+
+
+SETTINGS = (
+    Setting("compute_environment", "--compute-environment", "Where will you train?",
+            _choice("this_machine", "multi_node"), "this_machine"),
+    Setting("nnodes", "--nnodes", "How many machines (nodes)?", _nnodes, 2, _multi),
+    Setting("node_rank", "--node-rank", "Rank of this machine (0 for the main one)?", _integer(0), 0, _multi),
+    Setting("master_addr", "--master-addr", "Address of the rank-0 machine?", _text, "127.0.0.1", _multi),
+    Setting("master_port", "--master-port", "Port on the rank-0 machine?", _integer(1, 65535), 29500, _multi),
+    Setting("rdzv_backend", "--rdzv-backend", "Rendezvous backend?",
+            _choice("static", "c10d", "etcd", "etcd-v2"), "static", _multi),
+    Setting("rdzv_endpoint", "--rdzv-endpoint", "Rendezvous endpoint host:port", _text, asked=False),
+    Setting("max_restarts", "--max-restarts", "Restarts of the whole group on a failure", _integer(0),
+            asked=False),
+    Setting("monitor_interval", "--monitor-interval", "Seconds between worker health checks",
+            _positive_float, asked=False),
+    Setting("accelerator", "--accelerator", "Which device type?", _choice("auto", "cpu", "gpu"), "auto"),
+    Setting("nproc_per_node", "--nproc-per-node", "How many processes per machine?", _integer(1),
+            _default_nproc),
+    Setting("strategy", "--strategy", "Which strategy?", _choice(*STRATEGY_NAMES), "auto"),
+    Setting("deepspeed.zero_stage", "--zero-stage", "DeepSpeed ZeRO stage?", _integer(0, 3), 2, _ds),
+    Setting("deepspeed.offload_optimizer_device", "--offload-optimizer-device",
+            "Offload optimizer state to?", _choice("none", "cpu", "nvme"), "none", _ds),
+    Setting("deepspeed.offload_param_device", "--offload-param-device", "Offload parameters to?",
+            _choice("none", "cpu", "nvme"), "none", lambda a: _ds(a) and a.get("deepspeed.zero_stage") == 3),
+    Setting("fsdp.sharding_strategy", "--fsdp-sharding-strategy", "FSDP sharding strategy?",
+            _choice("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"), "FULL_SHARD",
+            lambda a: a.get("strategy") == "fsdp"),
+    Setting("precision", "--precision", "Which precision?", _choice(*PRECISIONS, aliases=PRECISION_ALIASES), "32"),
+    Setting("gradient_accumulation_steps", "--gradient-accumulation-steps",
+            "Gradient accumulation steps?", _integer(1), 1),
+)
+_BY_KEY = {s.key: s for s in SETTINGS}
+
+
+def default_config_path(environ: Mapping[str, str] = os.environ) -> Path:
+    base = environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "trainforge" / "default_config.yaml"
+
+
+def validate(settings: Mapping[str, Any], source: str = "") -> Dict[str, Any]:
+    """Checks settings that depend on each other; returns a copy. ``source`` names where they came from."""
+    where = f" ({source})" if source else ""
+    nnodes, node_rank = settings.get("nnodes"), settings.get("node_rank")
+    if isinstance(nnodes, int) and node_rank is not None and node_rank >= nnodes:
+        raise ConfigurationError(f"node_rank={node_rank} must be < nnodes={nnodes}{where}; "
+                                 "number the machines 0 .. nnodes-1")
+    offload_param = settings.get("deepspeed.offload_param_device", "none")
+    if offload_param != "none" and settings.get("deepspeed.zero_stage") != 3:
+        raise ConfigurationError(f"deepspeed offload_param_device={offload_param!r} needs zero_stage=3, "
+                                 f"got zero_stage={settings.get('deepspeed.zero_stage')!r}{where}")
+    return dict(settings)
+
+
+def flags_given(args: argparse.Namespace) -> Dict[str, Any]:
+    """The settings given as flags on the command line, parsed (errors name the flag)."""
+    return {s.key: s.parse(s.flag, getattr(args, s.dest)) for s in SETTINGS
+            if getattr(args, s.dest, None) is not None}
+
+
+def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
+    """Reads and validates a config file into flat settings ("deepspeed.zero_stage": 3, ...)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigurationError(f"config file {str(path)!r} does not exist; write one with "
+                                 "`trainforge config --config-file PATH` or fix the path")
+    try:
+        document = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigurationError(f"config file {str(path)!r} is not valid YAML: {error}") from None
+    if not isinstance(document, dict):
+        raise ConfigurationError(f"config file {str(path)!r} must hold a mapping of settings")
+    flat: Dict[str, Any] = {}
+    for key, value in document.items():
+        if key in ("deepspeed", "fsdp") and isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    settings = {}
+    for key, value in flat.items():
+        if key not in _BY_KEY:
+            raise invalid_choice(f"key in {path}", key, _BY_KEY, "Remove or rename it")
+        settings[key] = _BY_KEY[key].parse(f"{key} (in {path})", value)
+    return validate(settings, str(path))
+
+
+def save_config(settings: Mapping[str, Any], path: "str | os.PathLike[str]") -> Path:
+    """Writes flat settings as nested YAML, atomically (temporary file renamed into place)."""
+    path = Path(path).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document: Dict[str, Any] = {}
+    for key in (s.key for s in SETTINGS if s.key in settings):
+        section, _, name = key.rpartition(".")
+        (document.setdefault(section, {}) if section else document)[name or key] = settings[key]
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".yaml")
+    with os.fdopen(fd, "w") as handle:
+        yaml.safe_dump(document, handle, sort_keys=False)
+    os.replace(tmp, path)
+    return path
+
+
+def launch_defaults(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
+    """Training settings handed down by ``trainforge launch`` ({} when not launched by it): keys among
+    accelerator, strategy, precision, gradient_accumulation_steps, deepspeed (dict), fsdp (dict)."""
+    path = environ.get(LAUNCH_CONFIG_ENV)
+    if not path:
+        return {}
+    if not Path(path).is_file():
+        raise ConfigurationError(f"{LAUNCH_CONFIG_ENV}={path!r} does not exist; it is written by "
+                                 "`trainforge launch` for its workers: unset it when running otherwise")
+    defaults: Dict[str, Any] = {}
+    for key, value in load_config(path).items():
+        section, _, name = key.partition(".")
+        if section in TRAINING_KEYS and name:
+            defaults.setdefault(section, {})[name] = value
+        elif section in TRAINING_KEYS:
+            defaults[key] = value
+    return defaults
+
+
+def resolve_answers(given: Mapping[str, Any], interactive: bool,
+                    ask: Callable[[str], str] = input, say: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Every applicable setting: given ones kept, others asked (``interactive``) or defaulted."""
+    answers: Dict[str, Any] = {}
+    for setting in SETTINGS:
+        if setting.key in given:
+            answers[setting.key] = given[setting.key]
+        elif setting.asked and setting.ask_if(answers):
+            default = setting.default(answers) if callable(setting.default) else setting.default
+            answers[setting.key] = _ask(setting, default, ask, say) if interactive else default
+    return validate(answers)
+
+
+def _ask(setting: Setting, default: Any, ask: Callable[[str], str], say: Callable[[str], None]) -> Any:
+    choices = getattr(setting.parse, "choices", None)
+    prompt = setting.question + (f" [{'/'.join(choices)}]" if choices else "") + f" (default: {default}): "
+    for _ in range(MAX_ATTEMPTS):
+        try:
+            reply = ask(prompt).strip()
+        except EOFError:
+            raise ConfigurationError(f"input ended before {setting.key!r} was answered; give the answers "
+                                     f"as flags ({setting.flag} ...) with --non-interactive") from None
+        if not reply:
+            return default
+        try:
+            return setting.parse(setting.key, reply)
+        except ConfigurationError as error:
+            say(f"  {error}")
+    raise ConfigurationError(f"no valid answer for {setting.key!r} after {MAX_ATTEMPTS} tries")
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting (shared by `config` and `launch`); values are checked later, by Setting."""
+    group = parser.add_argument_group("settings (override the config file)")
+    for setting in SETTINGS:
+        group.add_argument(setting.flag, dest=setting.dest, default=None, metavar="VALUE",
+                           help=setting.question.rstrip("?"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config-file", default=None,
+                        help=f"where to write (default: {default_config_path()})")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--interactive", action="store_true", help="ask even when stdin is not a TTY")
+    mode.add_argument("--non-interactive", action="store_true",
+                      help="ask nothing: flags, then defaults (the default when stdin is not a TTY)")
+    add_setting_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    interactive = args.interactive or (not args.non_interactive and sys.stdin.isatty())
+    settings = resolve_answers(flags_given(args), interactive)
+    path = save_config(settings, args.config_file or default_config_path())
+    print(f"Wrote {path}:\n" + path.read_text(), end="")
+    return 0
