@@ -69,7 +69,7 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order; to be called before each epoch (the Trainer does)."""
-        targets = [self.sampler, getattr(self.batch_sampler, "sampler", None), self.batch_sampler,
+        targets = [self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None),
                    self.dataset]
         for target in targets:
             if target is not None and callable(getattr(target, "set_epoch", None)):
@@ -104,9 +104,10 @@ class ResumableDataLoader(StatefulDataLoader):
             return {**live, "consumed": 0}  # the epoch ran out: the next pass starts afresh
         snapshots = _find_sampler_states(loader_state)
         if len(snapshots) == 1:
-            snap = snapshots[0]
+            # Right after a restore the snapshot is the loaded state, marked by _keep_position.
+            snap = {k: v for k, v in snapshots[0].items() if k != KEEP_POSITION}
             # A different epoch means set_epoch() was called after this pass: it starts at 0.
-            return dict(snap) if snap["epoch"] == live["epoch"] else {**live, "consumed": 0}
+            return snap if snap["epoch"] == live["epoch"] else {**live, "consumed": 0}
         if self.num_workers > 0:
             warnings.warn("the sampler's position was not found in the StatefulDataLoader state "
                           "(torchdata version?); saving the dispatch position, which may count "
@@ -117,9 +118,9 @@ class ResumableDataLoader(StatefulDataLoader):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue from ``state``; validates everything before changing anything."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ConfigurationError(
-                f"not a ResumableDataLoader state (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, "
-                f"expected {STATE_FORMAT}): pass the dict returned by state_dict()")
+            given = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ConfigurationError(f"not a ResumableDataLoader state (format {given!r}, expected "
+                                     f"{STATE_FORMAT}): pass the dict returned by state_dict()")
         if state["kind"] != self.kind:
             raise ConfigurationError(
                 f"the data position was saved from a {state['kind']!r} loader but this loader is "
@@ -247,7 +248,8 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"world_size={world_size!r} must be an integer >= 1")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigurationError(f"rank={rank!r} is not valid for world_size={world_size}: use 0..{world_size - 1}")
+        raise ConfigurationError(
+            f"rank={rank!r} is not valid for world_size={world_size}: use 0..{world_size - 1}")
     if isinstance(dataloader, ResumableDataLoader):
         if (dataloader.rank, dataloader.world_size) != (rank, world_size):
             raise ConfigurationError(
@@ -267,7 +269,8 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
             warnings.warn(f"{type(dataset).__name__} is an IterableDataset: each of the {world_size} "
                           "processes iterates it as is, so it must shard itself by rank (see "
                           "prepare_dataloader's docstring)", stacklevel=2)
-        return ResumableDataLoader(dataset, kind="iterable", batch_size=batch_size, drop_last=drop_last, **common)
+        return ResumableDataLoader(dataset, kind="iterable", batch_size=batch_size, drop_last=drop_last,
+                                   **common)
     batch_sampler = dataloader.batch_sampler
     if batch_size is None and batch_sampler is not None:  # the user passed a batch_sampler
         if type(batch_sampler) is BatchSampler and _replaceable(batch_sampler.sampler, dataset):
@@ -288,9 +291,15 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
         _warn_kept(sampler, "sampler", world_size)
         return ResumableDataLoader(dataset, kind="custom", sampler=sampler, batch_size=batch_size,
                                    drop_last=drop_last, **common)
+    try:
+        len(dataset)
+    except TypeError:
+        raise ConfigurationError(f"the map-style dataset {type(dataset).__name__} has no __len__, so it "
+                                 "cannot be sharded: define __len__, or make it an IterableDataset") from None
     if shuffle is None:
         shuffle = isinstance(sampler, (RandomSampler, _TorchdataRandomSampler))
-    ours = ResumableDistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed, pad=even_batches)
+    ours = ResumableDistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed,
+                                       pad=even_batches)
     return ResumableDataLoader(dataset, kind="map", sampler=ours, batch_size=batch_size,
                                drop_last=drop_last, **common)
 

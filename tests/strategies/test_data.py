@@ -2,12 +2,12 @@
 W are built side by side, which is pure logic (no process group needed)."""
 import collections
 import io
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler
+from torch.utils.data import (
+    BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler)
 
 from strategies.data import (
     ResumableDataLoader, ResumableDistributedSampler, drop_padding, load_loader_state, loader_state_dict,
@@ -62,7 +62,8 @@ def test_sampler_matches_torch_distributed_sampler(n, shuffle, drop_last):
     for world in (1, 2, 3, 4, 8):
         for rank in range(world):
             for seed, epoch in ((0, 0), (5, 0), (5, 3)):
-                ref = DistributedSampler(range(n), world, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+                ref = DistributedSampler(range(n), world, rank, shuffle=shuffle, seed=seed,
+                                         drop_last=drop_last)
                 ours = ResumableDistributedSampler(range(n), world, rank, shuffle=shuffle, seed=seed,
                                                    drop_last=drop_last)
                 ref.set_epoch(epoch)
@@ -112,6 +113,21 @@ def test_resume_mid_epoch_continues_at_the_next_batch_without_loading_seen_sampl
     calls = logged(log)
     assert not set(calls) & {i for b in seen for i in b}
     assert sorted(calls) == sorted(i for b in full[taken:] for i in b)  # each remaining one once
+
+
+def test_saved_again_right_after_a_resume_keeps_the_position():
+    full = [b.tolist() for b in make(32, 1, 0, 4, workers=2)]
+    loader = make(32, 1, 0, 4, workers=2)
+    it = iter(loader)
+    next(it), next(it)
+    resumed = make(32, 1, 0, 4, workers=2)
+    resumed.load_state_dict(loader.state_dict())
+    del it
+    it = iter(resumed)  # workers restored and prefetching, no batch taken yet
+    again = make(32, 1, 0, 4, workers=2)
+    again.load_state_dict(resumed.state_dict())
+    del it
+    assert [b.tolist() for b in again] == full[2:]
 
 
 def test_resume_cost_does_not_grow_with_the_position():
@@ -298,8 +314,8 @@ def test_prepare_carries_the_loader_settings():
         prepare_dataloader(loader, rank=0, world_size=2)
     with pytest.raises(ConfigurationError, match="rank=2 is not valid for world_size=2"):
         prepare_dataloader(user, rank=2, world_size=2)
-    plain = prepare_dataloader(DataLoader(Ids(9), batch_sampler=BatchSampler(SequentialSampler(range(9)), 4, True)),
-                               rank=0, world_size=1)
+    unwrapped = BatchSampler(SequentialSampler(range(9)), 4, True)
+    plain = prepare_dataloader(DataLoader(Ids(9), batch_sampler=unwrapped), rank=0, world_size=1)
     assert plain.kind == "map" and [b.tolist() for b in plain] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
@@ -320,7 +336,7 @@ def test_user_distributed_sampler_is_kept_and_resumes_with_the_same_layout():
     with pytest.raises(ConfigurationError, match="cannot be re-sharded: it was saved with world_size=2"):
         prepare_dataloader(DataLoader(Ids(30), batch_size=4, sampler=DistributedSampler(range(30), 1, 0)),
                            rank=0, world_size=1).load_state_dict(state)
-    with pytest.raises(ConfigurationError, match="DistributedSampler is for rank 1 of 2 but this process is rank 0 of 2"):
+    with pytest.raises(ConfigurationError, match="is for rank 1 of 2 but this process is rank 0 of 2"):
         prepare_dataloader(user, rank=0, world_size=2)
 
 
