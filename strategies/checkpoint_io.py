@@ -225,8 +225,9 @@ class CheckpointWriter:
         return file
 
     def finalize(self, metadata: Optional[Mapping[str, Any]] = None, *, update_latest: bool = True) -> Path:
-        """Called by every rank. ``metadata`` needs ``step`` (int); ``epoch``, ``strategy``,
-        ``precision`` and any JSON-serializable extras are stored too. Rank 0 writes the manifest
+        """Called by every rank. ``metadata``: ``step`` (int; None for exports without one, which
+        then sort before every stepped checkpoint), ``epoch``, ``strategy``, ``precision`` and any
+        JSON-serializable extras. Rank 0 writes the manifest
         and metadata.json, fsyncs, renames into place, then moves ``latest`` (unless
         ``update_latest=False``). Returns ``final_dir``."""
         meta = self._metadata(metadata)
@@ -256,9 +257,9 @@ class CheckpointWriter:
         if reserved:
             raise ConfigurationError(f"finalize(metadata=...): {reserved} are written by trainforge itself; remove them")
         step = given.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ConfigurationError(f"finalize(metadata=...): step={step!r} must be a non-negative int "
-                                     f"(the trainer's global_step)")
+                                     f"(the trainer's global_step) or None")
         meta = {"format_version": FORMAT_VERSION, "step": step, "epoch": None, "world_size": self.world_size,
                 "strategy": None, "precision": None, "versions": _versions(),
                 "created": datetime.now(timezone.utc).isoformat(timespec="microseconds")}

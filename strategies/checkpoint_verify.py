@@ -40,7 +40,7 @@ PARTIAL, ASIDE, DELETING = ".partial", ".old", ".deleting"
 # Keys finalize() writes itself; a caller may not provide them.
 RESERVED_KEYS = ("format_version", "world_size", "versions", "created", "files", "checksum", "save_id")
 _CHUNK = 8 << 20
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
+_BAD_NAME_RE = re.compile(r"^[.\s]|\s$|[/\\\x00\n\r]")  # hidden (ours), edge spaces, separators
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -77,12 +77,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _valid_name(name: object) -> bool:
+    return isinstance(name, str) and 0 < len(name) <= 200 and name != LATEST_FILE and not _BAD_NAME_RE.search(name)
+
+
 def check_name(name: str, what: str = "checkpoint name") -> str:
     """A checkpoint directory name: one path component, not hidden, not the pointer's name."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or name == LATEST_FILE:
+    if not _valid_name(name):
         raise ConfigurationError(
-            f"{what}={name!r} is not valid: use letters, digits and _ . = + - (not starting with '.' "
-            f"or '-', no '/'), and not {LATEST_FILE!r}, e.g. 'step-000200'")
+            f"{what}={name!r} is not valid: one directory name of at most 200 characters, not starting with "
+            f"'.', no leading or trailing space, without '/', '\\' or line breaks, and not {LATEST_FILE!r}; "
+            f"e.g. 'step-000200'")
     return name
 
 
@@ -159,7 +164,7 @@ def read_latest_pointer(root: PathLike) -> Optional[str]:
         name = (Path(root) / LATEST_FILE).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return name if _NAME_RE.match(name) and name != LATEST_FILE else None
+    return name if _valid_name(name) else None
 
 
 def locate(root: PathLike, name: str) -> Optional[Path]:
@@ -175,8 +180,8 @@ def _order_key(path: Path) -> Tuple[Any, ...]:
     try:
         meta = read_metadata(path)
         step = meta.get("step")
-        if isinstance(step, int):
-            return (0, step, str(meta.get("created", "")), path.stat().st_mtime)
+        step = step if isinstance(step, int) else -1  # no step (weights exports): older than any stepped one
+        return (0, step, str(meta.get("created", "")), path.stat().st_mtime)
     except (CheckpointError, OSError):
         pass
     # Unreadable metadata: ordered after every readable one, so it is tried (and reported) first.
