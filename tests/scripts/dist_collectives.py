@@ -1,0 +1,53 @@
+"""Launched on 2 processes: gather_for_metrics over an odd-sized dataset, collectives, sync_dist."""
+import json
+import os
+import sys
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from trainer import Accelerator  # noqa: E402
+
+
+class Indices(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor(i), {"double": torch.tensor(2 * i)}
+
+
+def main(out):
+    acc = Accelerator()
+    rank, world = acc.process_index, acc.num_processes
+    loader = acc.prepare(DataLoader(Indices(13), batch_size=4))
+    seen, doubled, per_rank = [], [], []
+    for idx, extra in loader:
+        per_rank.extend(idx.tolist())
+        gathered_idx, gathered_extra = acc.gather_for_metrics((idx, extra))
+        seen.extend(gathered_idx.tolist())
+        doubled.extend(gathered_extra["double"].tolist())
+    ragged = torch.arange(rank + 2)  # rank r has r + 2 elements
+    padded = acc.pad_across_processes(ragged, pad_index=-1)
+    result = {
+        "seen": seen, "doubled": doubled, "per_rank": acc.strategy.all_gather_object(per_rank),
+        "gathered_scalar": acc.gather(torch.tensor(float(rank))).tolist(),
+        "reduce_sum": float(acc.reduce(torch.tensor(float(rank + 1)), "sum")),
+        "reduce_mean": float(acc.reduce(torch.tensor(float(rank + 1)), "mean")),
+        "reduce_max": float(acc.reduce(torch.tensor(float(rank + 1)), "max")),
+        "broadcast": acc.broadcast({"from": rank}, src=1),
+        "padded": acc.gather(padded).tolist(),
+    }
+    with acc.split_between_processes(list(range(5))) as part:
+        result["split"] = acc.strategy.all_gather_object(part)
+    if acc.is_main_process:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,81 @@
+"""Launched on 2 processes: a raw DDP loop, the Trainer (strategy auto -> DDP) and the Accelerator,
+same seed and sampler, with accumulation 1 and 2. Rank 0 writes each run's weights to OUT_DIR."""
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.helpers.models import Regressor, make_net, regression_data  # noqa: E402
+from trainer import Accelerator, Trainer, seed_everything  # noqa: E402
+
+EPOCHS, BATCH = 2, 4
+
+
+def raw_ddp(net, accum):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(net)
+    ds = regression_data()
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            last = (i + 1) % accum == 0 or i + 1 == len(loader)
+            ctx = model.no_sync() if not last else torch.enable_grad()
+            with ctx:
+                loss = nn.functional.mse_loss(model(x), y) / accum
+                loss.backward()
+            if last:
+                opt.step()
+                opt.zero_grad()
+    return net
+
+
+def via_trainer(net, accum, root):
+    module = Regressor(net)
+    trainer = Trainer(max_epochs=EPOCHS, accumulate_grad_batches=accum, default_root_dir=root,
+                      enable_progress_bar=False, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(regression_data(), batch_size=BATCH, shuffle=True))
+    assert trainer.strategy.name == "ddp" and trainer.world_size == 2
+    return module.net
+
+
+def via_accelerator(net, accum):
+    acc = Accelerator(gradient_accumulation_steps=accum)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    model, opt, loader = acc.prepare(net, opt, DataLoader(regression_data(), batch_size=BATCH, shuffle=True))
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            with acc.accumulate(model):
+                acc.backward(nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+    return acc.unwrap_model(model)
+
+
+def main(out_dir):
+    seed_everything(0)
+    initial = make_net()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    results = {}
+    for accum in (1, 2):
+        results[f"raw_accum{accum}"] = raw_ddp(copy.deepcopy(initial), accum)
+        results[f"trainer_accum{accum}"] = via_trainer(copy.deepcopy(initial), accum, os.path.join(out_dir, "root"))
+        results[f"accelerator_accum{accum}"] = via_accelerator(copy.deepcopy(initial), accum)
+    if dist.get_rank() == 0:
+        for name, net in results.items():
+            save_file({k: v.contiguous() for k, v in net.state_dict().items()}, os.path.join(out_dir, name + ".safetensors"))
+        save_file({k: v.contiguous() for k, v in initial.state_dict().items()}, os.path.join(out_dir, "initial.safetensors"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
