@@ -12,7 +12,8 @@ def _check_rank(rank: int, world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"world_size={world_size!r} must be an integer >= 1")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigurationError(f"rank={rank!r} is not valid for world_size={world_size}: use 0..{world_size - 1}")
+        raise ConfigurationError(
+            f"rank={rank!r} is not valid for world_size={world_size}: use 0..{world_size - 1}")
 
 
 def _length(inputs: Any) -> int:
@@ -25,7 +26,8 @@ def _length(inputs: Any) -> int:
     if isinstance(inputs, dict):
         lengths = {key: _length(value) for key, value in inputs.items()}
         if len(set(lengths.values())) > 1:
-            raise ConfigurationError(f"all values of the dict must have the same length to be split, got {lengths}")
+            raise ConfigurationError(
+                f"all values of the dict must have the same length to be split, got {lengths}")
         return next(iter(lengths.values()), 0)
     raise ConfigurationError(
         f"cannot split a {type(inputs).__name__} between processes: give a list, tuple, tensor, or "
