@@ -58,8 +58,8 @@ class MemoryMonitor(Callback):
                  snapshot_on_oom: bool = True, snapshot_dir: Optional[str] = None,
                  record_history: bool = False, history_max_entries: int = 100_000) -> None:
         if int(every_n_steps) < 1 or int(leak_intervals) < 1:
-            raise ConfigurationError(f"MemoryMonitor(every_n_steps={every_n_steps!r}, leak_intervals={leak_intervals!r}): "
-                                     "both must be integers >= 1")
+            raise ConfigurationError(f"MemoryMonitor(every_n_steps={every_n_steps!r}, "
+                                     f"leak_intervals={leak_intervals!r}): both must be integers >= 1")
         if leak_min_growth_mb < 0:
             raise ConfigurationError(f"MemoryMonitor(leak_min_growth_mb={leak_min_growth_mb!r}) must be >= 0")
         self.every_n_steps = int(every_n_steps)

@@ -196,7 +196,8 @@ class ThroughputMonitor(Callback):
             return
         metrics = {"throughput/samples_per_sec": samples_s, "throughput/samples_per_sec_per_device": samples_s / world}
         if n_tok == world:
-            metrics.update({"throughput/tokens_per_sec": tokens_s, "throughput/tokens_per_sec_per_device": tokens_s / world})
+            metrics["throughput/tokens_per_sec"] = tokens_s
+            metrics["throughput/tokens_per_sec_per_device"] = tokens_s / world
         if n_flops == world:
             metrics["throughput/flops_per_sec_per_device"] = flops_s / world
             if self._peak:

@@ -13,6 +13,8 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
+import torch
+
 from callbacks.base import Callback
 from strategies.errors import ConfigurationError, invalid_choice
 
@@ -123,8 +125,12 @@ class Timer(Callback):
         if self.duration is None:
             return
         expired = self.time_elapsed("fit") >= self.duration.total_seconds()
-        # Rank 0's clock decides for everyone: every rank calls broadcast at the same point.
-        if bool(trainer.strategy.broadcast(expired, src=0)):
+        # Rank 0's clock decides for everyone: every rank calls broadcast at the same point. A tensor,
+        # not a Python bool: one small collective per batch instead of pickling through broadcast_object.
+        device = getattr(trainer.strategy, "root_device", torch.device("cpu"))
+        decision = trainer.strategy.broadcast(torch.tensor([1 if expired else 0], dtype=torch.int32, device=device),
+                                              src=0)
+        if bool(decision.item()):
             trainer.should_stop = True
             if self.verbose and trainer.is_global_zero:
                 print(f"Timer: {self.duration} elapsed; stopping at epoch {trainer.current_epoch}, "

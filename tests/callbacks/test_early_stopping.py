@@ -1,0 +1,83 @@
+"""EarlyStopping: patience, thresholds, resume, clear errors, and agreement across 2 real ranks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from callbacks.early_stopping import EarlyStopping
+from strategies.errors import ConfigurationError
+from tests.scripts.cb_launch import multirank
+from tests.scripts.cb_standin import StandInTrainer
+
+
+def _fit(callback, values, val_every=2, max_steps=100):
+    """Validate every ``val_every`` steps; the k-th validation reports ``values[k]``."""
+    model = nn.Linear(3, 1)
+    seen = []
+
+    def val_metrics(trainer):
+        seen.append(values[len(seen)])
+        return {"val/loss": seen[-1], "val/acc": 0.5}
+
+    trainer = StandInTrainer([callback])
+    trainer.fit(model, [(torch.randn(2, 3),) for _ in range(10)], torch.optim.SGD(model.parameters(), lr=0.01),
+                max_steps=max_steps, val_every_n_steps=val_every, val_metrics=val_metrics)
+    return trainer, seen
+
+
+def test_stops_after_patience_non_improving_validations(capsys):
+    values = [1.0, 0.8, 0.85, 0.8, 0.9] + [0.1] * 20  # best 0.8, then 3 validations without improvement
+    trainer, seen = _fit(EarlyStopping("val/loss", patience=3), values)
+    assert len(seen) == 5 and trainer.should_stop
+    assert trainer.global_step == 10  # 5th validation at step 10; nothing after it
+    assert "did not improve" in capsys.readouterr().out
+
+
+def test_min_delta_and_max_mode():
+    cb = EarlyStopping("val/acc", mode="max", patience=2, min_delta=0.05)
+    assert cb.judge(0.5) is None and cb.best_score == 0.5
+    assert cb.judge(0.53) is None and cb.wait_count == 1  # +0.03 is not more than min_delta
+    assert cb.judge(0.6) is None and cb.wait_count == 0 and cb.best_score == 0.6
+    assert cb.judge(0.6) is None and "did not improve" in cb.judge(0.61)
+
+
+def test_thresholds_and_non_finite():
+    assert "stopping_threshold" in EarlyStopping("m", stopping_threshold=0.1, patience=9).judge(0.05)
+    assert "divergence_threshold" in EarlyStopping("m", divergence_threshold=5.0, patience=9).judge(7.0)
+    assert "not finite" in EarlyStopping("m", patience=9).judge(math.nan)
+    assert EarlyStopping("m", patience=9, check_finite=False).judge(math.inf) is None
+
+
+def test_resume_continues_counting():
+    first = EarlyStopping("val/loss", patience=3)
+    _fit(first, [1.0, 1.0, 1.0] + [0.0] * 10, max_steps=6)  # two bad validations, then the run ends
+    assert first.wait_count == 2 and first.best_score == 1.0
+    resumed = EarlyStopping("val/loss", patience=3)
+    resumed.load_state_dict(first.state_dict())
+    trainer, seen = _fit(resumed, [1.5] + [0.0] * 10)
+    assert len(seen) == 1 and trainer.should_stop  # the third bad validation overall
+
+
+def test_missing_key_lists_available_keys():
+    with pytest.raises(ConfigurationError, match=r"monitor='val/los'.*Available: val/acc, val/loss"):
+        _fit(EarlyStopping("val/los"), [1.0])
+
+
+def test_bad_mode_and_patience():
+    with pytest.raises(ConfigurationError, match=r"mode\)='minimum' is not one of: min, max"):
+        EarlyStopping("val/loss", mode="minimum")
+    with pytest.raises(ConfigurationError, match="patience=0"):
+        EarlyStopping("val/loss", patience=0)
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_together_when_only_rank1_stalls():
+    r0, r1 = multirank("early_stopping")  # real Trainer.fit, validation every epoch
+    assert r0["should_stop"] and r1["should_stop"]
+    # rank 1: best at the 1st validation, 2 stalls (patience) -> stop at the 3rd epoch's end, on both ranks
+    assert r0["global_step"] == r1["global_step"] == 3 * r1["batches_per_epoch"]
+    assert r0["stopped_epoch"] == r1["stopped_epoch"] == 2
+    assert r0["wait_count"] == 0 and r1["wait_count"] == r1["patience"]  # only rank 1 saw no improvement
