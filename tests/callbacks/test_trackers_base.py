@@ -6,6 +6,7 @@ real ``Trainer.fit`` is in the other ``test_trackers_*`` files.
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -53,6 +54,26 @@ class Recorder(Callback):
 
     def history(self, name: str) -> List:
         return [(step, m[name]) for step, m in self.logged if name in m]
+
+
+_BLANK_DB: Dict[str, Path] = {}
+
+
+def mlflow_store(tmp_path_factory, dest: Path) -> str:
+    """Put an empty, already migrated MLflow SQLite store at ``dest``; return its URI.
+
+    Creating a store runs MLflow's schema migrations (seconds, far more on a busy machine), so one
+    blank store is made per test session and copied; the copy is a real store like any other.
+    """
+    if "db" not in _BLANK_DB:
+        from mlflow.tracking import MlflowClient
+
+        blank = tmp_path_factory.mktemp("mlflow-blank") / "mlflow.db"
+        MlflowClient(f"sqlite:///{blank}").search_experiments()  # creates the tables
+        _BLANK_DB["db"] = blank
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_BLANK_DB["db"], dest)
+    return f"sqlite:///{dest}"
 
 
 def make_module(**kwargs):
