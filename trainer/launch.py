@@ -96,6 +96,7 @@ def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = 
 
 def run(args: argparse.Namespace) -> int:
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     settings = resolve_settings(args)
@@ -120,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainforge launch: rank {rank} (local rank {failure.local_rank}) failed with exit code "
               f"{failure.exitcode}; the other ranks were stopped. Its traceback is above.", file=sys.stderr)
         return failure.exitcode if 0 < failure.exitcode < 256 else 1
+    except SignalException as error:  # the launcher got SIGTERM/SIGINT/...; torchrun stopped the workers
+        print(f"trainforge launch: stopped by {error.sigval.name}; the workers were stopped", file=sys.stderr)
+        return 128 + int(error.sigval)
     finally:
         os.remove(path)
         if previous is None:

@@ -259,11 +259,12 @@ def resolve_answers(given: Mapping[str, Any], interactive: bool,
             answers[setting.key] = given[setting.key]
         elif setting.asked and setting.ask_if(answers):
             default = setting.default(answers) if callable(setting.default) else setting.default
-            answers[setting.key] = _ask(setting, default, ask, say) if interactive else default
+            answers[setting.key] = _ask(setting, default, answers, ask, say) if interactive else default
     return validate(answers)
 
 
-def _ask(setting: Setting, default: Any, ask: Callable[[str], str], say: Callable[[str], None]) -> Any:
+def _ask(setting: Setting, default: Any, answers: Mapping[str, Any], ask: Callable[[str], str],
+         say: Callable[[str], None]) -> Any:
     choices = getattr(setting.parse, "choices", None)
     prompt = setting.question + (f" [{'/'.join(choices)}]" if choices else "") + f" (default: {default}): "
     for _ in range(MAX_ATTEMPTS):
@@ -272,10 +273,10 @@ def _ask(setting: Setting, default: Any, ask: Callable[[str], str], say: Callabl
         except EOFError:
             raise ConfigurationError(f"input ended before {setting.key!r} was answered; give the answers "
                                      f"as flags ({setting.flag} ...) with --non-interactive") from None
-        if not reply:
-            return default
         try:
-            return setting.parse(setting.key, reply)
+            value = setting.parse(setting.key, reply) if reply else default
+            validate({**answers, setting.key: value})  # e.g. node_rank < nnodes: re-ask, not fail
+            return value
         except ConfigurationError as error:
             say(f"  {error}")
     raise ConfigurationError(f"no valid answer for {setting.key!r} after {MAX_ATTEMPTS} tries")
