@@ -37,6 +37,7 @@ import platform
 import re
 import shutil
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
@@ -137,7 +138,11 @@ class CheckpointWriter:
         self.root = self.final_dir.parent
         self.tmp_dir = self.root / f".{self.final_dir.name}{PARTIAL}"
         self.rank, self.world_size, self._barrier_fn = rank, world_size, barrier
-        self._files: Dict[str, Dict[str, Any]] = {}
+        # rel path -> future of {"size", "crc32"}: files are checksummed and fsynced on one
+        # background thread while the next file is written (zlib.crc32, fsync and file I/O release
+        # the GIL), so a save costs little more than writing its bytes.
+        self._files: Dict[str, "Future[Dict[str, Any]]"] = {}
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainforge-ckpt-hash")
         self._done = False
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -166,10 +171,19 @@ class CheckpointWriter:
         return path
 
     def track(self, rel: str) -> None:
-        """Record (size, crc32) and fsync a file this rank wrote under ``tmp_dir`` by other means.
-        Untracked files are still covered: rank 0 hashes them at ``finalize``."""
-        size, crc = file_crc32(self.tmp_dir / _check_rel(rel), fsync=True)
-        self._files[rel] = {"size": size, "crc32": crc}
+        """Record (size, crc32) and fsync a file this rank wrote under ``tmp_dir`` by other means
+        (in the background). Untracked files are still covered: rank 0 hashes them at ``finalize``."""
+        path = self.tmp_dir / _check_rel(rel)
+        if not path.is_file():
+            raise ConfigurationError(f"track({rel!r}): {path} is not a file this rank wrote under tmp_dir")
+        self._files[rel] = self._hasher.submit(_entry, path)
+
+    def _entries(self) -> Dict[str, Dict[str, Any]]:
+        """Wait for the background checksums of this rank's files."""
+        try:
+            return {rel: future.result() for rel, future in self._files.items()}
+        finally:
+            self._hasher.shutdown(wait=True)
 
     def save_tensors(self, name: str, state_dict: Mapping[str, torch.Tensor],
                      max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> List[str]:
@@ -231,13 +245,14 @@ class CheckpointWriter:
         and metadata.json, fsyncs, renames into place, then moves ``latest`` (unless
         ``update_latest=False``). Returns ``final_dir``."""
         meta = self._metadata(metadata)
+        entries = self._entries()
         if self.rank != 0:
             frag = self.tmp_dir / f".manifest-rank-{self.rank:05d}.json"
-            _write_durable(frag, json.dumps(self._files))
+            _write_durable(frag, json.dumps(entries))
         self._barrier()
         if self.rank == 0:
             try:
-                self._commit(meta, update_latest)
+                self._commit(meta, update_latest, entries)
             finally:  # release the other ranks even if the commit failed; they check the outcome
                 self._barrier()
         else:
@@ -270,11 +285,11 @@ class CheckpointWriter:
             raise ConfigurationError(f"finalize(metadata=...): not JSON-serializable ({e}); store such state with "
                                      f"save_object") from None
 
-    def _commit(self, meta: Dict[str, Any], update_latest: bool) -> None:
+    def _commit(self, meta: Dict[str, Any], update_latest: bool, entries: Dict[str, Dict[str, Any]]) -> None:
         tmp = self.tmp_dir
         (tmp / _SAVE_ID).unlink()
         meta["save_id"] = self.save_id
-        files, owner = dict(self._files), {rel: 0 for rel in self._files}
+        files, owner = dict(entries), {rel: 0 for rel in entries}
         for frag in sorted(tmp.glob(".manifest-rank-*.json")):
             rank = int(frag.stem.rsplit("-", 1)[1])
             for rel, entry in json.loads(frag.read_text(encoding="utf-8")).items():
@@ -310,7 +325,11 @@ class CheckpointWriter:
         if update_latest:
             write_latest_pointer(self.root, self.final_dir.name)
         remove_stale(self.root)  # the aside copy, partials of killed saves, interrupted deletions
-        fsync_dir(self.root)
+
+
+def _entry(path: Path) -> Dict[str, Any]:
+    size, crc = file_crc32(path, fsync=True)
+    return {"size": size, "crc32": crc}
 
 
 def _write_durable(path: Path, text: str) -> None:
