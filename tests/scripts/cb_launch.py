@@ -5,8 +5,10 @@ the JSON files the ranks wrote to ``$CB_OUT`` are returned.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,12 +19,12 @@ from typing import Any, Dict
 SCRIPTS = Path(__file__).resolve().parent
 
 
-def torchrun(script: str, out_dir: Path, nproc: int = 2, timeout: float = 90.0, *args: str) -> Dict[str, Any]:
+def torchrun(script: str, out_dir: Path, nproc: int = 2, timeout: float = 90.0) -> Dict[str, Any]:
     """``{file stem: parsed JSON}`` of what the ranks wrote; raises with the output on failure."""
     env = dict(os.environ, CB_OUT=str(out_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                MASTER_ADDR="127.0.0.1", PYTHONPATH=os.pathsep.join([str(SCRIPTS.parent.parent), str(SCRIPTS)]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(SCRIPTS / script), *args]
+           str(SCRIPTS / script)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -50,9 +52,10 @@ def multirank(scenario: str, timeout: float = 240.0) -> Any:
     All scenarios run in one launch per test session (each process pays the torch import once);
     a failed launch is remembered, so the other tests fail at once with the same output."""
     if "results" not in _SHARED:
+        out_dir = tempfile.mkdtemp(prefix="cb_multirank_")
+        atexit.register(shutil.rmtree, out_dir, True)
         try:
-            _SHARED["results"] = torchrun("cb_multirank.py", Path(tempfile.mkdtemp(prefix="cb_multirank_")),
-                                          2, timeout)
+            _SHARED["results"] = torchrun("cb_multirank.py", Path(out_dir), 2, timeout)
         except AssertionError as err:
             _SHARED["results"] = err
     results = _SHARED["results"]
