@@ -1,0 +1,305 @@
+"""Fully sharded data parallel on torch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Parameters become ``DTensor`` shards on a ``DeviceMesh``; each unit (a repeated block, then the
+root) all-gathers its parameters for forward/backward and reduce-scatters gradients, so
+parameters, gradients and optimizer state are divided by the shard size (ZeRO stage 3).
+
+``setup`` applies, in torchtitan's order: precision conversion -> activation checkpointing ->
+``fully_shard`` on each unit (bottom-up) -> ``fully_shard`` on the root. Optimizers must see the
+new DTensor parameters: the Trainer creates them after ``setup`` (``requires_optimizer_after_setup``);
+optimizers handed to ``setup`` (``Accelerator.prepare(model, optimizer)``) are remapped by name.
+
+Checkpoints: ``state_dict_type="sharded"`` writes ``dcp/`` (torch.distributed.checkpoint, every
+rank its shard; loadable on another number of processes, and by ``trainforge merge-weights``);
+``"full"`` writes consolidated ``model.safetensors`` + ``optimizers.pt`` from rank 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from strategies.base import Strategy
+from strategies.ddp import ProcessGroupMixin
+from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
+from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
+
+log = logging.getLogger("trainforge")
+
+SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+STATE_DICT_TYPES = ("sharded", "full")
+DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the torch.distributed.checkpoint files
+_MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16, "16-mixed": torch.float16}
+Policy = Union[None, bool, Set[Any], Callable[[nn.Module, str], bool]]
+
+
+class FSDPStrategy(ProcessGroupMixin, Strategy):
+    """FSDP2. ``sharding_strategy`` (case-insensitive, so ``trainforge config``'s ``FULL_SHARD`` works):
+
+    - ``full_shard``: shard over all ranks, free gathered parameters after forward (ZeRO-3).
+    - ``shard_grad_op``: the same shards, gathered parameters kept from forward to backward
+      (``reshard_after_forward=False``; ZeRO-2-like memory during the step, one all-gather less).
+    - ``hybrid_shard``: 2-D mesh ``(replicate, shard)``: shard within a node (``LOCAL_WORLD_SIZE``
+      ranks), replicate across nodes (HSDP).
+    - ``no_shard``: the same 2-D mesh with shard size 1, i.e. every rank holds everything and
+      gradients are all-reduced (DDP semantics). Done with ``fully_shard`` rather than by delegating
+      to DDP so that one code path serves state dicts, DCP checkpoints (DTensors with
+      ``Replicate`` placement, loadable by the sharded strategies), clipping and no-sync.
+
+    ``auto_wrap_policy``: None (the repeated blocks), a set of classes/class names, or
+    ``(module, name) -> bool``. ``activation_checkpointing``: False, True (the wrapped units), or a
+    policy of the same kinds. ``mixed_precision``: a ``MixedPrecisionPolicy``, or None to derive
+    it from the precision (bf16-mixed/fp8 -> bf16 params, 16-mixed -> fp16 params, fp32 reduce).
+    The Accelerator's autocast stays on: it is redundant for matmuls (the parameters already
+    arrive in bf16/fp16) but keeps softmax, norms and losses in fp32, as under the other strategies.
+    16-mixed keeps the Precision's ``torch.amp.GradScaler``: its inf check on DTensor gradients is
+    reduced over the mesh by DTensor itself, so every rank skips the same steps."""
+
+    name = "fsdp"
+    redirect_forward = True  # FSDP's unshard hooks run in the root's forward
+    requires_optimizer_after_setup = True
+
+    def __init__(self, device: Optional[Union[torch.device, str]] = None, *, sharding_strategy: str = "full_shard",
+                 auto_wrap_policy: Policy = None, cpu_offload: bool = False,
+                 activation_checkpointing: Policy = False, mixed_precision: Optional[MixedPrecisionPolicy] = None,
+                 state_dict_type: str = "sharded", reshard_after_forward: Optional[Union[bool, int]] = None,
+                 process_group_backend: Optional[str] = None, timeout: timedelta = timedelta(minutes=30)) -> None:
+        super().__init__(device)
+        key = str(sharding_strategy).lower()
+        if key not in SHARDING_STRATEGIES:
+            raise invalid_choice("sharding_strategy", sharding_strategy, SHARDING_STRATEGIES,
+                                 "(case does not matter: FULL_SHARD is full_shard)")
+        if state_dict_type not in STATE_DICT_TYPES:
+            raise invalid_choice("state_dict_type", state_dict_type, STATE_DICT_TYPES,
+                                 "'sharded' saves each rank's shard (fast, reshardable); 'full' one safetensors file")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise ConfigurationError(f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp."
+                                     "MixedPrecisionPolicy or None (derived from the Trainer's precision)")
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+            raise ConfigurationError(f"reshard_after_forward={reshard_after_forward!r} must be None (from "
+                                     "sharding_strategy), True, False or an int (a divisor of the shard size)")
+        self.sharding_strategy, self.state_dict_type = key, state_dict_type
+        self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
+        self.cpu_offload, self.mixed_precision = bool(cpu_offload), mixed_precision
+        self.reshard_after_forward = reshard_after_forward
+        self.backend, self.timeout = process_group_backend, timeout
+        self.mesh: Optional[DeviceMesh] = None
+        self.wrapped_modules: List[str] = []       # names of the units sharded before the root
+        self.checkpointed_modules: List[str] = []  # names wrapped with activation checkpointing
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        self._device = self._start_process_group(self.backend, self.timeout)
+        self.mesh = self._build_mesh()
+
+    def _build_mesh(self) -> DeviceMesh:
+        world, device_type = self.world_size, self.root_device.type
+        if self.sharding_strategy == "no_shard":
+            return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
+        if self.sharding_strategy == "hybrid_shard":
+            node = self.cluster.local_world_size
+            if node < 1 or world % node:
+                raise ConfigurationError(f"sharding_strategy='hybrid_shard' shards within a node of LOCAL_WORLD_SIZE="
+                                         f"{node} ranks, which does not divide world_size={world}; launch the same "
+                                         "number of processes on every node, or use 'full_shard'")
+            return init_device_mesh(device_type, (world // node, node), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+    def setup(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+              ) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
+        before = list(module.named_parameters())
+        module = self.setup_module(module)
+        if optimizers:
+            _remap_optimizers(before, module, optimizers)
+        return module, list(optimizers)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if isinstance(module, FSDPModule):
+            return module  # prepared before (e.g. Trainer.validate after fit)
+        if self.mesh is None:
+            raise ConfigurationError("FSDPStrategy.setup called before setup_environment(); use it through the "
+                                     "Trainer or Accelerator, or call strategy.setup_environment() first")
+        if self.precision is not None:
+            module = self.precision.convert_module(module)
+        units = select_modules(module, self.auto_wrap_policy)
+        ac_policy = self.activation_checkpointing
+        if ac_policy is True:
+            ac_policy = {type(m) for _, m in units} or None
+        ac_targets = select_modules(module, ac_policy) if ac_policy not in (False, None) else []
+        wrappers = apply_activation_checkpointing(module, ac_targets)
+        self.checkpointed_modules = [name for name, m in ac_targets if id(m) in wrappers]
+        kwargs = self._fully_shard_kwargs()
+        for _, unit in units:
+            fully_shard(wrappers.get(id(unit), unit), **kwargs)
+        fully_shard(module, **kwargs)
+        self.wrapped_modules = [name for name, _ in units]
+        if self.is_global_zero:
+            log.info("trainforge: fsdp %s over mesh %s, %d unit(s) + root, activation checkpointing on %d",
+                     self.sharding_strategy, tuple(self.mesh.shape), len(units), len(self.checkpointed_modules))
+        return module
+
+    def _fully_shard_kwargs(self) -> Dict[str, Any]:
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            reshard = self.sharding_strategy in ("full_shard", "hybrid_shard")
+        offload: OffloadPolicy = OffloadPolicy()
+        if self.cpu_offload:
+            offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+        return {"mesh": self.mesh, "reshard_after_forward": reshard, "mp_policy": self.mixed_precision_policy(),
+                "offload_policy": offload}
+
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        if self.mixed_precision is not None:
+            return self.mixed_precision
+        dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))
+        if dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module  # fully_shard works in place: the module is the user's module
+
+    def teardown(self) -> None:
+        self._stop_process_group()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        """Accumulate unsharded gradients locally, reduce-scatter only on the window's last backward.
+        ``set_requires_gradient_sync`` also turns off HSDP's all-reduce (``set_requires_all_reduce``)
+        and ``set_is_last_backward`` stays True: no reduction is pending, so none is waited for."""
+        if not (enabled and isinstance(module, FSDPModule)):
+            return contextlib.nullcontext()
+        return _no_gradient_sync(module)
+
+    def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
+                       clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        """The total norm over the *sharded* gradients equals the unsharded one: each rank's partial
+        norm is a ``Partial`` DTensor that ``full_tensor`` reduces over the mesh."""
+        params = [p for p in parameters if p.grad is not None]
+        if clip_value is not None or max_norm is None:
+            return super().clip_gradients(params, max_norm=max_norm, clip_value=clip_value, norm_type=norm_type)
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        if isinstance(total, DTensor):
+            local = total.to_local()
+            mesh = total.device_mesh
+            if local.device.type != mesh.device_type:  # CPU-offloaded grads, collectives on the GPU
+                total = DTensor.from_local(local.to(mesh.device_type), mesh, total.placements)
+            total = total.full_tensor().to(local.device)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    # ---- state dicts --------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """The full state dict on CPU on rank 0; {} on the other ranks (every rank must call it:
+        it all-gathers one tensor at a time, so no rank ever holds more than one full copy)."""
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_module_state_dict(self, module: nn.Module, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
+        """``state`` is a full state dict present on every rank; each keeps its shard."""
+        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        return get_optimizer_state_dict(module, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: Dict[str, Any]) -> None:
+        if any(isinstance(k, int) for k in state.get("state", {})):
+            raise CheckpointError("the optimizer state is keyed by parameter index (written by DDP or a single "
+                                  "device), FSDP needs it keyed by parameter name; load the weights only, or "
+                                  "resume with the strategy that wrote it")
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """``sharded``: ``dcp/`` inside the writer's tmp_dir, every rank writing its own file (rank 0
+        hashes them at finalize). ``full``: consolidated files from rank 0 (the base class)."""
+        if self.state_dict_type == "full":
+            return super().save_checkpoint(writer, module, optimizers)
+        dcp.save(self._sharded_state(module, optimizers), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
+
+    def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Whichever format the checkpoint holds; a sharded one may come from another world size."""
+        folder = Path(path) / DCP_DIR
+        if not folder.is_dir():
+            return super().load_checkpoint(path, module, optimizers)
+        state = self._sharded_state(module, optimizers)
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except Exception as e:  # DCP raises CheckpointException/RuntimeError for missing keys, bad files
+            raise CheckpointError(f"{folder}: cannot load the sharded checkpoint into {type(module).__name__} "
+                                  f"({type(e).__name__}: {str(e).strip()[:500]}); was it saved from the same "
+                                  "model and optimizers?") from None
+        set_model_state_dict(module, state["model"])
+        for i, opt in enumerate(optimizers):
+            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)])
+
+    def _sharded_state(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, Any]:
+        """``{"model": sharded state, "optimizers": {"0": ..}}``, DTensors keyed by parameter name."""
+        return {"model": get_model_state_dict(module),
+                "optimizers": {str(i): get_optimizer_state_dict(module, opt) for i, opt in enumerate(optimizers)}}
+
+    def __repr__(self) -> str:
+        return (f"FSDPStrategy(sharding_strategy={self.sharding_strategy!r}, device={self.root_device}, "
+                f"world_size={self.world_size})")
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(module: FSDPModule):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _remap_optimizers(before: List[Tuple[str, nn.Parameter]], module: nn.Module,
+                      optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Point optimizers built on the original parameters at the sharded ones (matched by name),
+    dropping any state they had (it described unsharded tensors)."""
+    after = {clean_name(name): p for name, p in module.named_parameters()}
+    new = {}
+    for name, old in before:
+        if name not in after:
+            raise ConfigurationError(f"parameter {name!r} disappeared while sharding; keep every parameter registered "
+                                     "on the module passed to prepare()")
+        new[id(old)] = after[name]
+    for opt in optimizers:
+        if opt.state:
+            log.warning("trainforge: %s had state before FSDP sharding; it is discarded (create or prepare the "
+                        "optimizer before its first step)", type(opt).__name__)
+        for group in opt.param_groups:
+            missing = [tuple(p.shape) for p in group["params"] if id(p) not in new]
+            if missing:
+                raise ConfigurationError(f"{type(opt).__name__} holds parameters of shapes {missing[:3]} that are not "
+                                         "in the prepared model; prepare the model together with its own optimizer")
+            group["params"] = [new[id(p)] for p in group["params"]]
+        opt.state.clear()
+
+
+def local_state_bytes(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state, summed over the actual
+    local tensors (a DTensor counts its local shard only)."""
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(module.parameters())
+    out = {"params": sum(nbytes(p) for p in params),
+           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+           "optimizer": sum(nbytes(v) for opt in optimizers for st in opt.state.values() for v in st.values()
+                            if isinstance(v, torch.Tensor))}
+    out["total"] = sum(out.values())
+    return out

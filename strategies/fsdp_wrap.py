@@ -1,0 +1,109 @@
+"""Which submodules FSDP shards as units, and activation checkpointing, for ``FSDPStrategy``.
+
+Applied in torchtitan's order (``apply_ac`` -> ``apply_fsdp`` on blocks -> root)::
+
+    units = select_modules(model, policy)                 # [(name, module)], bottom-up, root excluded
+    wrappers = apply_activation_checkpointing(model, select_modules(model, ac_policy))
+    units = [(n, wrappers.get(id(m), m)) for n, m in units]
+    ... fully_shard(m) for each unit, then fully_shard(model)
+
+A policy is ``None`` (the repeated blocks, see ``repeated_blocks``), a set of classes or class names,
+or a callable ``(module, name) -> bool``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Tuple
+
+from torch import nn
+
+from strategies.errors import ConfigurationError
+
+Named = List[Tuple[str, nn.Module]]
+#: The prefix ``checkpoint_wrapper`` puts between a wrapped module's name and its parameters.
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def repeated_blocks(model: nn.Module) -> Named:
+    """The outermost children of ``nn.ModuleList``/``nn.Sequential`` containers whose (>= 2) elements
+    all share one class and all have parameters: transformer blocks (GPT2's ``h``, Llama's
+    ``layers``), ResNet stages... Blocks nested inside a block already found are not repeated."""
+    found: Named = []
+    inside: List[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in inside):
+            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        classes = {type(child) for _, child in children}
+        if len(classes) == 1 and all(any(True for _ in child.parameters()) for _, child in children):
+            for child_name, child in children:
+                full = f"{name}.{child_name}" if name else child_name
+                found.append((full, child))
+                inside.append(full + ".")
+    return found
+
+
+def _class_matcher(classes: Iterable[Any]) -> Callable[[nn.Module, str], bool]:
+    types = tuple(c for c in classes if isinstance(c, type))
+    names = {c for c in classes if isinstance(c, str)}
+    bad = [c for c in classes if not isinstance(c, (type, str))]
+    if bad:
+        raise ConfigurationError(f"wrap policy entry {bad[0]!r} is neither a module class nor a class name; give "
+                                 "a set such as {{GPT2Block}} or {{'GPT2Block'}}, or a callable (module, name) -> bool")
+    return lambda module, name: isinstance(module, types) or type(module).__name__ in names
+
+
+def select_modules(model: nn.Module, policy: Any) -> Named:
+    """``(name, module)`` pairs the policy picks, descendants before their ancestors (the order
+    ``fully_shard`` must be applied in), never the root itself."""
+    if policy is None or policy is True:
+        chosen = repeated_blocks(model)
+        order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+        return sorted(chosen, key=lambda nm: -order[id(nm[1])])
+    if policy is False:
+        return []
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        match = _class_matcher(policy)
+        if not policy:
+            raise ConfigurationError("wrap policy is an empty set; pass None for the automatic choice of repeated "
+                                     "blocks, or name at least one module class")
+    elif callable(policy):
+        match = policy
+    else:
+        raise ConfigurationError(f"wrap policy {policy!r} is not one of: None (repeated blocks), a set of module "
+                                 "classes or class names, or a callable (module, name) -> bool")
+    chosen = [(name, m) for name, m in model.named_modules() if name and match(m, name)]
+    if isinstance(policy, (set, frozenset, list, tuple)) and not chosen:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigurationError(f"wrap policy {sorted(map(_label, policy))} matches no module of "
+                                 f"{type(model).__name__}; its module classes are: {', '.join(present)}")
+    return list(reversed(chosen))
+
+
+def _label(c: Any) -> str:
+    return c if isinstance(c, str) else c.__name__
+
+
+def apply_activation_checkpointing(model: nn.Module, targets: Named) -> Dict[int, nn.Module]:
+    """Replace each target in its parent by ``checkpoint_wrapper(target)`` (non-reentrant
+    ``torch.utils.checkpoint``: activations inside are recomputed in backward). Nested targets
+    inside another target are skipped (recomputing twice saves nothing). Returns
+    ``{id(original): wrapper}``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    names = [name for name, _ in targets]
+    outer = [(n, m) for n, m in targets if not any(n.startswith(other + ".") for other in names)]
+    wrappers: Dict[int, nn.Module] = {}
+    for name, module in outer:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        setattr(parent, child, wrapper)
+        wrappers[id(module)] = wrapper
+    return wrappers
+
+
+def clean_name(name: str) -> str:
+    """A parameter/module name without the activation-checkpointing wrapper's prefix."""
+    return name.replace(CHECKPOINT_PREFIX, "")
