@@ -19,7 +19,7 @@ COMMANDS = {
     "config": "trainer.launch_config",
     "env": "trainer.env_info",
     # "estimate-memory": "trainer.estimate_memory",
-    # "merge-weights": "trainer.merge_weights",
+    "merge-weights": "trainer.merge_weights",
 }
 
 
