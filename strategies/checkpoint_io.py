@@ -241,9 +241,9 @@ class CheckpointWriter:
     def finalize(self, metadata: Optional[Mapping[str, Any]] = None, *, update_latest: bool = True) -> Path:
         """Called by every rank. ``metadata``: ``step`` (int; None for exports without one, which
         then sort before every stepped checkpoint), ``epoch``, ``strategy``, ``precision`` and any
-        JSON-serializable extras. Rank 0 writes the manifest
-        and metadata.json, fsyncs, renames into place, then moves ``latest`` (unless
-        ``update_latest=False``). Returns ``final_dir``."""
+        JSON-serializable extras. Rank 0 writes the manifest and metadata.json, fsyncs, renames
+        into place, then moves ``latest`` (unless ``update_latest=False``). Returns ``final_dir``;
+        on ranks other than 0, raises CheckpointError if rank 0 failed to commit."""
         meta = self._metadata(metadata)
         entries = self._entries()
         if self.rank != 0:
