@@ -1,0 +1,72 @@
+"""The README's example (examples/char_gpt.py) trains for real: a tiny model for a few steps on one
+process and on two (DDP over gloo, started by `trainforge launch`), as subprocesses."""
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "char_gpt.py"
+# A model small enough for a few seconds of CPU: one block, width 32, 16 windows of 64 characters.
+TINY = ["--max-steps", "30", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
+        "--tracker", "csv", "--sample-chars", "40", "--log-every", "10"]
+
+
+def run(args, cwd, timeout):
+    """Run a command in its own process group; the whole group is killed on timeout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 busy cores: oversubscribed threads crawl
+    env.pop("TRAINFORGE_LAUNCH_CONFIG", None)
+    env["XDG_CONFIG_HOME"] = str(cwd / "xdg")  # no user launch config
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{args} did not finish in {timeout} s; output:\n{out}")
+    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{out}"
+    return out
+
+
+def losses(output):
+    initial = re.search(r"initial val loss ([0-9.]+)", output)
+    final = re.search(r"final val loss ([0-9.]+) at step (\d+)", output)
+    assert initial and final, output
+    return float(initial.group(1)), float(final.group(1)), int(final.group(2))
+
+
+def check_run(root, output, world_size):
+    initial, final, step = losses(output)
+    assert step == 30
+    # Untrained, the model is close to a uniform guess over the vocabulary; 30 steps must beat it clearly.
+    uniform = float(re.search(r"ln\(vocab\) = ([0-9.]+)", output).group(1))
+    assert abs(initial - uniform) < 0.5, output
+    assert final < initial - 0.5, output
+    assert f"{world_size} process(es)" in output
+    assert "char_gpt: sample:\ndef " in output  # the generated text continues the prompt
+    checkpoints = root / "checkpoints"
+    assert (checkpoints / "latest").is_file()
+    final_ckpt = checkpoints / "epoch=0-step=30"
+    assert (final_ckpt / "model.safetensors").is_file()
+    assert {p.name for p in final_ckpt.glob("rng_rank*.pt")} == {f"rng_rank{r}.pt" for r in range(world_size)}
+    with open(root / "metrics.csv") as f:
+        val = [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")]
+    assert len(val) == 3 and val[-1] == pytest.approx(final, abs=1e-4)  # steps 10, 20, 30, as printed
+
+
+def test_char_gpt_one_process(tmp_path):
+    out = run([EXAMPLE, *TINY, "--root-dir", tmp_path / "run"], tmp_path, timeout=120)
+    check_run(tmp_path / "run", out, world_size=1)
+
+
+@pytest.mark.slow
+def test_char_gpt_two_processes_through_trainforge_launch(tmp_path):
+    out = run(["-m", "trainer", "launch", "--nproc-per-node", "2", EXAMPLE, *TINY, "--root-dir", tmp_path / "run"],
+              tmp_path, timeout=180)
+    check_run(tmp_path / "run", out, world_size=2)
