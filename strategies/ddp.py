@@ -44,7 +44,10 @@ class ProcessGroupMixin:
         if not dist.is_initialized():
             os.environ.update(env.as_env())
             backend = backend or default_backend(device)
-            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            # Rank and world size reach init through the environment (env://), never as arguments:
+            # passed explicitly, torch's elastic agent store keeps the previous attempt's keys after a
+            # `--max-restarts` restart and gloo dials the dead ranks' old addresses.
+            dist.init_process_group(backend=backend, timeout=timeout)
             self._owns_process_group = True
         if dist.get_rank() == 0:
             log.info("trainforge: strategy=%s backend=%s world_size=%d environment=%s master=%s:%s device=%s",

@@ -1,0 +1,110 @@
+"""One training run for the resume tests; every rank records the sample ids of each global step.
+
+  --kill-at S        SIGKILL this process (rank --kill-rank) right after the checkpoint of step S
+  --kill-marker F    ... only if F does not exist yet (created first): for elastic restarts
+  --resume           Trainer(resume="auto"): continue from the newest valid checkpoint
+The per-process batch is --global-batch // world size, so the global batch is preserved on any
+number of processes. Rank 0 writes the final weights to ROOT/final.safetensors.
+"""
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from callbacks import Callback, ModelCheckpoint  # noqa: E402
+from tests.helpers.models import make_net  # noqa: E402
+from trainer import Trainer, TrainingModule, seed_everything  # noqa: E402
+
+
+class Indexed(Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(1, keepdim=True) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return torch.tensor(i), self.x[i], self.y[i]
+
+
+class Model(TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.net = make_net(dropout=0.2)  # dropout: the RNG stream must resume exactly too
+
+    def training_step(self, batch, batch_idx):
+        idx, x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train/loss", loss)
+        self.trainer._ids = idx.tolist()
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return opt, {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.7), "interval": "step"}
+
+
+class Record(Callback):
+    """Appends {step, ids, loss} per optimizer step to a per-rank JSON-lines file (flushed)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        with open(f"{self.path}.rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": trainer.global_step, "ids": trainer._ids, "loss": float(outputs)}) + "\n")
+
+
+class KillSwitch(Callback):
+    def __init__(self, step, rank, marker):
+        self.step, self.rank, self.marker = step, rank, marker
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            if self.marker:
+                if os.path.exists(self.marker):
+                    return
+                open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--record", required=True)
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--max-epochs", type=int, default=None)
+    p.add_argument("--ckpt-every", type=int, default=3)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--kill-marker", default=None)
+    p.add_argument("--resume", action="store_true")
+    a = p.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    seed_everything(0)
+    model = Model()
+    callbacks = [ModelCheckpoint(every_n_steps=a.ckpt_every), Record(a.record)]
+    if a.kill_at is not None:
+        callbacks.append(KillSwitch(a.kill_at, a.kill_rank, a.kill_marker))
+    trainer = Trainer(max_steps=a.max_steps, max_epochs=a.max_epochs, log_every_n_steps=1, callbacks=callbacks,
+                      default_root_dir=a.root, enable_progress_bar=False, resume="auto" if a.resume else None)
+    loader = DataLoader(Indexed(a.n), batch_size=a.global_batch // world, shuffle=True, num_workers=a.workers)
+    trainer.fit(model, loader)
+    if trainer.is_global_zero:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(a.root, "final.safetensors"))
+
+
+if __name__ == "__main__":
+    main()
