@@ -14,6 +14,7 @@ _EXPORTS = {
     "LearningRateMonitor": "callbacks.lr_monitor",
     "GradientNormMonitor": "callbacks.grad_norm",
     "MemoryMonitor": "callbacks.memory",
+    "MemoryLeakWarning": "callbacks.memory",
     "ThroughputMonitor": "callbacks.throughput",
     "Timer": "callbacks.timer",
     "RNGSync": "callbacks.rng_sync",

@@ -31,7 +31,7 @@ from trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimize
 class Accelerator:
     def __init__(self, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
                  gradient_accumulation_steps: Optional[int] = None, seed: int = 0) -> None:
-        from trainer.launch_config import launch_defaults
+        from trainer.launch_config import launch_defaults, strategy_kwargs
 
         defaults = launch_defaults()  # what `trainforge launch` was told; explicit arguments win
         strategy = strategy if strategy is not None else defaults.get("strategy", "auto")
@@ -41,8 +41,8 @@ class Accelerator:
         if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
             raise ConfigurationError(f"gradient_accumulation_steps={accum!r} must be an int >= 1 "
                                      "(1 means no accumulation)")
-        strategy_kwargs = defaults.get(str(strategy), {}) if isinstance(strategy, str) else {}
-        self.strategy = resolve_strategy(strategy, **(strategy_kwargs if isinstance(strategy_kwargs, dict) else {}))
+        kwargs = strategy_kwargs(strategy, defaults) if isinstance(strategy, str) else {}
+        self.strategy = resolve_strategy(strategy, **kwargs)
         self.strategy.setup_environment()
         self.precision = Precision(precision, self.strategy.root_device)
         self.strategy.precision = self.precision

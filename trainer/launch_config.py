@@ -306,3 +306,28 @@ def run(args: argparse.Namespace) -> int:
     path = save_config(settings, args.config_file or default_config_path())
     print(f"Wrote {path}:\n" + path.read_text(), end="")
     return 0
+
+
+def strategy_kwargs(strategy: str, defaults: Mapping[str, Any]) -> Dict[str, Any]:
+    """Constructor arguments for the strategy named ``strategy`` from the launch settings'
+    ``deepspeed``/``fsdp`` section (the config file speaks HF Accelerate's words; the strategy
+    classes take their own argument names)."""
+    section = defaults.get(strategy)
+    if not isinstance(section, Mapping):
+        return {}
+    if strategy == "fsdp":
+        kwargs = {}
+        if "sharding_strategy" in section:
+            kwargs["sharding_strategy"] = str(section["sharding_strategy"]).lower()
+        return kwargs
+    if strategy == "deepspeed":
+        kwargs = {}
+        if "zero_stage" in section:
+            kwargs["stage"] = int(section["zero_stage"])
+        devices = {section.get("offload_optimizer_device", "none"), section.get("offload_param_device", "none")}
+        kwargs["offload_optimizer"] = section.get("offload_optimizer_device", "none") != "none"
+        kwargs["offload_parameters"] = section.get("offload_param_device", "none") != "none"
+        if "nvme" in devices:
+            kwargs["offload_device"] = "nvme"
+        return kwargs
+    return {}

@@ -105,13 +105,11 @@ class PreparedDataLoader:
             self.epoch, self._resumed, self.batch_in_epoch = epoch, False, 0
 
     def __iter__(self) -> Iterator[Any]:
-        from strategies.data import num_padding_samples
+        from strategies.data import num_padding_samples, set_loader_epoch
 
         if not self._resumed:
             self.batch_in_epoch = 0
-            sampler = getattr(self.loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
+            set_loader_epoch(self.loader, self.epoch)  # sampler, batch sampler or dataset
             if self.generator_seed is not None:
                 self.loader.generator.manual_seed(self.generator_seed * 1_000_003 + self.epoch)
         self._resumed = False
