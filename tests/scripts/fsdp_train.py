@@ -128,8 +128,9 @@ def main(out: Path) -> None:
         results[f"resumed_{kind}_files"] = sorted(p.relative_to(saver.path).as_posix()
                                                   for p in saver.path.rglob("*") if p.is_file())
 
-    for kind in ("hybrid_shard", "no_shard"):
-        trainer, module = fit(FSDPStrategy(sharding_strategy=kind), out / kind, max_steps=SHORT)
+    for kind, options in (("hybrid_shard", {"sharding_strategy": "hybrid_shard"}),
+                          ("no_shard", {"sharding_strategy": "no_shard"}), ("offload", {"cpu_offload": True})):
+        trainer, module = fit(FSDPStrategy(**options), out / kind, max_steps=SHORT)
         results[kind] = gathered(module.losses)
         results[f"{kind}_placements"] = str(next(trainer.model.parameters()).placements)
 

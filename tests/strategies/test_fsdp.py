@@ -83,7 +83,7 @@ def test_loss_curve_matches_ddp(runs):
             assert len(r[kind][rank]) == 20
             assert _rel(r[kind][rank], r["ddp"][rank]) <= 1e-5, kind
         _assert_same_weights(_weights(out, kind), _weights(out, "ddp"), rtol=1e-5, atol=1e-6)
-    for kind in ("hybrid_shard", "no_shard", "ac"):  # 6 steps
+    for kind in ("hybrid_shard", "no_shard", "offload", "ac"):  # 6 steps
         for rank in (0, 1):
             assert _rel(r[kind][rank], r["ddp"][rank][:6]) <= 1e-5, kind
     assert r["hybrid_shard_placements"] == "(Replicate(), Shard(dim=0))"  # mesh (1 node, 2 ranks)
