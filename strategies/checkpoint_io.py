@@ -138,11 +138,12 @@ class CheckpointWriter:
         self.root = self.final_dir.parent
         self.tmp_dir = self.root / f".{self.final_dir.name}{PARTIAL}"
         self.rank, self.world_size, self._barrier_fn = rank, world_size, barrier
-        # rel path -> future of {"size", "crc32"}: files are checksummed and fsynced on one
-        # background thread while the next file is written (zlib.crc32, fsync and file I/O release
-        # the GIL), so a save costs little more than writing its bytes.
+        # rel path -> future of {"size", "crc32"}: each file is checksummed and, at the same time,
+        # fsynced on background threads while the next file is written (zlib.crc32, fsync and file
+        # I/O release the GIL), so a save costs little more than writing its bytes durably.
         self._files: Dict[str, "Future[Dict[str, Any]]"] = {}
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainforge-ckpt-hash")
+        self._syncs: List["Future[None]"] = []
+        self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainforge-ckpt")
         self._done = False
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -176,11 +177,14 @@ class CheckpointWriter:
         path = self.tmp_dir / _check_rel(rel)
         if not path.is_file():
             raise ConfigurationError(f"track({rel!r}): {path} is not a file this rank wrote under tmp_dir")
+        self._syncs.append(self._hasher.submit(_fsync_file, path))
         self._files[rel] = self._hasher.submit(_entry, path)
 
     def _entries(self) -> Dict[str, Dict[str, Any]]:
-        """Wait for the background checksums of this rank's files."""
+        """Wait for the background checksums and fsyncs of this rank's files."""
         try:
+            for future in self._syncs:
+                future.result()
             return {rel: future.result() for rel, future in self._files.items()}
         finally:
             self._hasher.shutdown(wait=True)
@@ -328,8 +332,13 @@ class CheckpointWriter:
 
 
 def _entry(path: Path) -> Dict[str, Any]:
-    size, crc = file_crc32(path, fsync=True)
+    size, crc = file_crc32(path)
     return {"size": size, "crc32": crc}
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _write_durable(path: Path, text: str) -> None:

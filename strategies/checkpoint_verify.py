@@ -28,6 +28,7 @@ import re
 import shutil
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -127,7 +128,8 @@ def verify_checkpoint(ckpt_dir: PathLike) -> Dict[str, Any]:
     are ignored (they cannot be part of what was saved)."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_metadata(ckpt_dir)
-    for rel, entry in sorted(meta["files"].items()):
+    entries = sorted(meta["files"].items())
+    for rel, entry in entries:  # cheap checks first, so a missing or short file is named at once
         path = ckpt_dir / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(entry, dict):
             raise CheckpointError(f"{ckpt_dir / METADATA_FILE}: invalid manifest entry {rel!r}; the file is corrupted")
@@ -137,11 +139,21 @@ def verify_checkpoint(ckpt_dir: PathLike) -> Dict[str, Any]:
         if actual != entry.get("size"):
             raise CheckpointError(f"{path}: size mismatch: {actual} bytes on disk, {entry.get('size')} in the "
                                   f"manifest; the file is truncated or was overwritten")
-        _, crc = file_crc32(path)
+    workers = max(1, min(8, os.cpu_count() or 1, len(entries)))  # zlib.crc32 and reads release the GIL
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        crcs = list(pool.map(_crc_or_error, [ckpt_dir / rel for rel, _ in entries]))
+    for (rel, entry), crc in zip(entries, crcs):
         if crc != entry.get("crc32"):
-            raise CheckpointError(f"{path}: checksum mismatch: crc32 {crc} on disk, {entry.get('crc32')} in the "
-                                  f"manifest; the file is corrupted")
+            raise CheckpointError(f"{ckpt_dir / rel}: checksum mismatch: crc32 {crc} on disk, {entry.get('crc32')} in "
+                                  f"the manifest; the file is corrupted")
     return meta
+
+
+def _crc_or_error(path: Path) -> str:
+    try:
+        return file_crc32(path)[1]
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from None
 
 
 # ----------------------------------------------------------------------------- the latest pointer
