@@ -1,0 +1,406 @@
+"""DeepSpeed ZeRO (stages 1-3, CPU/NVMe offload) behind the Strategy interface.
+
+``deepspeed.initialize`` wraps the user's module and the user's torch optimizer; the engine is
+the model the loop calls. The DeepSpeed config is generated from the Trainer's settings
+(``strategies.deepspeed_config``), so no JSON is needed; a user config overrides it.
+
+Who does what on a training step (and why nothing runs twice):
+
+- loss scaling for accumulation: ``engine.backward`` divides by ``gradient_accumulation_steps``,
+  which the generated config sets to the Trainer's value (``handles_accumulation = True`` tells
+  the Accelerator not to divide again); fp16 loss scaling is DeepSpeed's (the Precision's grad
+  scaler is switched off in ``setup``).
+- accumulation boundary: ``no_backward_sync`` (entered by ``Accelerator.accumulate`` on every
+  micro-batch) calls ``engine.set_gradient_accumulation_boundary``, so the engine reduces
+  gradients and steps exactly where the Trainer's window ends (also at a short last window).
+- optimizer step, clipping and zeroing: ``engine.step()`` (clipping with the config's
+  ``gradient_clipping``); the prepared optimizer's ``zero_grad`` afterwards is a harmless no-op.
+- LR schedulers stay OUTSIDE DeepSpeed: the engine is given none, so ``engine.step()`` steps none,
+  and the Trainer steps the user's scheduler by its own interval/frequency rules as with DDP.
+  ZeRO keeps the user optimizer's ``param_groups`` dicts, so the scheduler's LR reaches DeepSpeed.
+
+Checkpoints: ``engine.save_checkpoint`` writes its shards to ``<checkpoint>/deepspeed/state/``
+inside the CheckpointWriter's tmp_dir. DeepSpeed 0.19.8 reads them with
+``torch.load(weights_only=False)`` (its ``TorchCheckpointEngine.load``), which can execute code
+from a crafted file; this strategy replaces that engine's ``load`` with a
+``weights_only=True`` load that allows only the few DeepSpeed classes its checkpoints contain, and
+checks the files against the manifest first. Consolidated weights (``module_state_dict``) are the
+fp32 master weights gathered with DeepSpeed's public ``safe_get_full_fp32_param``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from strategies.base import Strategy
+from strategies.checkpoint_verify import file_crc32, read_metadata
+from strategies.ddp import ProcessGroupMixin
+from strategies.deepspeed_config import (OFFLOAD_DEVICES, TrainingSettings, ZeroSettings, explicit_settings,
+                                         generate_config, load_user_config, merge_config)
+from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
+
+log = logging.getLogger("trainforge")
+
+STAGES = (0, 1, 2, 3, "auto")
+CHECKPOINT_DIR = "deepspeed"  # inside a trainforge checkpoint directory
+TAG = "state"                 # DeepSpeed's tag sub-directory
+
+
+def import_deepspeed(device: torch.device) -> Any:
+    """Import deepspeed for training on ``device``.
+
+    - CPU: ``DS_ACCELERATOR=cpu`` unless set (decided here, before the first import, because
+      DeepSpeed picks its accelerator once per process and would otherwise probe for others),
+      and DeepSpeed's shared-memory CPU collective op is marked unavailable: it serves only
+      inference all-reduce, is compiled with g++ at first use (minutes), and a killed compile
+      leaves a lock that hangs every later run. Training collectives go through torch (gloo).
+    - ``mlflow`` is hidden during the import: DeepSpeed's autotuner imports it only to log
+      autotuning runs (never used here), which costs ~7 s per process. A later ``import mlflow``
+      works normally.
+    """
+    if device.type == "cpu" and "deepspeed" not in sys.modules:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ConfigurationError(f"strategy='deepspeed' needs the deepspeed package ({e}); "
+                                 "pip install 'trainforge[deepspeed]'") from e
+    finally:
+        if hide:
+            sys.modules.pop("mlflow", None)
+    from deepspeed.accelerator import get_accelerator
+
+    kind = get_accelerator().device_name()
+    if kind != device.type:
+        raise ConfigurationError(f"DeepSpeed's accelerator is {kind!r} but this process trains on {device}; set "
+                                 f"DS_ACCELERATOR={device.type} before deepspeed is first imported")
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if device.type == "cpu" and isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def _safe_globals() -> List[Any]:
+    """The DeepSpeed classes its ZeRO checkpoints pickle (found with
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` on stage 1/2/3, fp32 and bf16)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def weights_only_load(path: str, map_location: Any = None) -> Any:
+    """What DeepSpeed's checkpoint engine ``load`` does, with ``weights_only=True``."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"refused to load {path}: torch.load(weights_only=True) failed ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0][:300]}); a DeepSpeed checkpoint written by trainforge "
+                              "holds only tensors, plain data and DeepSpeed's loss-scaler/enum classes") from None
+
+
+class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
+    """ZeRO data parallelism through DeepSpeed. ``stage``: 0-3 or "auto" (chosen from the memory
+    estimate, see ``strategies.memory_estimate``). ``offload_optimizer`` / ``offload_parameters``
+    (stage 3) move state to ``offload_device`` ("cpu" or "nvme" under ``nvme_path``).
+    ``config``: a DeepSpeed config dict or JSON path whose keys override the generated ones.
+    ``zero_stage`` / ``offload_optimizer_device`` / ``offload_param_device`` ("none", "cpu",
+    "nvme") are the launch-config spellings of the same settings (``trainforge config``)."""
+
+    name = "deepspeed"
+    redirect_forward = True       # the engine's forward runs ZeRO-3's parameter gathering hooks
+    handles_accumulation = True   # engine.backward divides by gradient_accumulation_steps
+
+    def __init__(self, stage: Union[int, str] = 2, offload_optimizer: bool = False, offload_parameters: bool = False,
+                 offload_device: str = "cpu", nvme_path: str = "/local_nvme", activation_checkpointing: bool = False,
+                 config: Union[None, str, os.PathLike, Dict[str, Any]] = None, logging_level: int = logging.WARN, *,
+                 zero_stage: Optional[int] = None, offload_optimizer_device: Optional[str] = None,
+                 offload_param_device: Optional[str] = None, device: Optional[Union[torch.device, str]] = None,
+                 process_group_backend: Optional[str] = None, timeout: timedelta = timedelta(minutes=30)) -> None:
+        super().__init__(device)
+        stage = zero_stage if zero_stage is not None else stage
+        if stage not in STAGES or isinstance(stage, bool):
+            raise invalid_choice("stage", stage, STAGES)
+        if offload_device not in OFFLOAD_DEVICES:
+            raise invalid_choice("offload_device", offload_device, OFFLOAD_DEVICES)
+        opt_dev = _offload_choice("offload_optimizer_device", offload_optimizer_device,
+                                  offload_device if offload_optimizer else None)
+        param_dev = _offload_choice("offload_param_device", offload_param_device,
+                                    offload_device if offload_parameters else None)
+        if param_dev is not None and stage not in (3, "auto"):
+            raise ConfigurationError(f"offload_parameters needs stage=3 (only ZeRO-3 partitions parameters), got "
+                                     f"stage={stage!r}; pass stage=3 or drop the parameter offload")
+        self.stage = stage
+        self.zero = ZeroSettings(stage=stage if stage != "auto" else 2, offload_optimizer_device=opt_dev,
+                                 offload_param_device=param_dev, nvme_path=str(nvme_path),
+                                 activation_checkpointing=bool(activation_checkpointing))
+        given = [name for name, on in (("stage", stage not in (2, "auto")), ("offload_optimizer_device", opt_dev),
+                                       ("offload_param_device", param_dev)) if on]
+        self._zero_given = tuple(given)
+        self.user_config = load_user_config(config)  # bad paths/JSON fail here, before any work
+        self.logging_level = logging_level
+        self.backend, self.timeout = process_group_backend, timeout
+        self.config: Optional[Dict[str, Any]] = None  # the merged config handed to deepspeed.initialize
+        self.auto_report: Optional[str] = None        # stage="auto": the reasoning table
+        self._engines: List[Any] = []
+        self._by_optimizer: Dict[int, Any] = {}
+        self._ds: Any = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        self._device = self._start_process_group(self.backend, self.timeout)
+        self._ds = import_deepspeed(self._device)
+        self._ds.utils.logger.setLevel(self.logging_level)
+
+    def setup(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Tuple[nn.Module, List[Any]]:
+        if len(optimizers) > 1:
+            raise ConfigurationError(f"DeepSpeed wraps one optimizer per model, got {len(optimizers)}; put the "
+                                     "parameters in param groups of one optimizer")
+        if self._ds is None:
+            self.setup_environment()
+        optimizer = optimizers[0] if optimizers else None
+        if getattr(self, "gradient_clip_val", None) is not None and getattr(self, "gradient_clip_algorithm",
+                                                                            "norm") != "norm":
+            raise ConfigurationError("gradient_clip_algorithm='value' is not available with strategy='deepspeed' "
+                                     "(DeepSpeed clips by global norm inside engine.step()); use "
+                                     "gradient_clip_algorithm='norm'")
+        self.config = self.build_config(module, optimizer)
+        scaler_owner = self.precision
+        if getattr(scaler_owner, "scaler", None) is not None:
+            scaler_owner.scaler = None  # DeepSpeed's fp16 section does the (dynamic) loss scaling
+        self._check_nvme()
+        engine, ds_optimizer, _, _ = self._ds.initialize(model=module, optimizer=optimizer, config=self.config,
+                                                         dist_init_required=False)
+        engine.checkpoint_engine.load = weights_only_load  # shadows DeepSpeed's weights_only=False load
+        self._engines.append(engine)
+        if optimizer is None:
+            return engine, []
+        self._by_optimizer[id(ds_optimizer)] = engine
+        return engine, [ds_optimizer]
+
+    def build_config(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+        """The DeepSpeed config for this run: generated from the Trainer's settings (set on this
+        strategy by the Accelerator/Trainer before ``setup``), merged with the user's config."""
+        settings = TrainingSettings(micro_batch_size=getattr(self, "micro_batch_size", None),
+                                    accumulation_steps=int(getattr(self, "accumulation_steps", 1) or 1),
+                                    world_size=self.world_size,
+                                    gradient_clip_val=getattr(self, "gradient_clip_val", None),
+                                    precision=getattr(self.precision, "name", "32"))
+        zero = self.zero
+        user_stage = (self.user_config or {}).get("zero_optimization", {}).get("stage", "auto")
+        if self.stage == "auto" and user_stage == "auto":
+            zero = self._choose_auto(module, optimizer, settings.precision)
+        hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+        return merge_config(generate_config(settings, zero), self.user_config,
+                            explicit_settings(settings, zero, self._zero_given),
+                            hidden_size=hidden if isinstance(hidden, int) else None)
+
+    def _choose_auto(self, module: nn.Module, optimizer: Any, precision: str) -> ZeroSettings:
+        from strategies.memory_estimate import available_memory, choose_deepspeed, count_parameters, optimizer_kind
+
+        ranks_per_node = getattr(getattr(self, "cluster", None), "local_world_size", 1)
+        free = available_memory(self.root_device, ranks_per_node)
+        # every rank must choose the same stage: decide on the smallest memory any rank sees
+        device_mem, host_mem = (int(v) for v in self.all_reduce(torch.tensor(free, device=self.root_device), "min"))
+        row, self.auto_report = choose_deepspeed(
+            count_parameters(module), self.world_size, precision, optimizer_kind(optimizer), device_mem,
+            host_mem if self.root_device.type != "cpu" else None, ranks_per_node)
+        if self.is_global_zero:
+            log.info("trainforge: DeepSpeedStrategy(stage='auto') on %s\n%s", self.root_device.type, self.auto_report)
+        opts = row.options
+        return ZeroSettings(stage=opts["stage"], nvme_path=self.zero.nvme_path,
+                            offload_optimizer_device=self.zero.offload_optimizer_device or (
+                                "cpu" if opts.get("offload_optimizer") else None),
+                            offload_param_device=self.zero.offload_param_device or (
+                                "cpu" if opts.get("offload_parameters") else None),
+                            activation_checkpointing=self.zero.activation_checkpointing)
+
+    def _check_nvme(self) -> None:
+        if "nvme" in (self.zero.offload_optimizer_device, self.zero.offload_param_device):
+            compatible = getattr(self._ds.ops, "__compatible_ops__", {})
+            if not compatible.get("async_io", False):
+                raise ConfigurationError("offload_device='nvme' needs DeepSpeed's async_io op, which this deepspeed "
+                                         "install cannot build (libaio missing); install libaio-dev and reinstall "
+                                         "deepspeed, or use offload_device='cpu'")
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if self._is_engine(module) else module
+
+    def teardown(self) -> None:
+        for engine in self._engines:
+            if hasattr(engine, "destroy"):
+                engine.destroy()
+        self._engines.clear()
+        self._by_optimizer.clear()
+        self._stop_process_group()
+
+    # ---- the step -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, module: Optional[nn.Module]) -> None:
+        self._engine_of(module).backward(loss)
+
+    def optimizer_step(self, optimizer: Any) -> Any:
+        engine = self._by_optimizer.get(id(optimizer))
+        if engine is None:
+            raise ConfigurationError("optimizer_step got an optimizer that DeepSpeedStrategy.setup did not return; "
+                                     "step the optimizer that prepare()/setup() gave back")
+        engine.step()  # clips, steps, zeroes gradients (and steps no scheduler: it owns none)
+        return None
+
+    @contextlib.contextmanager
+    def _boundary(self, engine: Any, is_boundary: bool) -> Iterator[None]:
+        engine.set_gradient_accumulation_boundary(is_boundary)
+        yield  # left set: a user's optimizer.step() may come right after the block
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        if not self._is_engine(module):
+            return contextlib.nullcontext()
+        return self._boundary(module, not enabled)
+
+    def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
+                       clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        """DeepSpeed clips inside ``engine.step()`` with the config's ``gradient_clipping``; this only
+        checks that the request matches it and returns None (the norm exists only after the step:
+        ``engine.get_global_grad_norm()``)."""
+        configured = float((self.config or {}).get("gradient_clipping", 0.0) or 0.0)
+        if clip_value is not None:
+            raise ConfigurationError(f"clip_value={clip_value!r}: DeepSpeed clips by global norm only; clip by norm "
+                                     "(gradient_clip_algorithm='norm')")
+        if max_norm is not None and (float(norm_type) != 2.0 or float(max_norm) != configured):
+            raise ConfigurationError(
+                f"clip_gradients(max_norm={max_norm!r}, norm_type={norm_type!r}) but DeepSpeed clips the 2-norm at "
+                f"gradient_clipping={configured!r} from its config; set the Trainer's gradient_clip_val={max_norm!r} "
+                "(written into the generated config) or gradient_clipping in your DeepSpeed config")
+        return None
+
+    # ---- state ----------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """Full fp32 weights on every rank (master weights under mixed precision); collective.
+        Tied parameters come back as one tensor under each name."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full: Dict[int, torch.Tensor] = {}
+        out: Dict[str, torch.Tensor] = {}
+        for name, value in self.unwrap(module).state_dict(keep_vars=True).items():
+            if not isinstance(value, nn.Parameter):
+                out[name] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+                continue
+            if id(value) not in full:
+                tensor = None
+                if value.requires_grad and (hasattr(value, "_z3_optimizer") or hasattr(value, "_hp_mapping")):
+                    tensor = safe_get_full_fp32_param(value)  # all-gathers the fp32 partition
+                if tensor is None and hasattr(value, "ds_id"):  # ZeRO-3 without master copy (frozen, no optimizer)
+                    with self._ds.zero.GatheredParameters([value], modifier_rank=None):
+                        tensor = value.detach().clone()
+                full[id(value)] = (tensor if tensor is not None else value.detach()).cpu()
+            out[name] = full[id(value)]
+        return out
+
+    def load_module_state_dict(self, module: nn.Module, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy full weights into the (partitioned) parameters and DeepSpeed's fp32 master copies.
+        ZeRO-3 masters are refreshed from the parameters (``refresh_fp32_params``): DeepSpeed
+        0.19.8's ``safe_set_full_fp32_param`` fails on padded stage-3 partitions (numel not
+        divisible by the world size); under bf16 that rounds the masters to bf16 once."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        engine = self._engine_of(module)
+        current = self.unwrap(module).state_dict(keep_vars=True)
+        missing, unexpected = sorted(set(current) - set(state)), sorted(set(state) - set(current))
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"state dict does not match the model: missing {missing[:5]}, unexpected "
+                                  f"{unexpected[:5]}; pass strict=False to load the common keys")
+        partitioned = False
+        with torch.no_grad():
+            for name, target in current.items():
+                if name not in state or not isinstance(target, torch.Tensor):
+                    continue
+                source = state[name]
+                if hasattr(target, "ds_id"):  # ZeRO-3: rank 0 writes the gathered tensor, then it is re-partitioned
+                    partitioned = True
+                    with self._ds.zero.GatheredParameters([target], modifier_rank=0):
+                        if self.is_global_zero:
+                            target.data.copy_(source.reshape(target.shape))
+                    continue
+                target.data.copy_(source)
+                if getattr(target, "_hp_mapping", None) is not None and target.requires_grad:
+                    safe_set_full_fp32_param(target, source.to(self.root_device, torch.float32))
+        if partitioned and hasattr(engine.optimizer, "refresh_fp32_params"):
+            engine.optimizer.refresh_fp32_params()
+
+    def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[Any]) -> None:
+        """DeepSpeed's own shards (every rank writes its part) into ``<tmp_dir>/deepspeed/state``;
+        rank 0 hashes them into the manifest at ``finalize``."""
+        engine = self._engine_of(module)
+        engine.save_checkpoint(str(writer.tmp_dir / CHECKPOINT_DIR), tag=TAG, client_state={}, save_latest=False)
+
+    def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[Any]) -> None:
+        path = Path(path)
+        meta = read_metadata(path)
+        source = path / CHECKPOINT_DIR / TAG
+        if not source.is_dir():
+            raise CheckpointError(f"{path} holds no DeepSpeed state ({source} is missing): it was written by "
+                                  f"strategy={meta.get('strategy')!r}; resume it with that strategy, or load its weights "
+                                  "with strategy.load_module_state_dict(model, load_tensors(path))")
+        if int(meta.get("world_size", 1)) != self.world_size:
+            raise CheckpointError(f"{path} holds ZeRO shards of {meta.get('world_size')} process(es) but this run has "
+                                  f"{self.world_size}; resume with {meta.get('world_size')} processes (ZeRO shards are "
+                                  "per rank), or start from its consolidated weights")
+        verify_subtree(path, meta, CHECKPOINT_DIR)
+        engine = self._engine_of(module)
+        load_path, _ = engine.load_checkpoint(str(path / CHECKPOINT_DIR), tag=TAG, load_module_strict=True,
+                                              load_optimizer_states=bool(optimizers), load_lr_scheduler_states=False)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load {source}; see its log above")
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _is_engine(self, module: Any) -> bool:
+        return any(module is engine for engine in self._engines)
+
+    def _engine_of(self, module: Optional[nn.Module]) -> Any:
+        if module is not None and self._is_engine(module):
+            return module
+        for engine in self._engines:
+            if module is None or engine.module is module:
+                return engine
+        raise ConfigurationError(f"{type(module).__name__} was not set up by DeepSpeedStrategy; pass the model that "
+                                 "prepare()/setup() returned")
+
+    def __repr__(self) -> str:
+        return (f"DeepSpeedStrategy(stage={self.stage!r}, offload_optimizer={self.zero.offload_optimizer_device!r}, "
+                f"offload_param={self.zero.offload_param_device!r}, world_size={self.world_size})")
+
+
+def _offload_choice(name: str, value: Optional[str], fallback: Optional[str]) -> Optional[str]:
+    if value is None:
+        return fallback
+    if value not in ("none",) + OFFLOAD_DEVICES:
+        raise invalid_choice(name, value, ("none",) + OFFLOAD_DEVICES)
+    return None if value == "none" else value
+
+
+def verify_subtree(path: Path, meta: Dict[str, Any], subdir: str) -> None:
+    """Every file under ``path/subdir`` must be in the manifest with its recorded size and crc32,
+    so DeepSpeed is handed only files this checkpoint's save wrote, intact."""
+    files = meta.get("files", {})
+    for file in sorted(p for p in (path / subdir).rglob("*") if p.is_file()):
+        rel = file.relative_to(path).as_posix()
+        entry = files.get(rel)
+        if entry is None:
+            raise CheckpointError(f"{file}: not in the manifest of {path}; it was not written by this checkpoint's save "
+                                  "(remove it)")
+        size, crc = file_crc32(file)
+        if size != entry.get("size") or crc != entry.get("crc32"):
+            raise CheckpointError(f"{file}: size/crc32 {size}/{crc} on disk, {entry.get('size')}/{entry.get('crc32')} "
+                                  "in the manifest; the file is corrupted or was replaced")
