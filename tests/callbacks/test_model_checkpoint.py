@@ -1,0 +1,92 @@
+"""ModelCheckpoint: every-n, keep-last-k, monitored top-k, filename templates, resume selection."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from callbacks import ModelCheckpoint
+from strategies.checkpoint_io import read_latest_pointer
+from tests.helpers.models import Regressor, make_net, regression_data
+from trainer import CheckpointError, ConfigurationError, Trainer
+
+
+def names(directory: Path):
+    return sorted(p.name for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def fit(tmp_path, callbacks, module=None, val=True, **kwargs):
+    kwargs.setdefault("max_epochs", 2)
+    trainer = Trainer(callbacks=callbacks, default_root_dir=str(tmp_path), enable_progress_bar=False, **kwargs)
+    data = regression_data(n=32)
+    trainer.fit(module if module is not None else Regressor(make_net()), DataLoader(data, batch_size=8),
+                DataLoader(data, batch_size=16) if val else None)
+    return trainer
+
+
+def test_every_n_steps_keeps_last_k_and_moves_latest(tmp_path):
+    fit(tmp_path, [ModelCheckpoint(every_n_steps=2, keep_last_k=2)], val=False)
+    ckpts = tmp_path / "checkpoints"
+    assert names(ckpts) == ["epoch=1-step=6", "epoch=1-step=8"]
+    assert read_latest_pointer(ckpts) == "epoch=1-step=8"
+    meta = json.loads((ckpts / "epoch=1-step=8" / "metadata.json").read_text())
+    assert meta["step"] == 8 and meta["epoch"] == 1 and meta["world_size"] == 1
+
+
+class ScriptedVal(Regressor):
+    """Validation loss follows a fixed script, one value per validation run."""
+
+    def __init__(self, script):
+        super().__init__(make_net())
+        self.script, self.calls = list(script), 0
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.script[self.calls])
+
+    def on_validation_end(self, trainer, module):
+        self.calls += 1
+
+
+def test_monitored_top_k_keeps_the_best(tmp_path):
+    script = [5.0, 3.0, 4.0, 1.0, 2.0]
+    cb = ModelCheckpoint(monitor="val/loss", mode="min", save_top_k=2, filename="{epoch}-{val/loss:.1f}")
+    fit(tmp_path, [cb], module=ScriptedVal(script), max_epochs=5)
+    assert names(tmp_path / "checkpoints") == ["3-1.0", "4-2.0"]
+    assert Path(cb.best_model_path).name == "3-1.0"
+
+
+def test_max_mode_and_every_n_epochs(tmp_path):
+    best = ModelCheckpoint(monitor="val/loss", mode="max", save_top_k=1, dirpath=str(tmp_path / "best"))
+    periodic = ModelCheckpoint(every_n_epochs=2, dirpath=str(tmp_path / "periodic"))
+    fit(tmp_path, [best, periodic], module=ScriptedVal([1.0, 9.0, 4.0, 2.0]), max_epochs=4)
+    assert names(tmp_path / "best") == ["epoch=1-step=8-val/loss=9".replace("/", "_")]
+    assert names(tmp_path / "periodic") == ["epoch=1-step=8", "epoch=3-step=16"]
+
+
+def test_bad_template_and_missing_monitor_are_clear(tmp_path):
+    with pytest.raises(ConfigurationError, match=r"filename='\{nope\}' cannot be filled"):
+        fit(tmp_path / "a", [ModelCheckpoint(every_n_steps=1, filename="{nope}")], val=False)
+    with pytest.raises(ConfigurationError, match=r"monitor='val/acc'.*available: \['val/loss'\]"):
+        fit(tmp_path / "b", [ModelCheckpoint(monitor="val/acc")])
+    with pytest.raises(ConfigurationError, match="mode='best' is not one of: min, max"):
+        ModelCheckpoint(monitor="x", mode="best")
+
+
+def test_resume_from_last_skips_a_corrupted_newest_checkpoint(tmp_path):
+    fit(tmp_path, [ModelCheckpoint(every_n_steps=4)], val=False)
+    ckpts = tmp_path / "checkpoints"
+    newest = ckpts / "epoch=1-step=8" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    explicit = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False)
+    with pytest.raises(CheckpointError, match="model.safetensors"):  # an explicit path never falls back
+        explicit.fit(Regressor(make_net()), DataLoader(regression_data(n=32), batch_size=8),
+                     ckpt_path=str(newest.parent))
+    with pytest.warns(UserWarning, match="skipped"):
+        trainer = fit(tmp_path, [ModelCheckpoint(every_n_steps=4)], val=False, max_epochs=3, resume="auto")
+    # resumed from step 4 (the newest that verifies), then trained to the end of epoch 3
+    assert trainer.global_step == 12
