@@ -27,7 +27,7 @@ thread at start to read what they need from the trainer (paths, step), without I
 """
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import threading
 import time
 import warnings
@@ -70,15 +70,19 @@ class FailurePolicy:
             )
 
 
-def require(module: str, extra: str, tracker: str) -> Any:
-    """Import an optional backend, or raise a ConfigurationError naming the pip extra."""
+def require(package: str, extra: str, tracker: str) -> None:
+    """Check at construction that an optional backend is installed, or raise a ConfigurationError
+    naming the pip extra. The import itself happens later, on the writer thread of the process that
+    writes (rank 0): the other ranks never pay for importing a tracking library."""
     try:
-        return importlib.import_module(module)
-    except ImportError as err:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a broken module entry
+        found = False
+    if not found:
         raise ConfigurationError(
-            f"{tracker} needs the optional package {module.split('.')[0]!r}, which could not be "
-            f"imported ({err}). Install it with: pip install 'trainforge[{extra}]'"
-        ) from err
+            f"{tracker} needs the optional package {package!r}, which is not installed. "
+            f"Install it with: pip install 'trainforge[{extra}]'"
+        )
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") -> Dict[str, Any]:
@@ -166,8 +170,10 @@ class _Writer:
                     self._finished(len(batch))
                     return
                 self._handle(kind, payload, n_values)
-                if self.abandoned:
-                    return
+                with self.cond:
+                    if self.abandoned:
+                        return
+                    self.inflight -= n_values
             self._finished(len(batch))
 
     def _finished(self, count: int) -> None:

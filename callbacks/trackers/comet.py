@@ -50,7 +50,7 @@ class CometLogger(TrackerCallback):
         failure_policy: Optional[FailurePolicy] = None,
     ) -> None:
         super().__init__(failure_policy)
-        self._comet = require("comet_ml", "comet", "CometLogger")
+        require("comet_ml", "comet", "CometLogger")
         key = api_key or os.environ.get("COMET_API_KEY") or None
         if offline is None:
             offline = key is None
@@ -102,7 +102,8 @@ class CometLogger(TrackerCallback):
         self._directory = os.path.abspath(self.offline_directory or os.path.join(trainer.default_root_dir, "comet"))
 
     def _open(self) -> None:
-        comet = self._comet
+        import comet_ml as comet
+
         kwargs: Dict[str, Any] = dict(_QUIET, project_name=self.project_name, workspace=self.workspace)
         if self.offline:
             os.makedirs(self._directory, exist_ok=True)

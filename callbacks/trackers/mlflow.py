@@ -63,7 +63,7 @@ class MLflowLogger(TrackerCallback):
         failure_policy: Optional[FailurePolicy] = None,
     ) -> None:
         super().__init__(failure_policy)
-        require("mlflow.tracking", "mlflow", "MLflowLogger")
+        require("mlflow", "mlflow", "MLflowLogger")
         if not isinstance(experiment_name, str) or not experiment_name.strip():
             raise ConfigurationError(f"MLflowLogger(experiment_name={experiment_name!r}) must be a non-empty string")
         if tags is not None and not isinstance(tags, dict):
@@ -80,6 +80,7 @@ class MLflowLogger(TrackerCallback):
         self._uri: Optional[str] = None
         self._experiment_id: Optional[str] = None
         self._client = None
+        self._default_artifacts: Optional[str] = None
         self._waiting_checkpoints: List[str] = []
 
     def __repr__(self) -> str:

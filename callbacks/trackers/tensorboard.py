@@ -30,8 +30,7 @@ class TensorBoardLogger(TrackerCallback):
 
     def __init__(self, log_dir: Optional[str] = None, failure_policy: Optional[FailurePolicy] = None) -> None:
         super().__init__(failure_policy)
-        require("tensorboard", "tensorboard", "TensorBoardLogger")
-        self._tb = require("torch.utils.tensorboard", "tensorboard", "TensorBoardLogger")
+        require("tensorboard", "tensorboard", "TensorBoardLogger")  # torch.utils.tensorboard needs it
         self.log_dir = os.fspath(log_dir) if log_dir is not None else None
         self._dir: Optional[str] = None
         self._resumed = False
@@ -64,7 +63,9 @@ class TensorBoardLogger(TrackerCallback):
         self._resumed = False
 
     def _open(self) -> None:
-        self._summary = self._tb.SummaryWriter(log_dir=self._dir, purge_step=self._purge_step)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._summary = SummaryWriter(log_dir=self._dir, purge_step=self._purge_step)
 
     def _write_params(self, params: Dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams

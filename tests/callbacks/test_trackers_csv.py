@@ -9,7 +9,8 @@ import yaml
 from callbacks.trackers import CSVLogger, FailurePolicy
 import pytest
 
-from tests.callbacks.test_trackers_base import FakeClock, Recorder, StandIn, fit, make_module, tracker_warnings
+from tests.callbacks.test_trackers_base import (FakeClock, Recorder, StandIn, fit, make_loader, make_module,
+                                               tracker_warnings)
 
 
 def read_csv(path):
@@ -36,12 +37,16 @@ def test_fit_writes_every_logged_value_with_a_header_that_grows(tmp_path):
     assert (tmp_path / "status.txt").read_text().strip() == "FINISHED"
 
 
-def test_trainer_installs_csv_by_default(tmp_path):
+def test_trainer_installs_csv_by_default_and_validate_appends_to_the_same_file(tmp_path):
     recorder = Recorder()
     trainer = fit([recorder], tmp_path, max_epochs=1)
     assert [type(c).__name__ for c in trainer.callbacks].count("CSVLogger") == 1
     header, rows = read_csv(tmp_path / "metrics.csv")
     assert header == ["step", "train/loss", "val/loss"] and len(rows) == len(recorder.logged) > 1
+    trainer.validate(trainer.module, make_loader(16, 8, seed=2))  # the same logger: the same run
+    _, after = read_csv(tmp_path / "metrics.csv")
+    assert after[:-1] == rows and float(after[-1]["val/loss"]) == recorder.logged[-1][1]["val/loss"]
+    assert not (tmp_path / "metrics.1.csv").exists()
 
 
 def test_a_new_run_keeps_the_previous_file_and_a_failed_fit_is_marked(tmp_path):

@@ -57,7 +57,7 @@ def main(root: Path) -> None:
     trainer.fit(module, make_loader(64, 4), make_loader(16, 4, seed=1))
     rank = trainer.global_rank
     seen = {"rank": rank, "world_size": trainer.world_size, "local": module.local, "logged": recorder.logged,
-            "csv": loggers[0].file, "mlflow": loggers[1]._run_id}
+            "csv": loggers[0].file, "mlflow": loggers[1]._run_id, "imported_mlflow": "mlflow" in sys.modules}
     (root / f"rank{rank}.json").write_text(json.dumps(seen))
 
 
@@ -90,6 +90,7 @@ def test_two_process_fit_only_rank_zero_writes_and_sync_dist_is_the_mean(tmp_pat
 
     # Only rank 0 opened anything; rank 1's trackers never resolved a file or a run.
     assert r0["csv"] and r0["mlflow"] and (r1["csv"], r1["mlflow"]) == (None, None)
+    assert r0["imported_mlflow"] and not r1["imported_mlflow"]  # rank 1 never even imported the backend
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("trainforge").experiment_id])
     assert [r.info.run_id for r in runs] == [r0["mlflow"]]
