@@ -119,6 +119,8 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
 
     def setup(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
               ) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
+        if isinstance(module, FSDPModule):  # sharded before: its optimizers already hold the DTensors
+            return module, list(optimizers)
         before = list(module.named_parameters())
         module = self.setup_module(module)
         if optimizers:
@@ -172,6 +174,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         return module  # fully_shard works in place: the module is the user's module
 
     def teardown(self) -> None:
+        self.mesh = None
         self._stop_process_group()
 
     # ---- the step -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ by ``safetensors.torch.load_file`` and ``transformers``, plus the usual ``metada
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import warnings
 from pathlib import Path
@@ -87,9 +88,12 @@ def read_model_weights(dcp_dir: Path, prefix: str = "model") -> Dict[str, torch.
     if not state:
         raise CheckpointError(f"{dcp_dir}: no tensors under prefix {prefix!r}; its top-level keys are "
                               f"{sorted(tops)[:10]}; pass --prefix with one of them ('' for none)")
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
+    # no_dist: read on this process only, even inside a job with a process group (older torch
+    # without the argument infers it when no process group exists, and warns that it did)
+    no_dist = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({prefix: state} if prefix else state, storage_reader=reader, no_dist=True)
+        dcp.load({prefix: state} if prefix else state, storage_reader=reader, **no_dist)
     return state
 
 
