@@ -18,7 +18,8 @@ they would have used ``<name>``, so there is never a moment without a complete c
 
 Which checkpoint ``"last"`` means: the one ``latest`` names if it verifies, otherwise the newest
 (by metadata ``step``, then creation time) that verifies, with a warning listing what was
-skipped and why. One save at a time per root directory (trainforge saves are collective).
+skipped and why. Sub-directories holding no metadata.json, safetensors or .pt file are not
+checkpoints and are left alone. One save at a time per root (trainforge saves are collective).
 """
 from __future__ import annotations
 
@@ -200,6 +201,11 @@ def _order_key(path: Path) -> Tuple[Any, ...]:
     return (1, 0, "", path.stat().st_mtime if path.exists() else 0.0)
 
 
+def _looks_like_checkpoint(path: Path) -> bool:
+    return (path / METADATA_FILE).exists() or any(
+        next(path.glob(pattern), None) is not None for pattern in ("*.safetensors", "*.safetensors.index.json", "*.pt"))
+
+
 def _candidates(root: Path) -> List[Path]:
     """Checkpoint directories and orphaned aside copies (their final name missing), oldest first."""
     if not root.is_dir():
@@ -209,7 +215,8 @@ def _candidates(root: Path) -> List[Path]:
         if not p.is_dir():
             continue
         if not p.name.startswith("."):
-            found.append(p)
+            if _looks_like_checkpoint(p):  # other directories a user keeps here are not reported
+                found.append(p)
         elif p.name.endswith(ASIDE) and not (root / p.name[1:-len(ASIDE)]).exists():
             found.append(p)
     return sorted(found, key=_order_key)

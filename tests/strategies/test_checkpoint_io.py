@@ -261,6 +261,8 @@ def test_list_orders_by_metadata_step_and_delete_protects_latest(tmp_path):
     assert delete_checkpoint(tmp_path / "zz-first") is True
     assert [p.name for p in list_checkpoints(tmp_path)] == ["export, no step", "aa-second", "mm-third"]
     (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("a directory of the user's, not a checkpoint")
+    assert find_latest_valid(tmp_path) == (tmp_path / "mm-third", [])  # "notes" is not reported as broken
     with pytest.raises(CheckpointError, match="not a trainforge checkpoint"):
         delete_checkpoint(tmp_path / "notes")
     assert (tmp_path / "notes").is_dir()
