@@ -239,6 +239,8 @@ def merge_config(generated: Mapping[str, Any], user: Optional[Mapping[str, Any]]
                 raise ConfigurationError(f"the DeepSpeed config sets {path}=\"auto\", which trainforge cannot fill in "
                                          "(no trainforge setting decides it); give a value or remove the key")
             continue  # the generated value is already in ``merged``
+        if isinstance(value, Mapping) and _get(merged, path) is not KeyError:
+            continue  # an empty section adds nothing to the generated one
         rule = explicit.get(path)
         if rule is not None and not _same(value, rule.value):
             raise ConfigurationError(
