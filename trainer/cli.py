@@ -18,7 +18,7 @@ COMMANDS = {
     "launch": "trainer.launch",
     "config": "trainer.launch_config",
     "env": "trainer.env_info",
-    # "estimate-memory": "trainer.estimate_memory",
+    "estimate-memory": "trainer.estimate_memory",
     "merge-weights": "trainer.merge_weights",
 }
 
