@@ -283,7 +283,7 @@ def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_
         except CheckpointError as e:
             reason = str(e)
     best, skipped = find_latest_valid(root) if verify else ((list_checkpoints(root) or [None])[-1], [])
-    if reason is not None:
+    if reason is not None and (pointed is None or pointed not in [p for p, _ in skipped]):
         skipped.insert(0, (pointed or root / str(name), reason))
     if skipped:
         lines = "\n".join(f"  {p}: {why}" for p, why in skipped)

@@ -163,6 +163,7 @@ def test_corruption_is_named_and_skipped(tmp_path, kind):
     with pytest.warns(UserWarning, match="skipped") as record:
         assert resolve_checkpoint(tmp_path, "last") == good  # latest names step-2, which is bad
     assert str(bad / file) in str(record[0].message)
+    assert str(record[0].message).count(f"{bad}:") == 1  # reported once, though `latest` named it
     with pytest.raises(CheckpointError):  # an explicit path is never silently replaced
         resolve_checkpoint(tmp_path, bad)
 
