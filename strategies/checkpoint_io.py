@@ -26,7 +26,8 @@ safetensors files (``transformers``, ``safetensors.torch.load_file``) see only t
 with Hugging Face's own tied-weight checkpoints.
 
 The files of a checkpoint must be on a filesystem every rank sees (as torch.distributed.checkpoint
-assumes): rank 0 hashes, commits and renames what all ranks wrote.
+assumes): each rank checksums and fsyncs the files it wrote, rank 0 checksums untracked ones
+(written by a backend), then writes the manifest, commits and renames.
 """
 from __future__ import annotations
 
