@@ -320,7 +320,8 @@ class TrackerCallback(Callback):
             self._writer.put("metrics", (int(step), values), len(values))
         self._warn_first_failure()
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         if self._writer is not None:
             self._warn_first_failure()
 

@@ -15,9 +15,10 @@ training loop; lower them if the end of a run should not wait ``flush_timeout_s`
 Checkpoints (``log_checkpoints=True``): a checkpoint directory is uploaded as artifacts under
 ``checkpoints/<name>`` once it is complete. Two ways in, both asynchronous: ``ModelCheckpoint`` (or
 the user) calls ``log_checkpoint(path)`` after the directory is in place; and SAVE_CHECKPOINT events
-whose checkpoint dict carries the final directory under ``"path"`` are remembered and uploaded at the
-next hook once that directory exists (checkpoints are written to a temporary directory and renamed
-into place, so existence means complete).
+whose checkpoint dict carries the final directory under ``"path"`` are remembered and uploaded at a
+later hook, once a new directory stands at that path (checkpoints are written to a temporary
+directory and renamed into place, so a new directory there is a complete one). The upload runs on
+the writer thread; a checkpoint deleted meanwhile (top-k pruning) is reported by the failure policy.
 
 Resume: ``state_dict`` holds the run id (and tracking URI); a resumed fit continues that run.
 MLflow parameters cannot change within a run, so on resume only parameters the run lacks are added.
@@ -28,7 +29,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
 from strategies.errors import ConfigurationError
@@ -44,6 +45,15 @@ def mlflow_key(name: str) -> str:
     key = _BAD_KEY_CHARS.sub("_", str(name))
     parts = ["_" if p in (".", "..") else p for p in key.split("/") if p]
     return "/".join(parts)[:250] or "_"
+
+
+def _identity(path: str) -> Optional[Tuple[int, int]]:
+    """(inode, mtime) of a directory, None when there is none: a directory renamed into place differs."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns) if os.path.isdir(path) else None
 
 
 class MLflowLogger(TrackerCallback):
@@ -81,7 +91,7 @@ class MLflowLogger(TrackerCallback):
         self._experiment_id: Optional[str] = None
         self._client = None
         self._default_artifacts: Optional[str] = None
-        self._waiting_checkpoints: List[str] = []
+        self._waiting_checkpoints: Dict[str, Optional[Tuple[int, int]]] = {}
 
     def __repr__(self) -> str:
         return (f"MLflowLogger(tracking_uri={self._uri or self.tracking_uri!r}, "
@@ -115,13 +125,16 @@ class MLflowLogger(TrackerCallback):
     def on_save_checkpoint(self, trainer: "Trainer", module: "TrainingModule", checkpoint: Dict[str, Any]) -> None:
         path = checkpoint.get("path") if isinstance(checkpoint, dict) else None
         if self.log_checkpoints and trainer.is_global_zero and isinstance(path, (str, os.PathLike)):
-            self._waiting_checkpoints.append(os.path.abspath(path))
-            self._poll_checkpoints()
+            path = os.path.abspath(path)
+            # A directory already there (a checkpoint being replaced) is the old one: wait for the new.
+            self._waiting_checkpoints[path] = _identity(path)
 
     def _poll_checkpoints(self) -> None:
-        for path in [p for p in self._waiting_checkpoints if os.path.isdir(p)]:
-            self._waiting_checkpoints.remove(path)
-            self.log_checkpoint(path)
+        for path, before in list(self._waiting_checkpoints.items()):
+            now = _identity(path)
+            if now is not None and now != before:
+                del self._waiting_checkpoints[path]
+                self.log_checkpoint(path)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self._poll_checkpoints()
@@ -132,6 +145,7 @@ class MLflowLogger(TrackerCallback):
 
     def _finish(self, status: str) -> None:
         self._poll_checkpoints()
+        self._waiting_checkpoints.clear()  # never completed (or already deleted): nothing to upload
         super()._finish(status)
 
     # --- backend ---

@@ -287,7 +287,8 @@ def test_bad_policy_is_rejected_with_the_value(bad):
         FailurePolicy(**bad)
 
 
-@pytest.mark.parametrize("module,cls,extra", [("mlflow", "MLflowLogger", "mlflow"), ("comet_ml", "CometLogger", "comet"),
+@pytest.mark.parametrize("module,cls,extra", [("mlflow", "MLflowLogger", "mlflow"),
+                                              ("comet_ml", "CometLogger", "comet"),
                                               ("tensorboard", "TensorBoardLogger", "tensorboard")])
 def test_missing_backend_names_the_pip_extra_at_construction(monkeypatch, module, cls, extra):
     import callbacks.trackers as trackers

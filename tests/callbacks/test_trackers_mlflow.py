@@ -1,6 +1,8 @@
 """MLflowLogger against the embedded SQLite store: read back with MlflowClient after real fits."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from callbacks.trackers import MLflowLogger
@@ -90,6 +92,28 @@ def test_exception_marks_the_run_failed_and_checkpoints_are_uploaded(tmp_path, s
     assert uploaded == ["checkpoints/epoch=0-step=8"]
     files = {a.path.rsplit("/", 1)[1] for a in client.list_artifacts(logger.run_id, uploaded[0])}
     assert {"model.safetensors", "metadata.json"} <= files
+
+
+def test_a_replaced_checkpoint_is_uploaded_only_once_the_new_one_is_in_place(tmp_path, store):
+    logger, trainer = MLflowLogger(log_checkpoints=True), StandIn(tmp_path)
+    ckpt = tmp_path / "checkpoints" / "last"
+    ckpt.mkdir(parents=True)
+    (ckpt / "weights.txt").write_text("old")
+    logger.on_fit_start(trainer, None)
+    logger.on_save_checkpoint(trainer, None, {"path": str(ckpt)})  # "last" is about to be replaced
+    logger.on_train_batch_end(trainer, None, None, None, 0)
+    assert logger.flush(30)
+    client = client_for(tmp_path)
+    assert client.list_artifacts(logger.run_id) == []  # the old directory was not uploaded
+    staging = tmp_path / "checkpoints" / ".last.partial"
+    staging.mkdir()
+    (staging / "weights.txt").write_text("new")
+    shutil.rmtree(ckpt)
+    staging.rename(ckpt)
+    logger.on_train_batch_end(trainer, None, None, None, 1)
+    logger.on_fit_end(trainer, None)
+    local = client.download_artifacts(logger.run_id, "checkpoints/last/weights.txt", str(tmp_path / "dl"))
+    assert open(local).read() == "new"
 
 
 def test_params_are_flattened_cleaned_and_truncated(tmp_path, tmp_path_factory):

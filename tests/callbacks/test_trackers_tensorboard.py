@@ -31,7 +31,8 @@ def test_fit_writes_scalars_and_hparams(tmp_path):
         expected = recorder.history(tag)
         assert [s for s, _ in scalars(acc, tag)] == [s for s, _ in expected] != []
         assert [v for _, v in scalars(acc, tag)] == pytest.approx([v for _, v in expected], rel=1e-6)  # float32
-    start = plugin_data_pb2.HParamsPluginData.FromString(acc.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    start = plugin_data_pb2.HParamsPluginData.FromString(content)
     logged = start.session_start_info.hparams
     expected = flatten_params(trainer.hparams)
     assert set(logged) == set(expected) and "lr" in expected
