@@ -19,6 +19,8 @@ _EXPORTS = {
     "Timer": "callbacks.timer",
     "RNGSync": "callbacks.rng_sync",
     "TrackerCallback": "callbacks.trackers.base",
+    "FailurePolicy": "callbacks.trackers.base",
+    "TrackerWarning": "callbacks.trackers.base",
     "CSVLogger": "callbacks.trackers.csv",
     "MLflowLogger": "callbacks.trackers.mlflow",
     "CometLogger": "callbacks.trackers.comet",
