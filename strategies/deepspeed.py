@@ -204,7 +204,9 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         if self.stage == "auto" and user_stage == "auto":
             zero = self._choose_auto(module, optimizer, settings.precision)
         hidden = getattr(getattr(module, "config", None), "hidden_size", None)
-        return merge_config(generate_config(settings, zero), self.user_config,
+        from strategies.memory_estimate import count_parameters
+
+        return merge_config(generate_config(settings, zero, count_parameters(module)), self.user_config,
                             explicit_settings(settings, zero, self._zero_given),
                             hidden_size=hidden if isinstance(hidden, int) else None)
 
@@ -351,8 +353,8 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         source = path / CHECKPOINT_DIR / TAG
         if not source.is_dir():
             raise CheckpointError(f"{path} holds no DeepSpeed state ({source} is missing): it was written by "
-                                  f"strategy={meta.get('strategy')!r}; resume it with that strategy, or load its weights "
-                                  "with strategy.load_module_state_dict(model, load_tensors(path))")
+                                  f"strategy={meta.get('strategy')!r}; resume it with that strategy, or load its "
+                                  "weights with strategy.load_module_state_dict(model, load_tensors(path))")
         if int(meta.get("world_size", 1)) != self.world_size:
             raise CheckpointError(f"{path} holds ZeRO shards of {meta.get('world_size')} process(es) but this run has "
                                   f"{self.world_size}; resume with {meta.get('world_size')} processes (ZeRO shards are "
@@ -382,6 +384,39 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                 f"offload_param={self.zero.offload_param_device!r}, world_size={self.world_size})")
 
 
+def local_state_bytes(engine: Any) -> Dict[str, int]:
+    """Bytes this rank holds, counted once per storage: ``params`` (the module's parameters: a
+    ZeRO-3 rank's partition), ``optimizer`` (fp32 master partitions + the wrapped optimizer's
+    states), ``grads`` (``.grad`` and the gradient partitions the ZeRO optimizer keeps; call it
+    between backward and step, since step frees them) and ``buffers`` (gradient reduction buckets,
+    not in ``total``)."""
+    seen: set = set()
+
+    def size(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, (list, tuple)):
+                total += size(t)
+            elif isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen | {0}:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+        return total
+
+    params = list(engine.module.parameters())
+    ds_opt = engine.optimizer
+    base = getattr(ds_opt, "optimizer", ds_opt)
+    out = {"params": size(getattr(p, "ds_tensor", p) for p in params),
+           "optimizer": size([p for g in base.param_groups for p in g["params"]] +  # ZeRO-3 empties these
+                             list(getattr(ds_opt, "fp32_partitioned_groups_flat", [])) +   # outside step()
+                             list(getattr(ds_opt, "single_partition_of_fp32_groups", [])) +
+                             [v for st in base.state.values() for v in st.values()]),
+           "grads": size([p.grad for p in params] + list(getattr(ds_opt, "averaged_gradients", {}).values()) +
+                         [getattr(ds_opt, "grad_partitions_flat_buffer", None)])}
+    out["total"] = out["params"] + out["optimizer"] + out["grads"]
+    out["buffers"] = size(b.buffer for b in getattr(ds_opt, "ipg_buckets", {}).values() if hasattr(b, "buffer"))
+    return out
+
+
 def _offload_choice(name: str, value: Optional[str], fallback: Optional[str]) -> Optional[str]:
     if value is None:
         return fallback
@@ -398,8 +433,8 @@ def verify_subtree(path: Path, meta: Dict[str, Any], subdir: str) -> None:
         rel = file.relative_to(path).as_posix()
         entry = files.get(rel)
         if entry is None:
-            raise CheckpointError(f"{file}: not in the manifest of {path}; it was not written by this checkpoint's save "
-                                  "(remove it)")
+            raise CheckpointError(f"{file}: not in the manifest of {path}; it was not written by this checkpoint's "
+                                  "save (remove it)")
         size, crc = file_crc32(file)
         if size != entry.get("size") or crc != entry.get("crc32"):
             raise CheckpointError(f"{file}: size/crc32 {size}/{crc} on disk, {entry.get('size')}/{entry.get('crc32')} "

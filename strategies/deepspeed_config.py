@@ -24,6 +24,7 @@ from strategies.errors import ConfigurationError, invalid_choice
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 SUPPORTED_PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
+DEFAULT_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
 QUIET_STEPS = 2**31 - 1  # steps_per_print: DeepSpeed's own progress lines are replaced by our loggers
 # Keys Hugging Face configs set to "auto" that depend on the model's hidden size (HF's formulas).
 _HIDDEN_SIZE_KEYS = {
@@ -85,10 +86,16 @@ def precision_sections(precision: str) -> Dict[str, Dict[str, Any]]:
     return {"fp16": fp16, "bf16": {"enabled": precision in ("bf16-mixed", "bf16-true")}}
 
 
-def generate_config(settings: TrainingSettings, zero: ZeroSettings) -> Dict[str, Any]:
-    """The complete DeepSpeed config for these settings (no user input involved)."""
+def generate_config(settings: TrainingSettings, zero: ZeroSettings, param_count: Optional[int] = None
+                    ) -> Dict[str, Any]:
+    """The complete DeepSpeed config for these settings (no user input involved). With
+    ``param_count``, the gradient reduction bucket (DeepSpeed allocates it whole: 5e8 elements by
+    default) is capped at the model's size: every gradient still fits in one bucket, so the
+    communication is unchanged and a small model does not pay gigabytes for it."""
     micro = settings.micro_batch_size or 1  # unknown: DeepSpeed only uses it to count samples
     zero_section: Dict[str, Any] = {"stage": zero.stage}
+    if param_count is not None and zero.stage > 0:
+        zero_section["reduce_bucket_size"] = max(1, min(DEFAULT_BUCKET, param_count))
     if zero.offload_optimizer_device is not None:
         zero_section["offload_optimizer"] = _offload(zero.offload_optimizer_device, zero.nvme_path)
     if zero.offload_param_device is not None:

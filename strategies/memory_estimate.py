@@ -14,11 +14,12 @@ parameters, N data-parallel ranks and K optimizer bytes per parameter:
 
 Offload (ZeRO-Offload / ZeRO-Infinity): ``offload_optimizer`` moves the optimizer partition and
 the gradient partition it updates to CPU memory; ``offload_parameters`` (stage 3) also moves the
-parameter partition. "bf16-true" keeps everything in bf16 (2 + 2 + Adam's 2 + 2). Torch AMP
-under DDP/FSDP keeps fp32 parameters instead (4 + 4 + 8): the same 16 bytes in total, split
-differently; the rows follow the paper's split. Activations, temporary buffers (ZeRO-3's
-gathered layer, communication buckets) and the CUDA context are not included: ``recommend``
-keeps ``headroom`` of the device free for them.
+parameter partition. DeepSpeed's ZeRO optimizers also keep an fp32 master partition in "32"
+(``master_weights=True``: 4 + 4 + 12 for Adam), which ``choose_deepspeed`` counts. "bf16-true"
+keeps everything in bf16 (2 + 2 + Adam's 2 + 2). Torch AMP under DDP/FSDP keeps fp32 parameters
+instead (4 + 4 + 8): the same 16 bytes in total, split differently; the rows follow the paper.
+Activations, temporary buffers (ZeRO-3's gathered layer, communication buckets) and the CUDA
+context are not included: ``recommend`` keeps ``headroom`` of the device free for them.
 
 ``estimate_memory`` is what ``DeepSpeedStrategy(stage="auto")`` and ``trainforge estimate-memory``
 both use.
@@ -73,8 +74,10 @@ def count_parameters(model: nn.Module) -> int:
     return total
 
 
-def bytes_per_param(precision: str = "32", optimizer: str = "adam") -> Tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes per parameter for ``precision`` and ``optimizer``."""
+def bytes_per_param(precision: str = "32", optimizer: str = "adam", master_weights: bool = False
+                    ) -> Tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter for ``precision`` and ``optimizer``.
+    ``master_weights``: an fp32 master copy is kept even in "32" (DeepSpeed's ZeRO optimizers do)."""
     if precision not in PRECISIONS:
         raise invalid_choice("precision", precision, PRECISIONS)
     if optimizer not in OPTIMIZER_STATES:
@@ -82,7 +85,7 @@ def bytes_per_param(precision: str = "32", optimizer: str = "adam") -> Tuple[int
                              "'sgd' is SGD with momentum, 'none' an optimizer without state")
     states = OPTIMIZER_STATES[optimizer]
     if precision == "32":
-        return 4, 4, 4 * states
+        return 4, 4, 4 * states + (4 if master_weights else 0)
     if precision == "bf16-true":
         return 2, 2, 2 * states
     return 2, 2, 4 + 4 * states  # mixed: fp32 master weights + fp32 states
@@ -98,15 +101,17 @@ def optimizer_kind(optimizer: Any) -> str:
 
 
 def estimate_memory(model_or_param_count: Union[nn.Module, int], world_size: int, precision: str = "32",
-                    optimizer: str = "adam", *, rows: Optional[Iterable[str]] = None) -> List[MemoryRow]:
-    """Per-rank model-state bytes of every row in ``SPEED_ORDER`` (or of ``rows``), in that order."""
+                    optimizer: str = "adam", *, rows: Optional[Iterable[str]] = None,
+                    master_weights: bool = False) -> List[MemoryRow]:
+    """Per-rank model-state bytes of every row in ``SPEED_ORDER`` (or of ``rows``), in that order.
+    ``master_weights``: see ``bytes_per_param`` (the paper's fp32 rows have no master copy)."""
     psi = model_or_param_count if isinstance(model_or_param_count, int) else count_parameters(model_or_param_count)
     if isinstance(psi, bool) or psi < 0:
         raise ConfigurationError(f"model_or_param_count={model_or_param_count!r} must be an nn.Module or a "
                                  "parameter count >= 0")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigurationError(f"world_size={world_size!r} must be an int >= 1 (the number of processes)")
-    p, g, k = bytes_per_param(precision, optimizer)
+    p, g, k = bytes_per_param(precision, optimizer, master_weights)
     n = world_size
 
     def part(nbytes: int) -> int:  # one rank's partition, rounded up as DeepSpeed pads partitions
@@ -206,9 +211,11 @@ def choose_deepspeed(param_count: int, world_size: int, precision: str, optimize
     one table. ``cpu_memory=None`` means training runs on the CPU itself, where offloading to
     the CPU gains nothing, so offload rows are not considered. With nothing fitting, the row
     using the least device memory is taken (and the text says so)."""
-    estimate_precision = "bf16-mixed" if precision == "bf16-true" else precision  # DeepSpeed keeps fp32 masters
+    estimate_precision = "bf16-mixed" if precision == "bf16-true" else precision
     names = DEEPSPEED_ROWS if cpu_memory is not None else tuple(r for r in DEEPSPEED_ROWS if "offload" not in r)
-    rows = estimate_memory(param_count, world_size, estimate_precision, optimizer, rows=names)
+    # DeepSpeed's ZeRO optimizers keep an fp32 master partition in every precision (measured:
+    # benchmarks/memory.py shows 4 + 4 + 12 bytes per parameter for fp32 Adam at one process)
+    rows = estimate_memory(param_count, world_size, estimate_precision, optimizer, rows=names, master_weights=True)
     row = recommend(rows, device_memory, cpu_memory, ranks_per_node, headroom)
     verdict = f"-> {row.name}: the fastest option whose model states fit" if row is not None else ""
     if row is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from strategies.deepspeed import DeepSpeedStrategy
+from strategies.deepspeed import DeepSpeedStrategy, local_state_bytes
 from strategies.errors import CheckpointError
 from trainer import Trainer, TrainingModule
 
@@ -70,13 +70,8 @@ def fit(strategy, config: str, root: Path, max_steps: int = STEPS, ckpt=None, mo
 
 def zero3_state_bytes(trainer) -> int:
     """Bytes of this rank's model parameters + optimizer state, read from the partitioned tensors."""
-    engine = trainer.model
-    params = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in engine.module.parameters())
-    ds_opt = engine.optimizer
-    master = sum(t.numel() * t.element_size() for t in ds_opt.fp32_partitioned_groups_flat)
-    states = sum(v.numel() * v.element_size() for s in ds_opt.optimizer.state.values() for v in s.values()
-                 if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return params + master + states
+    state = local_state_bytes(trainer.model)
+    return state["params"] + state["optimizer"]
 
 
 class Payload:

@@ -33,6 +33,12 @@ def test_generated_config_for_trainer_settings():
     }
 
 
+def test_reduce_bucket_is_capped_at_the_model_size():
+    assert generate_config(SETTINGS, ZERO, param_count=1000)["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert generate_config(SETTINGS, ZERO, param_count=10**10)["zero_optimization"]["reduce_bucket_size"] == 5 * 10**8
+    assert "reduce_bucket_size" not in generate_config(SETTINGS, ZeroSettings(stage=0), 1000)["zero_optimization"]
+
+
 def test_fp32_and_fp16_sections_and_no_clipping():
     fp32 = generate_config(TrainingSettings(), ZeroSettings(stage=1))
     assert (fp32["fp16"], fp32["bf16"], fp32["gradient_clipping"]) == ({"enabled": False}, {"enabled": False}, 0.0)
@@ -128,7 +134,7 @@ def test_strategy_reads_the_settings_the_trainer_sets_before_setup(tmp_path):
     config = strategy.build_config(nn.Linear(2, 2))
     assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (8, 2)  # world size 1
     assert (config["gradient_clipping"], config["bf16"]["enabled"]) == (0.5, True)
-    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True,
+    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 6,
                                            "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     with pytest.raises(ConfigurationError, match="accumulate_grad_batches"):
         DeepSpeedStrategy(config={"gradient_accumulation_steps": 2}).build_config(nn.Linear(2, 2))

@@ -89,6 +89,8 @@ def test_choose_deepspeed_for_stage_auto():
     assert row.options == {"stage": 3, "offload_optimizer": True}  # 2 bytes/8 ranks on device, rest on host
     row, text = choose_deepspeed(10**9, 2, "32", "adam", 10**9, None)  # training on the CPU: no offload rows
     assert row.name == "ZeRO-3" and "nothing fits" in text and "offload opt" not in text
+    assert row.optimizer == 12 * 10**9 // 2  # DeepSpeed's fp32 master partition counted on top of Adam's 8 bytes
+    assert bytes_per_param("32", "adam", master_weights=True) == (4, 4, 12)
     assert {r for r in DEEPSPEED_ROWS} <= set(SPEED_ORDER)
 
 
