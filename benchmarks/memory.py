@@ -56,6 +56,23 @@ ROWS: List[Row] = [
 ]
 
 
+def make_zero(stage: int) -> Callable:
+    def make():
+        from strategies import DeepSpeedStrategy
+        return DeepSpeedStrategy(stage=stage)
+    return make
+
+
+def deepspeed_rows() -> List[Row]:
+    """DeepSpeed ZeRO-1/2/3 in fp32 and bf16-mixed (measured by ``measure_deepspeed``)."""
+    STRATEGIES.update({f"zero{stage}": make_zero(stage) for stage in (1, 2, 3)})
+    return [Row(f"DeepSpeed ZeRO-{stage}", f"zero{stage}", precision, stage)
+            for precision in ("32", "bf16-mixed") for stage in (1, 2, 3)]
+
+
+ROWS += deepspeed_rows()
+
+
 def formula_bytes(row: Row, n_params: int, nproc: int) -> float:
     p, g, k = ADAM_BYTES[row.precision]
     divided = {0: (), 1: ("k",), 2: ("g", "k"), 3: ("p", "g", "k")}[row.zero_stage]
@@ -91,6 +108,9 @@ def build_model(dim: int, layers: int):
 def measure(row: Row, dim: int, layers: int) -> Dict[str, int]:
     import torch
 
+    if row.strategy.startswith("zero"):
+        return measure_deepspeed(row, dim, layers)
+
     from strategies.fsdp import local_state_bytes
     from trainer import Accelerator
 
@@ -107,6 +127,31 @@ def measure(row: Row, dim: int, layers: int) -> Dict[str, int]:
     optimizer.step()
     state = local_state_bytes(acc.unwrap_model(model), [optimizer.optimizer])
     optimizer.zero_grad()
+    return {**state, "n_params": n_params}
+
+
+def measure_deepspeed(row: Row, dim: int, layers: int) -> Dict[str, int]:
+    """DeepSpeed wraps the optimizer at prepare time and frees gradients inside its step, so: one
+    full step (Adam's states exist), then count after the second backward, before its step."""
+    import torch
+
+    from strategies.deepspeed import local_state_bytes
+    from trainer import Accelerator
+
+    torch.manual_seed(0)
+    model = build_model(dim, layers)
+    n_params = sum(p.numel() for p in model.parameters())
+    acc = Accelerator(strategy=STRATEGIES[row.strategy](), precision=row.precision)
+    model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randn(8, dim, device=acc.device)
+    for step in range(2):
+        with acc.autocast():
+            loss = model(x).float().pow(2).mean()
+        acc.backward(loss)
+        if step == 1:
+            state = local_state_bytes(model)
+        optimizer.step()
+        optimizer.zero_grad()
     return {**state, "n_params": n_params}
 
 
@@ -169,6 +214,10 @@ def main() -> None:
           "gradients; the bf16 copies are transient (autocast's per-op casts, FSDP's gathered unit), so the "
           "measured 4+4+8 split sums to the formula's 2+2+12 = 16 bytes per parameter. Not counted: "
           "activations, DDP's gradient buckets, FSDP's gathered parameters during forward/backward.")
+    print("DeepSpeed rows are counted between backward and step (its step frees the gradient partitions), once per "
+          "storage. Its ZeRO optimizers keep an fp32 master partition in every precision, so fp32 Adam measures "
+          "4 + 4 + 12 bytes per parameter at one process (1.25 x the paper's fp32 formula); ZeRO-1 here reduces "
+          "gradients into partitions during backward, like ZeRO-2. Not counted: the reduction buckets.")
 
 
 if __name__ == "__main__":
