@@ -116,7 +116,9 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     """ZeRO data parallelism through DeepSpeed. ``stage``: 0-3 or "auto" (chosen from the memory
     estimate, see ``strategies.memory_estimate``). ``offload_optimizer`` / ``offload_parameters``
     (stage 3) move state to ``offload_device`` ("cpu" or "nvme" under ``nvme_path``).
-    ``config``: a DeepSpeed config dict or JSON path whose keys override the generated ones.
+    ``activation_checkpointing``: recompute activations in backward (torch's non-reentrant
+    checkpoint) for True = the repeated blocks, a set of module classes / class names, or a
+    callable ``(module, name) -> bool`` -- the same policies as ``FSDPStrategy``. ``config``: a DeepSpeed config dict or JSON path whose keys override the generated ones.
     ``zero_stage`` / ``offload_optimizer_device`` / ``offload_param_device`` ("none", "cpu",
     "nvme") are the launch-config spellings of the same settings (``trainforge config``)."""
 
@@ -125,7 +127,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     handles_accumulation = True   # engine.backward divides by gradient_accumulation_steps
 
     def __init__(self, stage: Union[int, str] = 2, offload_optimizer: bool = False, offload_parameters: bool = False,
-                 offload_device: str = "cpu", nvme_path: str = "/local_nvme", activation_checkpointing: bool = False,
+                 offload_device: str = "cpu", nvme_path: str = "/local_nvme", activation_checkpointing: Any = False,
                  config: Union[None, str, os.PathLike, Dict[str, Any]] = None, logging_level: int = logging.WARN, *,
                  zero_stage: Optional[int] = None, offload_optimizer_device: Optional[str] = None,
                  offload_param_device: Optional[str] = None, device: Optional[Union[torch.device, str]] = None,
@@ -145,8 +147,8 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                                      f"stage={stage!r}; pass stage=3 or drop the parameter offload")
         self.stage = stage
         self.zero = ZeroSettings(stage=stage if stage != "auto" else 2, offload_optimizer_device=opt_dev,
-                                 offload_param_device=param_dev, nvme_path=str(nvme_path),
-                                 activation_checkpointing=bool(activation_checkpointing))
+                                 offload_param_device=param_dev, nvme_path=str(nvme_path))
+        self.activation_checkpointing = activation_checkpointing
         given = [name for name, on in (("stage", stage not in (2, "auto")), ("offload_optimizer_device", opt_dev),
                                        ("offload_param_device", param_dev)) if on]
         self._zero_given = tuple(given)
@@ -182,6 +184,10 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         if getattr(scaler_owner, "scaler", None) is not None:
             scaler_owner.scaler = None  # DeepSpeed's fp16 section does the (dynamic) loss scaling
         self._check_nvme()
+        if self.activation_checkpointing not in (False, None):
+            from strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
+
+            apply_activation_checkpointing(module, select_modules(module, self.activation_checkpointing))
         engine, ds_optimizer, _, _ = self._ds.initialize(model=module, optimizer=optimizer, config=self.config,
                                                          dist_init_required=False)
         engine.checkpoint_engine.load = weights_only_load  # shadows DeepSpeed's weights_only=False load
@@ -227,11 +233,11 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                             offload_optimizer_device=self.zero.offload_optimizer_device or (
                                 "cpu" if opts.get("offload_optimizer") else None),
                             offload_param_device=self.zero.offload_param_device or (
-                                "cpu" if opts.get("offload_parameters") else None),
-                            activation_checkpointing=self.zero.activation_checkpointing)
+                                "cpu" if opts.get("offload_parameters") else None))
 
     def _check_nvme(self) -> None:
-        if "nvme" in (self.zero.offload_optimizer_device, self.zero.offload_param_device):
+        zero = self.config.get("zero_optimization", {}) if self.config else {}
+        if "nvme" in (zero.get("offload_optimizer", {}).get("device"), zero.get("offload_param", {}).get("device")):
             compatible = getattr(self._ds.ops, "__compatible_ops__", {})
             if not compatible.get("async_io", False):
                 raise ConfigurationError("offload_device='nvme' needs DeepSpeed's async_io op, which this deepspeed "

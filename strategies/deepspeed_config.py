@@ -53,7 +53,6 @@ class ZeroSettings:
     offload_optimizer_device: Optional[str] = None  # None: no offload; else "cpu" | "nvme"
     offload_param_device: Optional[str] = None
     nvme_path: str = "/local_nvme"
-    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,11 +114,6 @@ def generate_config(settings: TrainingSettings, zero: ZeroSettings, param_count:
         "steps_per_print": QUIET_STEPS,
         "wall_clock_breakdown": False,
     }
-    if zero.activation_checkpointing:
-        config["activation_checkpointing"] = {"partition_activations": zero.stage == 3,
-                                              "cpu_checkpointing": zero.offload_param_device is not None,
-                                              "contiguous_memory_optimization": False,
-                                              "synchronize_checkpoint_boundary": False}
     return config
 
 

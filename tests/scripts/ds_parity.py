@@ -162,6 +162,9 @@ def main() -> None:
         resumed.save_weights(str(out / "weights" / f"zero{stage}-B-resumed"))
         result["timings"][f"zero{stage}-resume"] = time.time() - start
     result["safety"] = safety_checks(out, resumed, Path(ckpt), rank)
+    trainer, module = fit(DeepSpeedStrategy(stage=3, activation_checkpointing={nn.Linear}), "A", root)
+    wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in module.modules())
+    result["runs"]["zero3-A-checkpointed"] = {"losses": module.losses, "wrapped": wrapped}
     result.update(memory_run(root))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 

@@ -105,6 +105,15 @@ def test_save_load_continue_equals_uninterrupted(results, stage):
 
 
 @pytest.mark.slow
+def test_activation_checkpointing_recomputes_without_changing_the_losses(results):
+    _, ranks, _ = results
+    for rank in ranks:
+        run = rank["runs"]["zero3-A-checkpointed"]
+        assert run["wrapped"] == 2  # both Linear layers of the net
+        assert _max_rel(rank["runs"]["ddp-A"]["losses"], run["losses"]) <= 1e-5
+
+
+@pytest.mark.slow
 def test_zero3_state_per_rank_halves_with_two_processes(results):
     _, ranks, one = results
     for rank in ranks:
