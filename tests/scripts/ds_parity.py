@@ -162,6 +162,13 @@ def main() -> None:
         resumed.save_weights(str(out / "weights" / f"zero{stage}-B-resumed"))
         result["timings"][f"zero{stage}-resume"] = time.time() - start
     result["safety"] = safety_checks(out, resumed, Path(ckpt), rank)
+    for name, kwargs in (("zero2-offload", {"stage": 2, "offload_optimizer": True}),
+                         ("zero3-offload-all", {"stage": 3, "offload_optimizer": True, "offload_parameters": True})):
+        trainer, module = fit(DeepSpeedStrategy(**kwargs), "B", root)
+        zero = trainer.strategy.config["zero_optimization"]
+        result["runs"][f"{name}-B"] = {"losses": module.losses, "lrs": module.lrs,
+                                       "offload": [zero.get(k, {}).get("device") for k in ("offload_optimizer",
+                                                                                          "offload_param")]}
     trainer, module = fit(DeepSpeedStrategy(stage=3, activation_checkpointing={nn.Linear}), "A", root)
     wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in module.modules())
     result["runs"]["zero3-A-checkpointed"] = {"losses": module.losses, "wrapped": wrapped}

@@ -105,6 +105,16 @@ def test_save_load_continue_equals_uninterrupted(results, stage):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name, devices", [("zero2-offload", ["cpu", None]), ("zero3-offload-all", ["cpu", "cpu"])])
+def test_cpu_offload_matches_ddp(results, name, devices):
+    _, ranks, _ = results
+    for rank in ranks:
+        run, ddp = rank["runs"][f"{name}-B"], rank["runs"]["ddp-B"]
+        assert run["offload"] == devices  # what the generated config asked DeepSpeed for
+        assert _max_rel(ddp["losses"], run["losses"]) <= 1e-5 and run["lrs"] == ddp["lrs"]
+
+
+@pytest.mark.slow
 def test_activation_checkpointing_recomputes_without_changing_the_losses(results):
     _, ranks, _ = results
     for rank in ranks:
