@@ -76,6 +76,9 @@ class Accelerator:
     # ---- prepare ---------------------------------------------------------------------------------
     def prepare(self, *objects: Any) -> Any:
         """Models, optimizers, schedulers and dataloaders, in any order; returns them in that order."""
+        loaders = [o for o in objects if isinstance(o, torch.utils.data.DataLoader)]
+        if loaders and getattr(self.strategy, "micro_batch_size", None) is None:
+            self.strategy.micro_batch_size = loaders[0].batch_size  # before setup: DeepSpeed's config needs it
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         if len(models) > 1 and self.strategy.world_size > 1 and optimizers:
