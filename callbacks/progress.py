@@ -66,7 +66,7 @@ class ProgressBar(Callback):
         out: Dict[str, str] = {}
         loss = _loss_of(outputs)
         if loss is not None:
-            out["loss"] = f"{float(loss):.4g}"
+            out["loss"] = f"{float(loss.detach() if hasattr(loss, 'detach') else loss):.4g}"
         for name, value in trainer._metrics["train"].prog_bar.items():
             out[name] = f"{float(value):.4g}"
         return out
