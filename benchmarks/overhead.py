@@ -4,8 +4,9 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/overhead.py --ddp
     python benchmarks/overhead.py --profile trainer      # where the Trainer's time goes (cProfile)
 
-One small MLP (a raw step of about 1 ms on one CPU thread), the same in-memory data (the dataset
-returns whole batches through ``__getitems__``, ``num_workers=0``), AdamW, fp32. Three loops:
+One small MLP (64-128-128-10, batch 64: a raw step of about 1-2 ms on one CPU thread), the same
+in-memory data (the dataset returns whole batches through ``__getitems__``, ``num_workers=0``),
+AdamW, fp32. Three loops:
 
   raw          plain PyTorch (DistributedDataParallel + DistributedSampler with ``--ddp``)
   accelerator  the same loop after the five-line conversion (prepare / accumulate / backward)
@@ -14,7 +15,8 @@ returns whole batches through ``__getitems__``, ``num_workers=0``), AdamW, fp32.
                checkpoint, ``self.log`` of the loss every step
 
 Each loop timestamps the start of step ``warmup`` and of step ``warmup + steps`` with
-``time.perf_counter``, so a step time covers everything between two steps (data, loop, hooks).
+``time.perf_counter`` (wall) and ``time.process_time`` (CPU time of the process, all threads), so
+a step time covers everything between two steps (data, loop, hooks).
 Repeats are interleaved (the order rotates) and medians reported; the ratio to raw is also the
 median of per-repeat ratios, which is robust to the machine's load drifting between repeats.
 Targets: trainer/raw <= 1.03, accelerator/raw <= 1.01. Timings are printed, never asserted.
@@ -282,8 +284,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=30, help="untimed steps before the timed ones")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--d-in", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--d-in", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a busy machine)")
     p.add_argument("--profile", choices=("accelerator", "trainer"), default=None,

@@ -246,7 +246,8 @@ def report(times: Dict[Tuple[str, str], List[float]], args: argparse.Namespace, 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GPT-2 training throughput: raw loop vs Accelerator vs Trainer")
-    p.add_argument("--small", action="store_true", help="tiny GPT-2 config, short sequences, few steps (CPU smoke test)")
+    p.add_argument("--small", action="store_true",
+                   help="tiny GPT-2 config, short sequences, few steps (a CPU smoke test)")
     p.add_argument("--batch-size", type=int, default=None, help="default 16 (--small: 4)")
     p.add_argument("--seq-len", type=int, default=None, help="default 1024 (--small: 64)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 30; --small: 4)")

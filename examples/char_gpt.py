@@ -29,8 +29,8 @@ from trainer import ConfigurationError, Trainer, TrainingModule, seed_everything
 class LitCharGPT(TrainingModule):
     """The model, its steps and its optimizer. ``val_history`` keeps ``(step, val/loss)`` pairs."""
 
-    def __init__(self, cfg: GPTConfig, lr: float = 2e-3, weight_decay: float = 0.1, warmup_steps: int = 50,
-                 max_steps: int = 500) -> None:
+    def __init__(self, cfg: GPTConfig, lr: float = 2e-3, weight_decay: float = 0.1, warmup_steps: int = 40,
+                 max_steps: int = 400) -> None:
         super().__init__()
         self.save_hyperparameters("lr", "weight_decay", "warmup_steps", "max_steps", **asdict(cfg))
         self.net = CharGPT(cfg)
@@ -103,7 +103,7 @@ def make_tracker(choice: str) -> Callback:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-steps", type=int, default=500, help="optimizer steps (default sized for ~2 min on "
+    p.add_argument("--max-steps", type=int, default=400, help="optimizer steps (default: about 2 min on "
                    "2 CPU processes)")
     p.add_argument("--batch-size", type=int, default=32, help="per process")
     p.add_argument("--precision", default=None, help="32, bf16-mixed, 16-mixed (GPU), bf16-true ... "

@@ -70,3 +70,31 @@ def test_char_gpt_two_processes_through_trainforge_launch(tmp_path):
     out = run(["-m", "trainer", "launch", "--nproc-per-node", "2", EXAMPLE, *TINY, "--root-dir", tmp_path / "run"],
               tmp_path, timeout=180)
     check_run(tmp_path / "run", out, world_size=2)
+
+
+def table_rows(output, first_column):
+    """{loop: [numbers]} from the rows of a printed benchmark table."""
+    rows = {}
+    for line in output.splitlines():
+        parts = line.split()
+        if parts and parts[0] in first_column:
+            rows.setdefault(parts[0], []).append([float(p.replace(",", "")) for p in parts[1:] if
+                                                  re.fullmatch(r"-?[0-9][0-9,]*\.?[0-9]*", p)])
+    return rows
+
+
+@pytest.mark.slow
+def test_benchmarks_run_and_report_every_loop(tmp_path):
+    """Smoke: both benchmarks run end to end on CPU (timings are printed, never asserted)."""
+    loops = ("raw", "accelerator", "trainer")
+    out = run([ROOT / "benchmarks" / "overhead.py", "--repeats", "1", "--warmup-repeats", "0", "--steps", "5",
+               "--warmup", "2"], tmp_path, timeout=120)
+    rows = table_rows(out, loops)
+    assert set(rows) == set(loops), out
+    for loop in loops:  # a wall-time and a CPU-time row, each with a positive median step time
+        assert len(rows[loop]) == 2 and all(r[0] > 0 for r in rows[loop]), out
+    out = run([ROOT / "benchmarks" / "throughput.py", "--small", "--modes", "eager", "--steps", "2", "--warmup", "1"],
+              tmp_path, timeout=180)
+    rows = table_rows(out, loops)
+    assert set(rows) == set(loops), out
+    assert all(r[0][0] > 0 and r[0][1] > 0 for r in rows.values()), out  # ms/step and tokens/s
