@@ -136,3 +136,11 @@ def test_progress_bar_on_a_terminal(tmp_path):
 def test_disabled_progress_bar_prints_nothing(tmp_path, capsys):
     run(tmp_path, val=False, max_epochs=1)
     assert "it/s" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compile_compiles_submodules_and_trains(tmp_path):
+    module = Regressor(make_net())
+    run(tmp_path, module=module, val=False, max_epochs=1, compile=True)
+    assert module.net._compiled_call_impl is not None  # nn.Module.compile() in place: training_step uses it
+    assert float(module.losses[-1]) < float(module.losses[0])
