@@ -152,6 +152,9 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
     def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
         if self.comm_hook is None:
             return
+        if self.comm_hook == "bf16" and dist.get_backend() != "nccl":
+            raise ConfigurationError(f"comm_hook='bf16' compresses gradients with NCCL only; this process group "
+                                     f"uses {dist.get_backend()!r}. Use comm_hook='fp16' here, or run on CUDA GPUs")
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(

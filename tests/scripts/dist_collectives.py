@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from strategies import ConfigurationError, DDPStrategy  # noqa: E402
 from trainer import Accelerator  # noqa: E402
 
 
@@ -19,6 +20,22 @@ class Indices(Dataset):
 
     def __getitem__(self, i):
         return torch.tensor(i), {"double": torch.tensor(2 * i)}
+
+
+def fp16_hook_trains_in_step():
+    """DDP with fp16 gradient compression: a few SGD steps, then the ranks' weights must agree."""
+    acc = Accelerator(strategy=DDPStrategy(comm_hook="fp16"))
+    net = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, opt = acc.prepare(net, opt)
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step * 10 + acc.process_index))
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    both = acc.gather(weights.unsqueeze(0))
+    return bool(torch.equal(both[0], both[1])) and not torch.equal(weights, torch.zeros_like(weights))
 
 
 def main(out):
@@ -44,6 +61,12 @@ def main(out):
     }
     with acc.split_between_processes(list(range(5))) as part:
         result["split"] = acc.strategy.all_gather_object(part)
+    result["fp16_hook_weights_agree"] = fp16_hook_trains_in_step()
+    try:
+        Accelerator(strategy=DDPStrategy(comm_hook="bf16")).prepare(torch.nn.Linear(2, 2))
+        result["bf16_hook_error"] = None
+    except ConfigurationError as exc:
+        result["bf16_hook_error"] = str(exc)
     if acc.is_main_process:
         with open(out, "w") as f:
             json.dump(result, f)

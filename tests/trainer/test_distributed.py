@@ -48,6 +48,8 @@ def test_gather_for_metrics_counts_each_sample_once_and_collectives(tmp_path):
     assert r["broadcast"] == {"from": 1}
     assert r["padded"] == [0, 1, -1, 0, 1, 2]
     assert r["split"] == [[0, 1, 2], [3, 4]]
+    assert r["fp16_hook_weights_agree"] is True
+    assert "comm_hook='bf16'" in r["bf16_hook_error"] and "'gloo'" in r["bf16_hook_error"]
 
 
 def _parity_in_notebook(out_dir: str) -> None:
