@@ -1,14 +1,13 @@
 """The README's example (examples/char_gpt.py) trains for real: a tiny model for a few steps on one
 process and on two (DDP over gloo, started by `trainforge launch`), as subprocesses."""
 import csv
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "char_gpt.py"
@@ -19,19 +18,8 @@ TINY = ["--max-steps", "30", "--eval-every", "10", "--n-layer", "1", "--n-embd",
 
 def run(args, cwd, timeout):
     """Run a command in its own process group; the whole group is killed on timeout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 busy cores: oversubscribed threads crawl
-    env.pop("TRAINFORGE_LAUNCH_CONFIG", None)
-    env["XDG_CONFIG_HOME"] = str(cwd / "xdg")  # no user launch config
-    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{args} did not finish in {timeout} s; output:\n{out}")
-    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{out}"
-    return out
+    env = procs.test_env(XDG_CONFIG_HOME=str(cwd / "xdg"))  # no user launch config
+    return procs.run([sys.executable, *map(str, args)], cwd=cwd, env=env, timeout=timeout).stdout
 
 
 def losses(output):

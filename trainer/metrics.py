@@ -6,7 +6,7 @@ they become floats only at report points (every ``log_every_n_steps`` and at epo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 

@@ -195,7 +195,7 @@ class Trainer:
         return self.should_stop or (max_steps >= 0 and self.progress.global_step >= max_steps)
 
     def _train_batch(self, batch: Any, batch_idx: int) -> None:
-        acc, cfg, p = self.accelerator, self.config, self.progress
+        acc, p = self.accelerator, self.progress
         self._batch, self._running = batch, "train"
         self._fire(Event.BATCH_START, batch, batch_idx)
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 from callbacks import ModelCheckpoint

@@ -6,13 +6,12 @@ The test runs this file itself as the training script under ``torch.distributed.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import procs
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 240
@@ -70,21 +69,8 @@ def test_two_process_fit_only_rank_zero_writes_and_sync_dist_is_the_mean(tmp_pat
     from tests.callbacks.test_trackers_csv import read_csv
 
     uri = mlflow_store(tmp_path_factory, tmp_path / "mlflow.db")  # the default store, already migrated
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"2-process fit timed out after {LAUNCH_TIMEOUT_S}s:\n{output[-5000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-5000:]
+    procs.run(procs.torchrun(__file__, tmp_path), env=procs.test_env(MASTER_ADDR="127.0.0.1"),
+              timeout=LAUNCH_TIMEOUT_S)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world_size"] == 2
 

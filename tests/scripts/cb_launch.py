@@ -9,35 +9,19 @@ import atexit
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict
 
 SCRIPTS = Path(__file__).resolve().parent
+from tests.helpers import procs
 
 
 def torchrun(script: str, out_dir: Path, nproc: int = 2, timeout: float = 90.0) -> Dict[str, Any]:
     """``{file stem: parsed JSON}`` of what the ranks wrote; raises with the output on failure."""
-    env = dict(os.environ, CB_OUT=str(out_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               MASTER_ADDR="127.0.0.1", PYTHONPATH=os.pathsep.join([str(SCRIPTS.parent.parent), str(SCRIPTS)]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(SCRIPTS / script)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"{script} timed out after {timeout}s:\n{output[-6000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} failed with exit code {proc.returncode}:\n{output[-6000:]}")
+    env = procs.test_env(CB_OUT=str(out_dir), MASTER_ADDR="127.0.0.1",
+                         PYTHONPATH=os.pathsep.join([str(SCRIPTS.parent.parent), str(SCRIPTS)]))
+    output = procs.run(procs.torchrun(SCRIPTS / script, nproc=nproc), env=env, timeout=timeout).stdout
     results = {p.stem: json.loads(p.read_text()) for p in out_dir.glob("*.json")}
     results["_output"] = output
     return results

@@ -40,7 +40,7 @@ def fp16_hook_trains_in_step():
 
 def main(out):
     acc = Accelerator()
-    rank, world = acc.process_index, acc.num_processes
+    rank = acc.process_index
     loader = acc.prepare(DataLoader(Indices(13), batch_size=4))
     seen, doubled, per_rank = [], [], []
     for idx, extra in loader:

@@ -101,7 +101,7 @@ def test_save_model_loads_with_transformers_from_pretrained(tmp_path):
 
 def test_load_state_of_a_corrupted_file_names_it(tmp_path):
     acc = Accelerator()
-    model = acc.prepare(make_net())
+    acc.prepare(make_net())
     acc.save_state(str(tmp_path / "s"))
     target = tmp_path / "s" / "trainer_state.pt"
     target.write_bytes(target.read_bytes()[:20])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,15 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import procs
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(script: str, *args: str, nproc: int = 2, timeout: int = 180, extra=()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", str(nproc), *extra, str(SCRIPTS / script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
+def launch(script: str, *args: str, nproc: int = 2, timeout: int = 180):
+    return procs.run(procs.trainforge_launch(SCRIPTS / script, *args, nproc=nproc), timeout=timeout)
 
 
 @pytest.mark.slow

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 from callbacks import Callback

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainer import Trainer

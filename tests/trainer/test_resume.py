@@ -5,13 +5,14 @@ CPU, fp32, shuffle on, num_workers=2, dropout on."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.helpers import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "resume_run.py"
@@ -25,12 +26,10 @@ def run(tmp: Path, name: str, *args: str, nproc: int = 1, killed: bool = False, 
     if nproc == 1 and not launch_args:
         cmd = [sys.executable, *script_args]
     else:
-        cmd = [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", str(nproc), *launch_args, *script_args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+        cmd = procs.trainforge_launch(script_args[0], *script_args[1:], nproc=nproc, launch_args=launch_args)
+    proc = procs.run(cmd, timeout=240, check=not killed)
     if killed:
         assert proc.returncode != 0, "the run was supposed to be killed"
-    else:
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     return record
 
 
