@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from callbacks import Callback, ModelCheckpoint
-from char_gpt_model import CharGPT, CharTokenizer, GPTConfig, load_corpus, split_datasets
+from char_gpt_model import CharGPT, CharTokenizer, GPTConfig, generate, load_corpus, split_datasets
 from trainer import ConfigurationError, Trainer, TrainingModule, seed_everything
 
 
@@ -36,6 +36,11 @@ class LitCharGPT(TrainingModule):
         self.net = CharGPT(cfg)
         self.lr, self.weight_decay, self.warmup_steps, self.max_steps = lr, weight_decay, warmup_steps, max_steps
         self.val_history: List[Tuple[int, float]] = []
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for ``idx`` (used for sampling)."""
+        logits, _ = self.net(idx)
+        return logits
 
     def training_step(self, batch: Tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -163,6 +168,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     if module.val_history:
         step, loss = module.val_history[-1]
         result.update(final_val_loss=loss, final_val_step=float(step))
+    # Every process generates (the same seeded text) through the module's own forward: with sharded
+    # strategies (fsdp, deepspeed stage 3) a forward pass needs all processes and the outer module.
+    text = sample(module, tokenizer, args.prompt, args.sample_chars, args.seed) if args.sample_chars > 0 else ""
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())
         print(f"char_gpt: {n_params / 1e6:.2f}M parameters, vocab {tokenizer.vocab_size}, "
@@ -173,19 +181,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
             print(f"char_gpt: final val loss {result['final_val_loss']:.4f} at step {int(result['final_val_step'])}")
         else:
             print(f"char_gpt: no validation ran (training was already complete at step {trainer.global_step})")
-        if args.sample_chars > 0:
-            print("char_gpt: sample:\n" + sample(module.net, tokenizer, args.prompt, args.sample_chars, args.seed))
+        if text:
+            print("char_gpt: sample:\n" + text)
     trainer.accelerator.end_training()  # leave the process group (a no-op on one process)
     return result
 
 
-def sample(net: CharGPT, tokenizer: CharTokenizer, prompt: str, length: int, seed: int) -> str:
+def sample(module: LitCharGPT, tokenizer: CharTokenizer, prompt: str, length: int, seed: int) -> str:
     """``length`` characters after ``prompt``, top-k sampled with a seeded generator."""
-    net.eval()
+    module.eval()
     generator = torch.Generator().manual_seed(seed)
-    device = next(net.parameters()).device
-    idx = tokenizer.encode(prompt).unsqueeze(0).to(device)
-    out = net.generate(idx, length, temperature=0.8, top_k=10, generator=generator)
+    idx = tokenizer.encode(prompt).unsqueeze(0).to(module.device)
+    out = generate(module, idx, length, module.net.cfg.block_size, temperature=0.8, top_k=10, generator=generator)
     return tokenizer.decode(out[0].tolist())
 
 

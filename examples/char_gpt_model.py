@@ -192,21 +192,25 @@ class CharGPT(nn.Module):
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled ids to ``idx`` (``[B, T]``); ``temperature=0`` is greedy."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx
+
+@torch.no_grad()
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, block_size: int, temperature: float = 1.0,
+             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Append ``max_new_tokens`` sampled ids to ``idx`` (``[B, T]``); ``temperature=0`` is greedy.
+
+    ``model(ids)`` returns logits ``[B, T, V]`` (or a tuple that starts with them). Call it with the
+    outermost module a strategy prepared, so that sharded parameters (FSDP) are gathered first."""
+    for _ in range(max_new_tokens):
+        out = model(idx[:, -block_size:])
+        logits = (out[0] if isinstance(out, tuple) else out)[:, -1, :].float()
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
