@@ -1,5 +1,5 @@
-"""The README's example (examples/char_gpt.py) trains for real: a tiny model for a few steps on one
-process and on two (DDP over gloo, started by `trainforge launch`), as subprocesses."""
+"""The examples train for real (a tiny model for a few steps, on one process and on two: DDP over
+gloo started by `trainforge launch`), and the benchmarks run end to end, as subprocesses."""
 import csv
 import re
 import sys
@@ -58,6 +58,31 @@ def test_char_gpt_two_processes_through_trainforge_launch(tmp_path):
     out = run(["-m", "trainer", "launch", "--nproc-per-node", "2", EXAMPLE, *TINY, "--root-dir", tmp_path / "run"],
               tmp_path, timeout=180)
     check_run(tmp_path / "run", out, world_size=2)
+
+
+CONVERTED = ROOT / "examples" / "raw_loop_to_accelerator.py"
+CONVERTED_TINY = ["--steps", "40", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16"]
+
+
+def check_converted(output, state, world_size):
+    found = re.search(r"(\d) process\(es\), val loss ([0-9.]+) -> ([0-9.]+) after (\d+) steps", output)
+    assert found, output
+    assert int(found.group(1)) == world_size and int(found.group(4)) == 40
+    assert float(found.group(3)) < float(found.group(2)) - 0.5, output
+    assert (state / "model.safetensors").is_file() and (state / "metadata.json").is_file()
+    assert {p.name for p in state.glob("rng_rank*.pt")} == {f"rng_rank{r}.pt" for r in range(world_size)}
+
+
+def test_raw_loop_converted_to_accelerator_one_process(tmp_path):
+    out = run([CONVERTED, *CONVERTED_TINY, "--save-dir", tmp_path / "state"], tmp_path, timeout=120)
+    check_converted(out, tmp_path / "state", world_size=1)
+
+
+@pytest.mark.slow
+def test_raw_loop_converted_to_accelerator_two_processes_with_accumulation(tmp_path):
+    out = run(["-m", "trainer", "launch", "--nproc-per-node", "2", CONVERTED, *CONVERTED_TINY, "--grad-accum", "2",
+               "--save-dir", tmp_path / "state"], tmp_path, timeout=180)
+    check_converted(out, tmp_path / "state", world_size=2)
 
 
 def table_rows(output, first_column):
