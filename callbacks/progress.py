@@ -24,6 +24,7 @@ class ProgressBar(Callback):
         self.refresh_every_n_steps = refresh_every_n_steps
         self.stream = stream
         self._bar: Any = None
+        self._pending = 0  # batches not yet handed to tqdm
         self._last_step = 0
         self._t0 = 0.0
 
@@ -48,8 +49,12 @@ class ProgressBar(Callback):
             return
         every = self.refresh_every_n_steps or trainer.log_every_n_steps
         if self._bar is not None:
-            self._bar.update(1)
-            if trainer.global_step % every == 0 and trainer.global_step != self._last_step:
+            self._pending += 1  # tqdm.update costs a few us: hand it the count in chunks
+            refresh = trainer.global_step % every == 0 and trainer.global_step != self._last_step
+            if refresh or self._pending >= 8:
+                self._bar.update(self._pending)
+                self._pending = 0
+            if refresh:
                 self._last_step = trainer.global_step
                 self._bar.set_postfix(self._postfix(trainer, outputs), refresh=False)
             return
@@ -79,5 +84,8 @@ class ProgressBar(Callback):
 
     def _close(self) -> None:
         if self._bar is not None:
+            if self._pending:
+                self._bar.update(self._pending)
+                self._pending = 0
             self._bar.close()
             self._bar = None

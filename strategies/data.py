@@ -28,6 +28,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler as _TorchdataRan
 from .data_sampler import (
     KEEP_POSITION,
     ResumableDistributedSampler,
+    WholeBatchSampler,
     as_sampler_state,
     epoch_length,
 )
@@ -62,6 +63,11 @@ class ResumableDataLoader(StatefulDataLoader):
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             super().__init__(dataset, **kwargs)
         self.rank, self.world_size, self.kind = rank, world_size, kind
+        if kind == "map" and WholeBatchSampler is not None and self.batch_size is not None:
+            # torchdata builds batches one index at a time in Python; ours takes whole batches and
+            # keeps torchdata's state format. DataLoader forbids reassigning batch_sampler after
+            # __init__ (to protect a running iterator); none exists yet here.
+            object.__setattr__(self, "batch_sampler", WholeBatchSampler(self.sampler, self.batch_size, self.drop_last))
 
     @property
     def global_batch_size(self) -> int:

@@ -12,7 +12,9 @@ evaluation, where duplicates would skew metrics and no gradient all-reduce can h
 """
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import Any, Dict, Iterator, Optional, Sized
 
 import torch
@@ -62,8 +64,10 @@ class ResumableDistributedSampler(DistributedSampler):
         n = len(dataset)
         self.total_size = epoch_length(n, num_replicas, drop_last, pad)
         self.num_samples = len(range(rank, self.total_size, num_replicas))
-        self._consumed = 0   # global position of the current (or next) iteration
+        self._consumed = 0   # global position when no iteration is under way
         self._resume_at = 0  # one-shot start of the next __iter__, set by load_state_dict
+        self._it: Optional[Iterator[int]] = None  # this rank's indices of the iteration under way
+        self._start = self._end = self._count = 0
 
     # -- order ----------------------------------------------------------------------------
     def global_order(self) -> list:
@@ -83,20 +87,23 @@ class ResumableDistributedSampler(DistributedSampler):
         return indices + (indices * math.ceil(padding / n))[:padding]
 
     def __iter__(self) -> Iterator[int]:
-        # The start is read now (so a snapshot taken right after iter() is right) but the one-shot
-        # resume offset is cleared only once iteration really begins: StatefulDataLoader may call
-        # iter() on the sampler more than once while restoring, without pulling from it.
+        # This rank's indices are handed out by a C-level list iterator (the loader pulls one
+        # index at a time: a Python generator here cost ~0.6 us per sample); the position is
+        # computed from what is left in it only when state_dict() asks. The start is read now (a
+        # snapshot taken right after iter() is right) but the one-shot resume offset is cleared
+        # only when iteration really begins: StatefulDataLoader may call iter() on the sampler
+        # more than once while restoring, without pulling from it.
         start = min(self._resume_at, self.total_size)
-        self._consumed = start
-        return self._iterate(start)
-
-    def _iterate(self, start: int) -> Iterator[int]:
-        self._resume_at = 0
         order = self.global_order()
-        end = len(order)
-        for position in range(start + self.rank, end, self.num_replicas):
-            self._consumed = min(position - self.rank + self.num_replicas, end)
-            yield order[position]
+        mine = order[start + self.rank:len(order):self.num_replicas]
+        self._consumed, self._start, self._end, self._count = start, start, len(order), len(mine)
+        self._it = iter(mine)
+        return itertools.chain(self._clear_resume_offset(), self._it)
+
+    def _clear_resume_offset(self) -> Iterator[int]:
+        self._resume_at = 0
+        return
+        yield  # a generator: the line above runs when the first index is pulled
 
     def __len__(self) -> int:
         return self.num_samples
@@ -105,11 +112,12 @@ class ResumableDistributedSampler(DistributedSampler):
         if epoch != self.epoch:
             self._consumed = 0
             self._resume_at = 0
+            self._it = None
         self.epoch = epoch
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {SAMPLER_STATE_MARKER: 1, "epoch": self.epoch, "consumed": self._consumed,
+        return {SAMPLER_STATE_MARKER: 1, "epoch": self.epoch, "consumed": self.consumed,
                 "seed": self.seed, "num_replicas": self.num_replicas,
                 "dataset_len": len(self.dataset), "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "pad": self.pad}
@@ -150,11 +158,15 @@ class ResumableDistributedSampler(DistributedSampler):
         self.epoch = int(state["epoch"])
         self._resume_at = self.total_size if finished else consumed
         self._consumed = self._resume_at
+        self._it = None
 
     @property
     def consumed(self) -> int:
         """Global samples of this epoch handed out so far (including any prefetched ones)."""
-        return self._consumed
+        if self._it is None:
+            return self._consumed
+        taken = self._count - operator.length_hint(self._it)
+        return min(self._start + taken * self.num_replicas, self._end)
 
 
 def as_sampler_state(obj: Any) -> Optional[Dict[str, Any]]:
@@ -162,3 +174,29 @@ def as_sampler_state(obj: Any) -> Optional[Dict[str, Any]]:
     if isinstance(obj, dict) and obj.get(SAMPLER_STATE_MARKER) == 1:
         return obj
     return None
+
+
+try:  # torchdata's batch sampler (its iterator class is private, hence the guard)
+    from torchdata.stateful_dataloader.sampler import BatchSampler as _StatefulBatchSampler
+    from torchdata.stateful_dataloader.sampler import _BatchSamplerIterator
+except ImportError:  # pragma: no cover - another torchdata layout: keep torchdata's own
+    _StatefulBatchSampler = None
+
+
+if _StatefulBatchSampler is not None:
+    class _WholeBatchIterator(_BatchSamplerIterator):
+        """torchdata's batch iterator, with each batch taken by ``itertools.islice`` (C speed)
+        instead of a Python loop per index (~40 us per batch of 64). Same state, same restore."""
+
+        def __next__(self) -> list:
+            batch = list(itertools.islice(self.sampler_iter, self.batch_size))
+            self.samples_yielded += len(batch)
+            if not batch or (self.drop_last and len(batch) < self.batch_size):
+                raise StopIteration
+            return batch
+
+    class WholeBatchSampler(_StatefulBatchSampler):
+        def __iter__(self) -> Iterator[list]:
+            return _WholeBatchIterator(self.sampler, self.batch_size, self.drop_last)
+else:  # pragma: no cover
+    WholeBatchSampler = None

@@ -138,8 +138,7 @@ class Accelerator:
             loss = loss / self.gradient_accumulation_steps
         self.strategy.backward(loss, model if model is not None else (self._models[0] if self._models else None))
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: nn.Module) -> "_Accumulate":
         """Inside: gradients sync (and optimizers step) only on the window's last micro-batch or the
         dataloader's last batch."""
         self.step += 1
@@ -147,10 +146,7 @@ class Accelerator:
         if sync:
             self.step = 0
         self.gradient_state.sync_gradients = sync
-        with contextlib.ExitStack() as stack:
-            for model in models or self._models[:1]:
-                stack.enter_context(self.strategy.no_backward_sync(model, enabled=not sync))
-            yield
+        return _Accumulate(self.strategy, models or self._models[:1], skip_sync=not sync)
 
     def autocast(self) -> Any:
         return self.precision.autocast()
@@ -253,21 +249,49 @@ class Accelerator:
     def run_step(self, model: nn.Module, method: str, *args: Any) -> Any:
         """Call ``module.<method>(*args)`` through the prepared model's ``forward``, so wrappers that act
         in forward (DDP's reducer, FSDP's parameter gathering) see it."""
+        return self.step_function(model, method)(*args)
+
+    def step_function(self, model: nn.Module, method: str) -> Callable[..., Any]:
+        """``run_step(model, method, ...)`` as one callable, built once (the Trainer calls it per batch)."""
         user = self.unwrap_model(model)
         step: Callable = getattr(user, method)
         if model is user and not getattr(self.strategy, "redirect_forward", False):
-            return step(*args)
-        original = user.__dict__.get("forward")
+            return step
 
-        def redirected(*a: Any, **k: Any) -> Any:
-            _restore_forward(user, original)
-            return step(*a, **k)
+        def through_forward(*args: Any) -> Any:
+            original = user.__dict__.get("forward")
 
-        user.forward = redirected
-        try:
-            return model(*args)
-        finally:
-            _restore_forward(user, original)
+            def redirected(*a: Any, **k: Any) -> Any:
+                _restore_forward(user, original)
+                return step(*a, **k)
+
+            user.forward = redirected
+            try:
+                return model(*args)
+            finally:
+                _restore_forward(user, original)
+
+        return through_forward
+
+
+class _Accumulate:
+    """``accumulate``'s context: enters the strategy's no-sync context only when this micro-batch
+    does not sync (a class, not a generator: it runs once per micro-batch)."""
+
+    __slots__ = ("strategy", "models", "skip_sync", "stack")
+
+    def __init__(self, strategy: Strategy, models: Any, skip_sync: bool) -> None:
+        self.strategy, self.models, self.skip_sync, self.stack = strategy, models, skip_sync, None
+
+    def __enter__(self) -> None:
+        if self.skip_sync:
+            self.stack = contextlib.ExitStack()
+            for model in self.models:
+                self.stack.enter_context(self.strategy.no_backward_sync(model, enabled=True))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stack is not None:
+            self.stack.__exit__(*exc)
 
 
 def _restore_forward(module: nn.Module, original: Any) -> None:

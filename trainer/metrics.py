@@ -31,7 +31,9 @@ class MetricStore:
             batch_size: int) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"log name={name!r} must be a non-empty string")
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            tensor = value.detach()
+        elif isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ConfigurationError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; "
                                          "log a scalar (e.g. value.mean())")

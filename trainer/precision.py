@@ -14,6 +14,7 @@ from torch import nn
 from strategies.errors import ConfigurationError
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
+_NO_AUTOCAST = contextlib.nullcontext()
 ALIASES = {"no": "32", "fp32": "32", "32-true": "32", "32": "32", "fp16": "16-mixed", "16": "16-mixed",
            "16-mixed": "16-mixed", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
            "fp8": "fp8"}
@@ -53,7 +54,7 @@ class Precision:
     def autocast(self) -> ContextManager:
         dtype = self.autocast_dtype
         if dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST  # reusable: called once per step
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def convert_module(self, module: nn.Module) -> nn.Module:

@@ -4,6 +4,7 @@ precision, accumulation and checkpointing with users of the thin API."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -67,8 +68,11 @@ class Trainer:
         self._metrics = {"train": MetricStore(), "val": MetricStore()}
         self._running = "train"
         self._batch: Any = None
-        self._listeners: Dict[Event, List[Any]] = {}
+        self._listeners: Dict[Event, List[Any]] = {event: [] for event in Event}
+        self._training_step: Any = None
         self._pending_rng: Optional[Dict[str, Any]] = None
+        self._nonfinite_flag: Optional[torch.Tensor] = None  # see _check_loss_async
+        self._last_flag_check = 0
         self._last_output: Any = None
 
     # ---- read-only views callbacks rely on -------------------------------------------------------
@@ -94,12 +98,14 @@ class Trainer:
     # ---- events ----------------------------------------------------------------------------------
     def _fire(self, event: Event, *args: Any) -> None:
         """The one dispatch point: the module first, then the callbacks in order."""
-        for target in self._listeners.get(event, ()):
-            getattr(target, event.value)(self, self.module, *args)
+        for hook in self._listeners[event]:
+            hook(self, self.module, *args)
 
     def _build_listeners(self) -> None:
+        """Per event, the bound hooks of the targets that override it (no-op hooks are skipped)."""
         targets = [self.module, *self.callbacks]
-        self._listeners = {event: [t for t in targets if _overrides(t, event.value)] for event in Event}
+        self._listeners = {event: [getattr(t, event.value) for t in targets if _overrides(t, event.value)]
+                           for event in Event}
 
     def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
         """Send metrics to every tracker (the LOG event); call it on every rank."""
@@ -110,6 +116,12 @@ class Trainer:
     def _log(self, name: str, value: Any, *, on_step: Optional[bool], on_epoch: Optional[bool], prog_bar: bool,
              sync_dist: bool, batch_size: Optional[int]) -> None:
         training = self._running == "train"
+        if training and on_step is None and on_epoch is None and not prog_bar and type(value) is torch.Tensor \
+                and value.dim() == 0:  # the common case, once per step: the latest value, kept as a tensor
+            store = self._metrics["train"]
+            store.step_values[name] = value.detach()
+            store.step_sync[name] = sync_dist
+            return
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
         if on_epoch and batch_size is None:
@@ -159,6 +171,7 @@ class Trainer:
             cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__)
             self.model, self.optimizer = acc.prepare(module, cfg.optimizer)
         self.lr_scheduler_configs = cfg.schedulers
+        self._training_step = acc.step_function(self.model, "training_step")
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
         self.num_training_batches = limited(len(self.train_dataloader), self.config.limit_train_batches)
         if self.num_training_batches == 0:
@@ -179,6 +192,7 @@ class Trainer:
                 if self._validation_due():
                     self._run_validation(self.val_dataloaders, "validation_step")
                 self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
+                self._batch = self._last_output = batch = None  # free them before the next batch arrives
                 if self._finished() or p.batch_idx >= self.num_training_batches:
                     break
             if p.batch_idx >= self.num_training_batches:  # a complete epoch (not a max_steps/should_stop cut)
@@ -201,7 +215,7 @@ class Trainer:
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches
         with acc.accumulate(self.model):
             with acc.autocast():
-                output = acc.run_step(self.model, "training_step", batch, batch_idx)
+                output = self._training_step(batch, batch_idx)
             loss = output["loss"] if isinstance(output, dict) else output
             self._last_output = output
             if loss is not None and self._check_loss(loss, batch_idx):
@@ -213,28 +227,34 @@ class Trainer:
         p.accumulation_step = acc.step
 
     def _optimizer_step(self) -> None:
-        acc, cfg = self.accelerator, self.config
-        acc.unscale_gradients(self.optimizer)
-        self._fire(Event.BEFORE_OPTIMIZER_STEP, self.optimizer.optimizer)
+        acc, cfg, optimizer = self.accelerator, self.config, self.optimizer.optimizer
+        if acc.precision.scaler is not None:
+            acc.precision.unscale_(optimizer)
+        self._fire(Event.BEFORE_OPTIMIZER_STEP, optimizer)
         if cfg.gradient_clip_val is not None:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             if cfg.gradient_clip_algorithm == "norm":
                 self.strategy.clip_gradients(params, max_norm=cfg.gradient_clip_val)
             else:
                 self.strategy.clip_gradients(params, clip_value=cfg.gradient_clip_val)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        self.strategy.optimizer_step(optimizer)  # what the prepared optimizer does on a sync step
+        optimizer.zero_grad()
         self.progress.global_step += 1
         self._step_schedulers("step")
         if self.progress.global_step % cfg.log_every_n_steps == 0:
+            self._raise_if_flagged()
             self._emit(self._metrics["train"].pop_step_metrics(self.strategy))
 
     def _check_loss(self, loss: torch.Tensor, batch_idx: int) -> bool:
-        if not isinstance(loss, torch.Tensor):
+        if type(loss) is not torch.Tensor and not isinstance(loss, torch.Tensor):
             raise TrainforgeError(f"training_step returned {type(loss).__name__}; return the loss tensor, a dict "
                                   "with a 'loss' key, or None to skip the batch")
         policy = self.config.nonfinite_loss
-        if policy == "off" or bool(torch.isfinite(loss).all()):
+        if policy == "off":
+            return True
+        if loss.device.type != "cpu" and policy == "raise":
+            return self._check_loss_async(loss)
+        if math.isfinite(loss.item() if loss.numel() == 1 else float(loss.detach().sum())):
             return True
         if policy == "skip":
             self.progress.skipped_nonfinite += 1
@@ -242,6 +262,23 @@ class Trainer:
         raise TrainforgeError(f"non-finite loss ({float(loss.detach())}) at epoch {self.current_epoch}, batch {batch_idx}, "
                               f"global step {self.global_step}; pass nonfinite_loss='skip' to skip such batches "
                               "(they are counted), or lower the learning rate")
+
+    def _check_loss_async(self, loss: torch.Tensor) -> bool:
+        """On an accelerator, reading the loss every step would stall the device: non-finite losses
+        are flagged on the device and the flag is read at log points (every ``log_every_n_steps``),
+        where the error names the range of steps."""
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._nonfinite_flag = bad if self._nonfinite_flag is None else (self._nonfinite_flag | bad)
+        return True
+
+    def _raise_if_flagged(self) -> None:
+        flag, self._nonfinite_flag = self._nonfinite_flag, None
+        if flag is not None and bool(flag):
+            first = self._last_flag_check + 1
+            raise TrainforgeError(f"non-finite loss in global steps {first}..{self.global_step} (epoch "
+                                  f"{self.current_epoch}); pass nonfinite_loss='skip' to skip such batches (checked "
+                                  "every step), or lower the learning rate")
+        self._last_flag_check = self.global_step
 
     def _step_schedulers(self, interval: str) -> None:
         count = self.global_step if interval == "step" else self.current_epoch + 1

@@ -119,12 +119,15 @@ class PreparedDataLoader:
             total = -1
         state = self.gradient_state
         state.padding = num_padding_samples(self.loader)
-        device, convert = self.device, self.precision.convert_input if self.precision is not None else None
+        device = self.device
+        move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run
+        convert = self.precision.convert_input if getattr(self.precision, "name", None) == "bf16-true" else None
         state.end_of_dataloader = False
         for batch in self.loader:
             self.batch_in_epoch += 1
             state.end_of_dataloader = self.batch_in_epoch == total
-            batch = move_to_device(batch, device)
+            if move:
+                batch = move_to_device(batch, device)
             yield convert(batch) if convert is not None else batch
         state.end_of_dataloader = True
         self.epoch += 1
