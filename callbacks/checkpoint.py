@@ -101,13 +101,18 @@ class ModelCheckpoint(Callback):
         score = trainer.strategy.broadcast(float(trainer.callback_metrics[self.monitor]), 0)
         if math.isnan(score) or not self._improves(score):
             return
-        path = self._save(trainer)
+        # The state written into this checkpoint must already describe it (path in, eviction out),
+        # so that a run resumed from it keeps pruning correctly.
+        path = self._path(trainer)
         self.best_k[path] = score
+        evicted = None
         if self.save_top_k != -1 and len(self.best_k) > self.save_top_k:
             pick = max if self.mode == "min" else min
-            worst = pick(self.best_k, key=self.best_k.get)
-            del self.best_k[worst]
-            self._delete(trainer, worst)
+            evicted = pick(self.best_k, key=self.best_k.get)
+            del self.best_k[evicted]
+        self._write(trainer, path)
+        if evicted is not None and evicted not in self.periodic:
+            self._delete(trainer, evicted)
 
     def _improves(self, score: float) -> bool:
         if self.save_top_k == -1 or len(self.best_k) < self.save_top_k:
@@ -119,19 +124,22 @@ class ModelCheckpoint(Callback):
     def _save_periodic(self, trainer: "Trainer") -> None:
         if trainer.global_step == self.last_saved_step and self.last_path:
             return
-        path = self._save(trainer)
+        path = self._path(trainer)
         self.periodic.append(path)
+        evicted = []
         while self.keep_last_k and len(self.periodic) > self.keep_last_k:
-            old = self.periodic.pop(0)
-            if old not in self.best_k:
+            evicted.append(self.periodic.pop(0))
+        self._write(trainer, path)
+        for old in evicted:
+            if old not in self.best_k and old != path:
                 self._delete(trainer, old)
 
-    def _save(self, trainer: "Trainer") -> str:
-        name = self._format_name(trainer)
-        path = str(self.directory(trainer) / name)
+    def _path(self, trainer: "Trainer") -> str:
+        return str(self.directory(trainer) / self._format_name(trainer))
+
+    def _write(self, trainer: "Trainer", path: str) -> None:
         self.last_saved_step, self.last_path = trainer.global_step, path
         trainer.save_checkpoint(path)
-        return path
 
     def _format_name(self, trainer: "Trainer") -> str:
         values: Dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -1,6 +1,7 @@
 """DistributedDataParallel over the process group that the environment describes."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -49,6 +50,7 @@ class ProcessGroupMixin:
             # `--max-restarts` restart and gloo dials the dead ranks' old addresses.
             dist.init_process_group(backend=backend, timeout=timeout)
             self._owns_process_group = True
+            atexit.register(self._stop_process_group)  # torch warns at exit about a group left open
         if dist.get_rank() == 0:
             log.info("trainforge: strategy=%s backend=%s world_size=%d environment=%s master=%s:%s device=%s",
                      self.name, dist.get_backend(), dist.get_world_size(), env.kind, env.master_addr,

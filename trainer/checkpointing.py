@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from strategies.checkpoint_io import (CheckpointWriter, load_object, read_metadata, resolve_checkpoint)
+from strategies.checkpoint_io import (CheckpointWriter, list_checkpoints, load_object, read_metadata,
+                                      resolve_checkpoint)
 from strategies.errors import CheckpointError, ConfigurationError
 from trainer.events import Event
 from trainer.seed import rng_state, set_rng_state
@@ -86,7 +87,11 @@ def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str) -> Path
 
 def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool = True) -> Optional[Path]:
     """Restore everything but RNG now; RNG is restored by the loop just before the next batch."""
-    path = resolve_checkpoint(checkpoint_root(trainer), ckpt_path, missing_ok=not required)
+    root = checkpoint_root(trainer)
+    if required and str(ckpt_path) == "last" and not list_checkpoints(root):
+        raise CheckpointError(f"fit(ckpt_path='last'): there is no checkpoint under {root} yet. To resume when one "
+                              "exists and start fresh otherwise, use Trainer(resume='auto') and leave ckpt_path out")
+    path = resolve_checkpoint(root, ckpt_path, missing_ok=not required)
     if path is None:
         if trainer.is_global_zero:
             log.info("trainforge: no checkpoint under %s; starting from scratch", checkpoint_root(trainer))

@@ -27,7 +27,6 @@ class LoopConfig:
     limit_val_batches: Union[int, float] = 1.0
     log_every_n_steps: int = 50
     nonfinite_loss: str = "raise"
-    num_sanity_val_steps: int = 0
 
     def validate(self) -> None:
         if self.max_epochs is None and self.max_steps in (-1, None):

@@ -89,3 +89,11 @@ def test_resume_from_last_skips_a_corrupted_newest_checkpoint(tmp_path):
         trainer = fit(tmp_path, [ModelCheckpoint(every_n_steps=4)], val=False, max_epochs=3, resume="auto")
     # resumed from step 4 (the newest that verifies), then trained to the end of epoch 3
     assert trainer.global_step == 12
+
+
+def test_keep_last_k_keeps_pruning_after_a_resume(tmp_path):
+    fit(tmp_path, [ModelCheckpoint(every_n_steps=2, keep_last_k=2)], val=False, max_epochs=None, max_steps=6)
+    assert names(tmp_path / "checkpoints") == ["epoch=0-step=4", "epoch=1-step=6"]
+    fit(tmp_path, [ModelCheckpoint(every_n_steps=2, keep_last_k=2)], val=False, max_epochs=None, max_steps=10,
+        resume="auto")
+    assert names(tmp_path / "checkpoints") == ["epoch=1-step=8", "epoch=2-step=10"]

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers.models import Regressor, make_net, regression_data
-from trainer import Accelerator, ConfigurationError, Trainer, TrainforgeError, TrainingModule
+from trainer import Accelerator, CheckpointError, ConfigurationError, Trainer, TrainforgeError, TrainingModule
 
 
 def fit(tmp_path, module=None, loader=None, **kwargs):
@@ -96,3 +96,9 @@ def test_nonfinite_loss_skipped_and_counted(tmp_path):
     trainer = fit(tmp_path, module=module, nonfinite_loss="skip")
     assert trainer.progress.skipped_nonfinite == 1
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_ckpt_path_last_without_checkpoints_says_what_to_do(tmp_path):
+    with pytest.raises(CheckpointError, match=r"Trainer\(resume='auto'\)"):
+        trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False)
+        trainer.fit(Regressor(make_net()), DataLoader(regression_data(), batch_size=8), ckpt_path="last")
