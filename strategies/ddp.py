@@ -22,6 +22,22 @@ _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Reduc
 COMM_HOOKS = ("fp16", "bf16")
 
 
+def _elastic_store(env: Any, timeout: timedelta) -> dict:
+    """After a torchrun ``--max-restarts`` restart, a store namespaced by the attempt.
+
+    torch's agent store outlives a failed attempt, and torch 2.x no longer prefixes keys by
+    attempt: a restarted rank could read a dead rank's gloo address and fail to connect (seen
+    here). Keys under ``attempt_<TORCHELASTIC_RESTART_COUNT>`` are written fresh by every rank."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if env.kind != "torchrun" or attempt is None:
+        return {}  # plain env:// rendezvous
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=not agent_hosts_store and env.rank == 0, timeout=timeout)
+    return {"store": dist.PrefixStore(f"trainforge/attempt_{attempt}", store), "rank": env.rank,
+            "world_size": env.world_size}
+
+
 class ProcessGroupMixin:
     """Process-group start, device choice and collectives, shared by every multi-process strategy.
 
@@ -45,10 +61,7 @@ class ProcessGroupMixin:
         if not dist.is_initialized():
             os.environ.update(env.as_env())
             backend = backend or default_backend(device)
-            # Rank and world size reach init through the environment (env://), never as arguments:
-            # passed explicitly, torch's elastic agent store keeps the previous attempt's keys after a
-            # `--max-restarts` restart and gloo dials the dead ranks' old addresses.
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=timeout, **_elastic_store(env, timeout))
             self._owns_process_group = True
             atexit.register(self._stop_process_group)  # torch warns at exit about a group left open
         if dist.get_rank() == 0:

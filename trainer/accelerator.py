@@ -275,23 +275,24 @@ class Accelerator:
 
 
 class _Accumulate:
-    """``accumulate``'s context: enters the strategy's no-sync context only when this micro-batch
-    does not sync (a class, not a generator: it runs once per micro-batch)."""
+    """``accumulate``'s context: every micro-batch enters the strategy's ``no_backward_sync`` with
+    ``enabled`` = "this micro-batch does not sync" (DeepSpeed needs the call on sync steps too, to
+    mark the boundary). A class, not a generator: it runs once per micro-batch."""
 
-    __slots__ = ("strategy", "models", "skip_sync", "stack")
+    __slots__ = ("strategy", "models", "skip_sync", "contexts")
 
     def __init__(self, strategy: Strategy, models: Any, skip_sync: bool) -> None:
-        self.strategy, self.models, self.skip_sync, self.stack = strategy, models, skip_sync, None
+        self.strategy, self.models, self.skip_sync, self.contexts = strategy, models, skip_sync, []
 
     def __enter__(self) -> None:
-        if self.skip_sync:
-            self.stack = contextlib.ExitStack()
-            for model in self.models:
-                self.stack.enter_context(self.strategy.no_backward_sync(model, enabled=True))
+        for model in self.models:
+            ctx = self.strategy.no_backward_sync(model, enabled=self.skip_sync)
+            ctx.__enter__()
+            self.contexts.append(ctx)
 
     def __exit__(self, *exc: Any) -> None:
-        if self.stack is not None:
-            self.stack.__exit__(*exc)
+        while self.contexts:
+            self.contexts.pop().__exit__(*exc)
 
 
 def _restore_forward(module: nn.Module, original: Any) -> None:
