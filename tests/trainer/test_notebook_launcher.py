@@ -19,7 +19,7 @@ def test_two_processes_all_reduce_and_write_per_rank_files(tmp_path, capfd):
     def train(out_dir):  # a local closure: cannot be pickled, so this only works when forked
         dist.init_process_group("gloo", init_method="env://")
         rank = dist.get_rank()
-        print(f"hello from rank {rank}", flush=True)
+        print(f"hello from rank {rank}\n", end="", flush=True)  # one write: lines from 2 processes cannot interleave
         value = torch.tensor([scale * (rank + 1)])
         dist.all_reduce(value)
         record = {"rank": rank, "world": dist.get_world_size(), "sum": value.item(),
