@@ -202,6 +202,7 @@ class Trainer:
                 p.epoch, p.batch_idx = p.epoch + 1, 0
             else:
                 break
+        self._raise_if_flagged()  # a non-finite loss after the last log point (accelerators)
         self._warn_skips()
 
     def _finished(self) -> bool:
@@ -318,6 +319,7 @@ class Trainer:
         self.module.eval()
         self._fire(Event.VALIDATION_START)
         with torch.no_grad():
+            step = self.accelerator.step_function(self.model, step_name)
             for loader in loaders:
                 limit = limited(len(loader), self.config.limit_val_batches)
                 for batch_idx, batch in enumerate(loader):
@@ -325,7 +327,7 @@ class Trainer:
                         break
                     self._batch = batch
                     with self.accelerator.autocast():
-                        out = self.accelerator.run_step(self.model, step_name, batch, batch_idx)
+                        out = step(batch, batch_idx)
                     self._fire(Event.VALIDATION_BATCH_END, out, batch, batch_idx)
         self._emit(self._metrics["val"].pop_epoch_metrics(self.strategy))
         self._fire(Event.VALIDATION_END)
@@ -362,10 +364,11 @@ class Trainer:
         self._fire(Event.SETUP, "predict")
         outputs = []
         module.eval()
+        step = self.accelerator.step_function(self.model, "predict_step")
         with torch.no_grad():
             for batch_idx, batch in enumerate(self.accelerator.prepare_data_loader(dataloaders)):
                 with self.accelerator.autocast():
-                    outputs.append(self.accelerator.run_step(self.model, "predict_step", batch, batch_idx))
+                    outputs.append(step(batch, batch_idx))
         self._fire(Event.TEARDOWN, "predict")
         return outputs
 

@@ -144,11 +144,3 @@ class PreparedDataLoader:
         load_loader_state(self.loader, state["loader"], world_size=world_size, rank=rank)
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         self._resumed = True
-
-
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer.optimizer if isinstance(optimizer, PreparedOptimizer) else optimizer
-
-
-def unwrap_scheduler(scheduler: Optional[Any]) -> Any:
-    return scheduler.scheduler if isinstance(scheduler, PreparedScheduler) else scheduler
