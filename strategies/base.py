@@ -9,7 +9,7 @@ A strategy owns placement, wrapping, collectives and sharded checkpoint I/O. It 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -17,19 +17,24 @@ from torch import nn
 from strategies.errors import invalid_choice
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
+#: What ``Strategy.setup`` takes: built optimizers, or a callable that builds them after placement.
+Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
+
+
+def build_optimizers(optimizers: Optimizers) -> List[torch.optim.Optimizer]:
+    """The optimizers as a list; a builder is called here (after the module was placed/wrapped)."""
+    return list(optimizers() if callable(optimizers) else optimizers)
 
 
 class Strategy:
     """Base class. Subclasses override what differs; the defaults are a single process."""
 
     name = "base"
-    #: True when ``setup`` must see the optimizers created *after* the model is wrapped
-    #: (FSDP shards parameters, DeepSpeed builds its own optimizer).
-    requires_optimizer_after_setup = False
 
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         self._device = torch.device(device) if device is not None else None
         self.precision: Any = None  # set by the Accelerator before setup()
+        self.accelerator = "auto"   # device type when no ``device`` is given; set before setup_environment()
         # Training settings some backends need at setup (DeepSpeed's generated config); set by the
         # Accelerator / Trainer before setup(), defaults otherwise.
         self.accumulation_steps = 1
@@ -62,9 +67,14 @@ class Strategy:
     def setup_environment(self) -> None:
         """Start the process group, pick the device. Called once, before anything is placed."""
 
-    def setup(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
-        """Move (and wrap) the module; return the module to call and the optimizers to step."""
-        return self.setup_module(module), list(optimizers)
+    def setup(self, module: nn.Module, optimizers: "Optimizers") -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
+        """Move (and wrap) the module; return the module to call and the optimizers to step.
+
+        ``optimizers``: those the user built beforehand (Accelerate's order), or a callable that
+        builds them, called once the module is placed and wrapped so that they see its final
+        device and parameters (the Trainer's order, for every strategy)."""
+        module = self.setup_module(module)
+        return module, build_optimizers(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = module.to(self.root_device)

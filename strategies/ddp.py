@@ -47,13 +47,14 @@ class ProcessGroupMixin:
     _owns_process_group = False
 
     def _start_process_group(self, backend: Optional[str], timeout: timedelta) -> torch.device:
+        from strategies.devices import default_device
         from strategies.environment import default_backend, detect_environment
 
         env = detect_environment()
         self.cluster = env
         device = self._device
         if device is None:
-            device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+            device = default_device(getattr(self, "accelerator", "auto"), env.local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_available():

@@ -40,7 +40,7 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import nn
 
-from strategies.base import Strategy
+from strategies.base import Optimizers, Strategy, build_optimizers
 from strategies.checkpoint_verify import file_crc32, read_metadata
 from strategies.ddp import ProcessGroupMixin
 from strategies.deepspeed_config import (OFFLOAD_DEVICES, TrainingSettings, ZeroSettings, explicit_settings,
@@ -167,12 +167,19 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         self._ds = import_deepspeed(self._device)
         self._ds.utils.logger.setLevel(self.logging_level)
 
-    def setup(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Tuple[nn.Module, List[Any]]:
+    def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[Any]]:
+        if self._ds is None:
+            self.setup_environment()
+        if callable(optimizers):
+            # deepspeed.initialize takes the optimizer with the module, so it is built here, on the
+            # device DeepSpeed will train on (fused AdamW on CUDA). Not when parameters are offloaded
+            # or the stage is chosen from memory: the module then stays where DeepSpeed expects it.
+            if not self._params_may_stay_on_host():
+                module = module.to(self.root_device)
+            optimizers = build_optimizers(optimizers)
         if len(optimizers) > 1:
             raise ConfigurationError(f"DeepSpeed wraps one optimizer per model, got {len(optimizers)}; put the "
                                      "parameters in param groups of one optimizer")
-        if self._ds is None:
-            self.setup_environment()
         optimizer = optimizers[0] if optimizers else None
         if getattr(self, "gradient_clip_val", None) is not None and getattr(self, "gradient_clip_algorithm",
                                                                             "norm") != "norm":
@@ -183,6 +190,12 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         scaler_owner = self.precision
         if getattr(scaler_owner, "scaler", None) is not None:
             scaler_owner.scaler = None  # DeepSpeed's fp16 section does the (dynamic) loss scaling
+        half = torch.bfloat16 if self.config.get("bf16", {}).get("enabled") else \
+            torch.float16 if self.config.get("fp16", {}).get("enabled") else None
+        if half is not None and self.precision is not None:
+            # DeepSpeed keeps the parameters in half precision and its engine turns autocast off for
+            # the accelerator inside forward, so floating inputs are cast as Lightning does.
+            self.precision.input_dtype = half
         self._check_nvme()
         if self.activation_checkpointing not in (False, None):
             from strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
@@ -196,6 +209,12 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
             return engine, []
         self._by_optimizer[id(ds_optimizer)] = engine
         return engine, [ds_optimizer]
+
+    def _params_may_stay_on_host(self) -> bool:
+        """Parameter offload (ours or the user's config) or a stage still to be chosen from memory."""
+        user_offload = (self.user_config or {}).get("zero_optimization", {}).get("offload_param", {}) or {}
+        return self.stage == "auto" or self.zero.offload_param_device is not None or \
+            user_offload.get("device", "none") not in (None, "none")
 
     def build_config(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """The DeepSpeed config for this run: generated from the Trainer's settings (set on this

@@ -6,7 +6,7 @@ parameters, gradients and optimizer state are divided by the shard size (ZeRO st
 
 ``setup`` applies, in torchtitan's order: precision conversion -> activation checkpointing ->
 ``fully_shard`` on each unit (bottom-up) -> ``fully_shard`` on the root. Optimizers must see the
-new DTensor parameters: the Trainer creates them after ``setup`` (``requires_optimizer_after_setup``);
+new DTensor parameters: the Trainer creates them after ``setup`` (for every strategy);
 optimizers handed to ``setup`` (``Accelerator.prepare(model, optimizer)``) are remapped by name.
 
 Checkpoints: ``state_dict_type="sharded"`` writes ``dcp/`` (torch.distributed.checkpoint, every
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from strategies.base import Strategy
+from strategies.base import Optimizers, Strategy, build_optimizers
 from strategies.ddp import ProcessGroupMixin
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
@@ -69,7 +69,6 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
 
     name = "fsdp"
     redirect_forward = True  # FSDP's unshard hooks run in the root's forward
-    requires_optimizer_after_setup = True
 
     def __init__(self, device: Optional[Union[torch.device, str]] = None, *, sharding_strategy: str = "full_shard",
                  auto_wrap_policy: Policy = None, cpu_offload: bool = False,
@@ -117,13 +116,14 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
             return init_device_mesh(device_type, (world // node, node), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 
-    def setup(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
-              ) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
+    def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         if isinstance(module, FSDPModule):  # sharded before: its optimizers already hold the DTensors
-            return module, list(optimizers)
+            return module, build_optimizers(optimizers)
         before = list(module.named_parameters())
         module = self.setup_module(module)
-        if optimizers:
+        if callable(optimizers):  # built now, on the DTensor parameters
+            return module, build_optimizers(optimizers)
+        if optimizers:  # built by the user on the unsharded parameters
             _remap_optimizers(before, module, optimizers)
         return module, list(optimizers)
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from strategies import Strategy, resolve_strategy
+from strategies.devices import check_device_matches, normalize_accelerator
 from strategies.data_utils import apply_to_tensors
 from strategies.errors import ConfigurationError
 from trainer.precision import Precision
@@ -30,7 +31,8 @@ from trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimize
 
 class Accelerator:
     def __init__(self, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
-                 gradient_accumulation_steps: Optional[int] = None, seed: int = 0) -> None:
+                 gradient_accumulation_steps: Optional[int] = None, seed: int = 0,
+                 accelerator: Optional[str] = None) -> None:
         from trainer.launch_config import launch_defaults, strategy_kwargs
 
         defaults = launch_defaults()  # what `trainforge launch` was told; explicit arguments win
@@ -43,6 +45,10 @@ class Accelerator:
                                      "(1 means no accumulation)")
         kwargs = strategy_kwargs(strategy, defaults) if isinstance(strategy, str) else {}
         self.strategy = resolve_strategy(strategy, **kwargs)
+        accelerator = accelerator if accelerator is not None else defaults.get("accelerator", "auto")
+        normalize_accelerator(accelerator)  # a bad value fails here, before any process group starts
+        check_device_matches(accelerator, self.strategy._device)
+        self.strategy.accelerator = accelerator
         self.strategy.setup_environment()
         self.precision = Precision(precision, self.strategy.root_device)
         self.strategy.precision = self.precision
@@ -85,17 +91,11 @@ class Accelerator:
             raise ConfigurationError("prepare() got several models with optimizers; prepare one trained model per "
                                      "call (frozen models can be prepared in a separate call)")
         result: Dict[int, Any] = {}
+        optimizers_out = optimizers
         for model in models:
-            wrapped, new_opts = self.strategy.setup(model, optimizers)
-            optimizers_out = new_opts
-            self._models.append(wrapped)
-            result[id(model)] = wrapped
-        if not models and optimizers:
-            optimizers_out = optimizers
-        for original, opt in zip(optimizers, optimizers_out if optimizers else []):
-            prepared = PreparedOptimizer(opt, self.strategy, self.gradient_state)
-            self._optimizers.append(prepared)
-            result[id(original)] = prepared
+            result[id(model)], optimizers_out = self._setup_model(model, optimizers)
+        for original, opt in zip(optimizers, optimizers_out):
+            result[id(original)] = self._prepared_optimizer(opt)
         out = []
         for obj in objects:
             if id(obj) in result:
@@ -107,6 +107,23 @@ class Accelerator:
             else:
                 out.append(obj)
         return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model_with_optimizers(self, model: nn.Module, build: Callable[[], Any]
+                                      ) -> "tuple[nn.Module, List[PreparedOptimizer]]":
+        """The Trainer's order: place and wrap ``model``, then call ``build()`` for its optimizers,
+        so they see the final device and parameters (fused AdamW on CUDA, FSDP's DTensors)."""
+        wrapped, built = self._setup_model(model, build)
+        return wrapped, [self._prepared_optimizer(opt) for opt in built]
+
+    def _setup_model(self, model: nn.Module, optimizers: Any) -> "tuple[nn.Module, List[Any]]":
+        wrapped, built = self.strategy.setup(model, optimizers)
+        self._models.append(wrapped)
+        return wrapped, built
+
+    def _prepared_optimizer(self, optimizer: Any) -> PreparedOptimizer:
+        prepared = PreparedOptimizer(optimizer, self.strategy, self.gradient_state)
+        self._optimizers.append(prepared)
+        return prepared
 
     def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
         from trainer.seed import seeds_workers, worker_init_fn

@@ -37,6 +37,9 @@ class Precision:
         self.device = torch.device(device)
         self.skipped_steps = 0  # optimizer steps skipped by the grad scaler (inf/nan gradients)
         self.scaler: Optional[torch.amp.GradScaler] = None
+        # Floating inputs are cast to this dtype (the parameters' own, where autocast does not reach):
+        # bf16-true here; a strategy that keeps half-precision parameters sets it too (DeepSpeed).
+        self.input_dtype: Optional[torch.dtype] = torch.bfloat16 if self.name == "bf16-true" else None
         if self.name == "16-mixed":
             if self.device.type == "cpu":
                 raise ConfigurationError(
@@ -67,12 +70,13 @@ class Precision:
         return module
 
     def convert_input(self, data: Any) -> Any:
-        """bf16-true: floating inputs become bfloat16 so they match the parameters."""
-        if self.name != "bf16-true":
+        """Floating inputs become ``input_dtype`` (when set) so they match the parameters."""
+        dtype = self.input_dtype
+        if dtype is None:
             return data
         from strategies.data_utils import apply_to_tensors
 
-        return apply_to_tensors(data, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+        return apply_to_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -25,7 +25,8 @@ log = logging.getLogger("trainforge")
 
 
 class Trainer:
-    def __init__(self, *, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
+    def __init__(self, *, accelerator: Optional[str] = None, strategy: Union[str, Strategy, None] = None,
+                 precision: Optional[str] = None,
                  max_epochs: Optional[int] = None, max_steps: int = -1, accumulate_grad_batches: Optional[int] = None,
                  gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
                  val_check_interval: Union[int, float] = 1.0, check_val_every_n_epoch: Optional[int] = 1,
@@ -46,7 +47,8 @@ class Trainer:
                                      "checkpoint, pass fit(..., ckpt_path=PATH))")
         if seed is not None:
             seed_everything(seed)
-        self.accelerator = Accelerator(strategy, precision, accumulate_grad_batches, seed=seed or 0)
+        self.accelerator = Accelerator(strategy, precision, accumulate_grad_batches, seed=seed or 0,
+                                       accelerator=accelerator)
         self.strategy = self.accelerator.strategy
         self.default_root_dir = resolve_root_dir(default_root_dir)
         self.compile, self.resume, self.seed = compile, resume, seed
@@ -163,14 +165,17 @@ class Trainer:
         if self.compile:
             for child in module.children():
                 child.compile()
-        if self.strategy.requires_optimizer_after_setup:
-            self.model = acc.prepare(module)
-            cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__)
-            self.optimizer = acc.prepare(cfg.optimizer)
-        else:
-            cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__)
-            self.model, self.optimizer = acc.prepare(module, cfg.optimizer)
-        self.lr_scheduler_configs = cfg.schedulers
+        # Lightning's order, for every strategy: place and wrap first, then build the optimizers, so
+        # configure_optimizers sees the final device and parameters (fused AdamW on CUDA, FSDP's
+        # DTensors, bf16-true weights) and nothing has to be remapped.
+        configured = []
+
+        def build_optimizers() -> list:
+            configured.append(parse_optimizers(module.configure_optimizers(), type(module).__name__))
+            return [configured[0].optimizer]
+
+        self.model, (self.optimizer,) = acc.prepare_model_with_optimizers(module, build_optimizers)
+        self.lr_scheduler_configs = configured[0].schedulers
         self._training_step = acc.step_function(self.model, "training_step")
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
         self.num_training_batches = limited(len(self.train_dataloader), self.config.limit_train_batches)

@@ -121,7 +121,7 @@ class PreparedDataLoader:
         state.padding = num_padding_samples(self.loader)
         device = self.device
         move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run
-        convert = self.precision.convert_input if getattr(self.precision, "name", None) == "bf16-true" else None
+        convert = self.precision.convert_input if getattr(self.precision, "input_dtype", None) is not None else None
         state.end_of_dataloader = False
         for batch in self.loader:
             self.batch_in_epoch += 1
