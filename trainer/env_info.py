@@ -31,7 +31,8 @@ def report(config_file: Optional[str] = None) -> str:
 
     lines: List[str] = [f"- Python version: {platform.python_version()} ({sys.executable})",
                         f"- Platform: {platform.platform()}"]
-    lines += [f"- {name} version: {_version(name)}" for name in PACKAGES]
+    # torch's own __version__ carries the build (+cpu, +cu130), which its distribution metadata may lack
+    lines += [f"- {name} version: {torch.__version__ if name == 'torch' else _version(name)}" for name in PACKAGES]
     lines.append(f"- torch CUDA build: {torch.version.cuda or 'none (CPU build)'}; "
                  f"CUDA available: {torch.cuda.is_available()}")
     lines.append(f"- CPU count: {os.cpu_count()}")

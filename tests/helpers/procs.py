@@ -10,6 +10,37 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
+# tests/conftest.py hides CUDA from the test process and its children (CPU tests); gpu tests give
+# their children this value back. Read at import, which conftest does before hiding.
+ORIGINAL_CUDA_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
+_gpu_probe: Optional[str] = None
+
+
+def gpu_env(**extra: str) -> Dict[str, str]:
+    """``test_env`` with the GPUs visible (for tests marked ``gpu``)."""
+    env = test_env(**extra)
+    if ORIGINAL_CUDA_VISIBLE is None:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ORIGINAL_CUDA_VISIBLE
+    env.update(extra)
+    return env
+
+
+def gpu_unavailable_reason() -> str:
+    """'' when a child process can use CUDA, else why not (asked once, in a child, so that this
+    process never initialises CUDA)."""
+    global _gpu_probe
+    if _gpu_probe is None:
+        if not Path("/dev/nvidiactl").exists() and sys.platform == "linux":
+            _gpu_probe = "no NVIDIA device on this machine (/dev/nvidiactl absent)"
+        else:
+            probe = run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], timeout=120,
+                        env=gpu_env(), check=False)
+            count = probe.stdout.strip().splitlines()[-1:] or ["?"]
+            _gpu_probe = "" if probe.returncode == 0 and count[0].isdigit() and int(count[0]) > 0 else \
+                f"CUDA is not available to torch here ({probe.stdout.strip()[-300:]})"
+    return _gpu_probe
 
 
 def test_env(**extra: str) -> Dict[str, str]:

@@ -91,6 +91,8 @@ def main():
     p.add_argument("--kill-rank", type=int, default=0)
     p.add_argument("--kill-marker", default=None)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--precision", default=None)
+    p.add_argument("--print-device", action="store_true")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     seed_everything(0)
@@ -99,7 +101,10 @@ def main():
     if a.kill_at is not None:
         callbacks.append(KillSwitch(a.kill_at, a.kill_rank, a.kill_marker))
     trainer = Trainer(max_steps=a.max_steps, max_epochs=a.max_epochs, log_every_n_steps=1, callbacks=callbacks,
-                      default_root_dir=a.root, enable_progress_bar=False, resume="auto" if a.resume else None)
+                      default_root_dir=a.root, enable_progress_bar=False, resume="auto" if a.resume else None,
+                      precision=a.precision)
+    if a.print_device:
+        print(f"device: {trainer.device}")
     loader = DataLoader(Indexed(a.n), batch_size=a.global_batch // world, shuffle=True, num_workers=a.workers)
     trainer.fit(model, loader)
     if trainer.is_global_zero:
