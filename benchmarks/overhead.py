@@ -134,7 +134,7 @@ def run_raw(args: argparse.Namespace, data: Dataset) -> Tuple[float, float]:
 
 
 def run_accelerator(args: argparse.Namespace, data: Dataset) -> Tuple[float, float]:
-    accelerator = Accelerator(strategy="ddp" if args.ddp else None)  # line 1
+    accelerator = Accelerator(strategy="ddp" if args.ddp else None, accelerator="cpu")  # line 1
     model = make_model(args)
     optimizer = make_optimizer(model)
     model, optimizer, loader = accelerator.prepare(model, optimizer, make_loader(data, args))  # line 2
@@ -187,8 +187,9 @@ def run_trainer(args: argparse.Namespace, data: Dataset) -> Tuple[float, float]:
     clock = StepClock(args.warmup, args.steps)
     args.runs += 1
     root = os.path.join(args.root, f"run{args.runs}")  # the same directory on every rank
-    trainer = Trainer(strategy="ddp" if args.ddp else None, max_steps=args.warmup + args.steps + 1,
-                      default_root_dir=root, callbacks=[ProgressBar(stream=_TerminalSink())])
+    trainer = Trainer(accelerator="cpu", strategy="ddp" if args.ddp else None,
+                      max_steps=args.warmup + args.steps + 1, default_root_dir=root,
+                      callbacks=[ProgressBar(stream=_TerminalSink())])
     trainer.fit(Classifier(make_model(args), clock), make_loader(data, args))
     trainer.strategy.barrier()
     if trainer.is_global_zero:

@@ -60,7 +60,7 @@ def per_batch_us(loader_factory: Callable[[], object], batches: int, repeat: int
 
 
 def pieces(number: int, repeat: int) -> Dict[str, float]:
-    acc = Accelerator()
+    acc = Accelerator(accelerator="cpu")
     net = nn.Linear(2, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
     model, prepared_opt = acc.prepare(net, opt)
