@@ -16,7 +16,7 @@ have one code path.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ class Accelerator:
         self.gradient_accumulation_steps = accum
         self.strategy.accumulation_steps = accum  # read by backends that accumulate themselves (DeepSpeed)
         self.gradient_state = GradientState()
+        self._no_sync_is_noop = type(self.strategy).no_backward_sync is Strategy.no_backward_sync
         self.seed = seed
         self.step = 0  # micro-batches into the current accumulation window
         self._models: List[nn.Module] = []
@@ -155,7 +156,7 @@ class Accelerator:
             loss = loss / self.gradient_accumulation_steps
         self.strategy.backward(loss, model if model is not None else (self._models[0] if self._models else None))
 
-    def accumulate(self, *models: nn.Module) -> "_Accumulate":
+    def accumulate(self, *models: nn.Module) -> ContextManager:
         """Inside: gradients sync (and optimizers step) only on the window's last micro-batch or the
         dataloader's last batch."""
         self.step += 1
@@ -163,6 +164,8 @@ class Accelerator:
         if sync:
             self.step = 0
         self.gradient_state.sync_gradients = sync
+        if self._no_sync_is_noop:  # one device: nothing to skip, no per-step context objects
+            return _NO_SYNC
         return _Accumulate(self.strategy, models or self._models[:1], skip_sync=not sync)
 
     def autocast(self) -> Any:
@@ -289,6 +292,9 @@ class Accelerator:
                 _restore_forward(user, original)
 
         return through_forward
+
+
+_NO_SYNC = contextlib.nullcontext()
 
 
 class _Accumulate:

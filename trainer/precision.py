@@ -15,6 +15,7 @@ from strategies.errors import ConfigurationError
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
 _NO_AUTOCAST = contextlib.nullcontext()
+_AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16}
 ALIASES = {"no": "32", "fp32": "32", "32-true": "32", "32": "32", "fp16": "16-mixed", "16": "16-mixed",
            "16-mixed": "16-mixed", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
            "fp8": "fp8"}
@@ -52,10 +53,10 @@ class Precision:
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
-        return {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16}.get(self.name)
+        return _AUTOCAST_DTYPES.get(self.name)
 
     def autocast(self) -> ContextManager:
-        dtype = self.autocast_dtype
+        dtype = _AUTOCAST_DTYPES.get(self.name)
         if dtype is None:
             return _NO_AUTOCAST  # reusable: called once per step
         return torch.autocast(device_type=self.device.type, dtype=dtype)
