@@ -82,6 +82,7 @@ class Progress:
     batch_idx: int = 0           # micro-batches of this epoch already consumed
     accumulation_step: int = 0   # micro-batches into the current accumulation window
     skipped_nonfinite: int = 0
+    epoch_end_pending: int = 0   # 1 between the epoch's last batch and its end (scheduler step, EPOCH_END)
 
     def state_dict(self) -> Dict[str, int]:
         return asdict(self)

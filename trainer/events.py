@@ -6,6 +6,7 @@
     SETUP(stage="fit")
     [LOAD_CHECKPOINT(checkpoint)]                  # when resuming (RNG is restored after FIT_START)
     FIT_START
+    [the epoch's end below, if the checkpoint was written at BATCH_END of an epoch's last batch]
     while epochs remain:
         EPOCH_START
         for batch_idx, batch in train_loader:      # resumes mid-epoch at the exact next batch

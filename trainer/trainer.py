@@ -180,8 +180,11 @@ class Trainer:
 
     def _fit_loop(self) -> None:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
-        if p.batch_idx >= self.num_training_batches:  # resumed from an end-of-epoch checkpoint
-            p.epoch, p.batch_idx = p.epoch + 1, 0
+        if p.batch_idx >= self.num_training_batches:  # resumed from a checkpoint of the epoch's last batch
+            if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
+                self._end_epoch()
+            else:  # written at EPOCH_END (or by an older version)
+                p.epoch, p.batch_idx = p.epoch + 1, 0
         while not self._finished() and (cfg.max_epochs is None or p.epoch < cfg.max_epochs):
             self.module.train()
             loader.set_epoch(p.epoch)
@@ -189,6 +192,7 @@ class Trainer:
             for batch in loader:
                 self._train_batch(batch, p.batch_idx)
                 p.batch_idx += 1
+                p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches)
                 if self._validation_due():
                     self._run_validation(self.val_dataloaders, "validation_step")
                 self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
@@ -196,14 +200,19 @@ class Trainer:
                 if self._finished() or p.batch_idx >= self.num_training_batches:
                     break
             if p.batch_idx >= self.num_training_batches:  # a complete epoch (not a max_steps/should_stop cut)
-                self._emit(self._metrics["train"].pop_epoch_metrics(self.strategy))
-                self._step_schedulers("epoch")
-                self._fire(Event.EPOCH_END)
-                p.epoch, p.batch_idx = p.epoch + 1, 0
+                self._end_epoch()
             else:
                 break
         self._raise_if_flagged()  # a non-finite loss after the last log point (accelerators)
         self._warn_skips()
+
+    def _end_epoch(self) -> None:
+        p = self.progress
+        self._emit(self._metrics["train"].pop_epoch_metrics(self.strategy))
+        self._step_schedulers("epoch")
+        p.epoch_end_pending = 0  # a checkpoint written from here on already includes the epoch's end
+        self._fire(Event.EPOCH_END)
+        p.epoch, p.batch_idx = p.epoch + 1, 0
 
     def _finished(self) -> bool:
         max_steps = self.config.max_steps
