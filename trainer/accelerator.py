@@ -178,9 +178,10 @@ class Accelerator:
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Like ``gather`` but drops the duplicates that even sharding added on the last batch, so
-        every sample of the dataset is counted exactly once."""
+        every sample of the dataset is counted exactly once. Outside a prepared loader's loop it is
+        a plain ``gather`` (as in Accelerate)."""
         state = self.gradient_state
-        if not (state.end_of_dataloader and state.padding):
+        if not (state.end_of_dataloader and state.padding and state.active_dataloaders):
             return self.gather(data)
         keep_until = -state.padding
 

@@ -16,6 +16,7 @@ class GradientState:
     sync_gradients: bool = True
     end_of_dataloader: bool = False
     padding: int = 0  # duplicates the sampler added at the end of this epoch (dropped by gather_for_metrics)
+    active_dataloaders: int = 0  # prepared loaders being iterated now (outside any, gather_for_metrics = gather)
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -123,12 +124,16 @@ class PreparedDataLoader:
         move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run
         convert = self.precision.convert_input if getattr(self.precision, "name", None) == "bf16-true" else None
         state.end_of_dataloader = False
-        for batch in self.loader:
-            self.batch_in_epoch += 1
-            state.end_of_dataloader = self.batch_in_epoch == total
-            if move:
-                batch = move_to_device(batch, device)
-            yield convert(batch) if convert is not None else batch
+        state.active_dataloaders += 1
+        try:
+            for batch in self.loader:
+                self.batch_in_epoch += 1
+                state.end_of_dataloader = self.batch_in_epoch == total
+                if move:
+                    batch = move_to_device(batch, device)
+                yield convert(batch) if convert is not None else batch
+        finally:  # also when the loop breaks out (the generator is closed)
+            state.active_dataloaders -= 1
         state.end_of_dataloader = True
         self.epoch += 1
         self.batch_in_epoch = 0

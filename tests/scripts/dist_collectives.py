@@ -58,6 +58,8 @@ def main(out):
         "reduce_max": float(acc.reduce(torch.tensor(float(rank + 1)), "max")),
         "broadcast": acc.broadcast({"from": rank}, src=1),
         "padded": acc.gather(padded).tolist(),
+        # after the loop, outside any dataloader: a plain gather (3 rows per rank -> 6)
+        "after_loop_rows": acc.gather_for_metrics(torch.full((3,), float(rank))).tolist(),
     }
     with acc.split_between_processes(list(range(5))) as part:
         result["split"] = acc.strategy.all_gather_object(part)

@@ -44,6 +44,8 @@ def test_gather_for_metrics_counts_each_sample_once_and_collectives(tmp_path):
     assert (r["reduce_sum"], r["reduce_mean"], r["reduce_max"]) == (3.0, 1.5, 2.0)
     assert r["broadcast"] == {"from": 1}
     assert r["padded"] == [0, 1, -1, 0, 1, 2]
+    # Accelerate: gather_for_metrics outside a dataloader loop is a plain gather (no rows dropped)
+    assert r["after_loop_rows"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     assert r["split"] == [[0, 1, 2], [3, 4]]
     assert r["fp16_hook_weights_agree"] is True
     assert "comm_hook='bf16'" in r["bf16_hook_error"] and "'gloo'" in r["bf16_hook_error"]
