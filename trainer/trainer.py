@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -182,7 +183,9 @@ class Trainer:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
         if p.batch_idx >= self.num_training_batches:  # resumed from a checkpoint of the epoch's last batch
             if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
-                self._end_epoch()
+                with warnings.catch_warnings():  # the optimizer stepped before the save, not in this process
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                    self._end_epoch()
             else:  # written at EPOCH_END (or by an older version)
                 p.epoch, p.batch_idx = p.epoch + 1, 0
         while not self._finished() and (cfg.max_epochs is None or p.epoch < cfg.max_epochs):

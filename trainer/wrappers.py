@@ -108,7 +108,7 @@ class PreparedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         from strategies.data import num_padding_samples, set_loader_epoch
 
-        if not self._resumed:
+        if not self._resumed or self.batch_in_epoch == 0:  # a new epoch (also one resumed at its start)
             self.batch_in_epoch = 0
             set_loader_epoch(self.loader, self.epoch)  # sampler, batch sampler or dataset
             if self.generator_seed is not None:

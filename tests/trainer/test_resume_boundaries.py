@@ -60,3 +60,50 @@ def test_step_checkpoint_on_last_batch_of_epoch_resumes_with_the_epoch_end_still
     assert module.epoch_ends == 2, "the pending epoch end (hooks, scheduler step) ran once after the resume"
     for name, ref in full_module.state_dict().items():
         assert torch.equal(module.state_dict()[name], ref), f"weights differ at {name}"
+
+
+# ---- Accelerator ------------------------------------------------------------------------------
+def _acc_objects(initial):
+    from trainer import Accelerator
+
+    acc = Accelerator()
+    model = copy.deepcopy(initial)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(regression_data(), batch_size=BATCH, shuffle=True)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    return acc, model, opt, loader
+
+
+def _acc_epoch(model, opt, loader, acc, seen):
+    for x, y in loader:
+        seen.append(x[:, 0].tolist())
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+
+def test_accelerator_save_state_at_epoch_end_then_load_into_fresh_objects_continues_with_the_next_order(tmp_path):
+    """Accelerate test_state_checkpointing::test_can_resume_training_with_folder: train, save_state
+    after an epoch, load_state into fresh objects, train on: the same weights and batches as the
+    uninterrupted run (the next epoch's shuffle, not a replay of the saved one)."""
+    initial = make_net(dropout=0.2)
+    seed_everything(0)
+    acc, model, opt, loader = _acc_objects(initial)
+    full_seen = []
+    for _ in range(3):
+        _acc_epoch(model, opt, loader, acc, full_seen)
+    reference = acc.unwrap_model(model).state_dict()
+
+    seed_everything(0)
+    acc, model, opt, loader = _acc_objects(initial)
+    seen = []
+    _acc_epoch(model, opt, loader, acc, seen)
+    acc.save_state(str(tmp_path / "epoch1"))
+    seed_everything(99)
+    acc, model, opt, loader = _acc_objects(initial)
+    acc.load_state(str(tmp_path / "epoch1"))
+    for _ in range(2):
+        _acc_epoch(model, opt, loader, acc, seen)
+    assert seen == full_seen, "the batches after the resume differ from the uninterrupted run"
+    for name, ref in reference.items():
+        assert torch.equal(acc.unwrap_model(model).state_dict()[name], ref), f"weights differ at {name}"
