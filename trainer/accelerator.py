@@ -116,14 +116,17 @@ class Accelerator:
             self.strategy.micro_batch_size = loader.batch_size  # the first loader prepared is the training one
         if getattr(sharded, "num_workers", 0) > 0 and sharded.worker_init_fn is None and seeds_workers():
             sharded.worker_init_fn = worker_init_fn
-        own_generator = sharded.generator is None
-        if own_generator:
-            # Creating an iterator draws a worker base seed; from the global RNG that would shift
-            # the model's random stream on resume. A loader-owned generator, reseeded per epoch,
-            # keeps worker seeds a function of (seed, epoch) and the global stream untouched.
-            sharded.generator = torch.Generator()
+        # The random draws a plain DataLoader makes when an epoch starts (worker base seed, shuffle
+        # order) are made by PreparedDataLoader from the user's generator or the global RNG, as torch
+        # would; the loader itself gets a private generator, so that recreating its iterator on
+        # resume draws nothing from the user's streams.
+        sharded.generator = torch.Generator()
+        sampler = loader.sampler if loader.batch_size is not None else getattr(loader.batch_sampler, "sampler", None)
+        world = self.num_processes
         prepared = PreparedDataLoader(sharded, self.device, self.gradient_state, self.precision,
-                                      generator_seed=self.seed if own_generator else None)
+                                      base_generator=loader.generator,
+                                      order_generator=getattr(sampler, "generator", None),
+                                      broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None)
         self._dataloaders.append(prepared)
         return prepared
 

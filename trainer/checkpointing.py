@@ -57,7 +57,9 @@ def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
     source = rank if old_world == strategy.world_size else rank % old_world
     if old_world != strategy.world_size and strategy.is_global_zero:
         log.warning("trainforge: resuming a checkpoint written by %d process(es) on %d; the data position "
-                    "continues from the same global sample", old_world, strategy.world_size)
+                    "continues from the same global sample, but the random streams (dropout, later epochs' "
+                    "shuffle order) continue from rank 0's and differ from an uninterrupted run on %d",
+                    old_world, strategy.world_size, strategy.world_size)
     return load_object(path, f"rng_rank{source}"), load_object(path, f"dataloader_rank{0 if old_world != strategy.world_size else source}")
 
 

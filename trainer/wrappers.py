@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -88,9 +88,12 @@ class PreparedDataLoader:
     is also the number of global steps into the epoch, whatever the number of processes."""
 
     def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any,
-                 generator_seed: Optional[int] = None) -> None:
+                 base_generator: Optional[torch.Generator] = None, order_generator: Optional[torch.Generator] = None,
+                 broadcast: Optional[Callable[[Any], Any]] = None) -> None:
         self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
-        self.generator_seed = generator_seed  # reseed the loader's own generator at each epoch start
+        # The user's DataLoader generator and RandomSampler generator (None: the global torch RNG).
+        self.base_generator, self.order_generator, self.broadcast = base_generator, order_generator, broadcast
+        self._generators_after: List[torch.Tensor] = []  # the user's generators after the epoch-start draws
         self.epoch = 0
         self.batch_in_epoch = 0
         self._resumed = False
@@ -111,8 +114,7 @@ class PreparedDataLoader:
         if not self._resumed or self.batch_in_epoch == 0:  # a new epoch (also one resumed at its start)
             self.batch_in_epoch = 0
             set_loader_epoch(self.loader, self.epoch)  # sampler, batch sampler or dataset
-            if self.generator_seed is not None:
-                self.loader.generator.manual_seed(self.generator_seed * 1_000_003 + self.epoch)
+            self._draw_epoch_randomness()
         self._resumed = False
         try:
             total = len(self.loader)
@@ -138,14 +140,48 @@ class PreparedDataLoader:
         self.epoch += 1
         self.batch_in_epoch = 0
 
+    def _draw_epoch_randomness(self) -> None:
+        """What iterating a plain ``DataLoader(shuffle=True, generator=g)`` draws, in torch's order: the
+        worker base seed from ``g`` (else the global RNG), then RandomSampler's permutation from its
+        generator (else from a generator seeded by one more global draw; then a second randperm, as
+        RandomSampler makes for ``num_samples % n``). The permutation's generator state is handed to
+        our sampler, which saves it, so a resumed epoch keeps its order on any number of processes."""
+        base = int(torch.empty((), dtype=torch.int64).random_(generator=self.base_generator).item())
+        sampler = getattr(self.loader, "sampler", None)
+        if getattr(sampler, "shuffle", False) and callable(getattr(sampler, "set_order_state", None)):
+            g = self.order_generator
+            if g is None:
+                g = torch.Generator()
+                g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+                state = g.get_state()
+            else:
+                state = g.get_state()
+                n = len(sampler.dataset)
+                torch.randperm(n, generator=g)
+                torch.randperm(n, generator=g)
+            if self.broadcast is not None:  # every rank shards rank 0's permutation
+                state = self.broadcast(state)
+            sampler.set_order_state(state)
+        self.loader.generator.manual_seed(base)
+        users = [g for g in (self.base_generator, self.order_generator) if g is not None]
+        self._generators_after = [g.get_state() for i, g in enumerate(users) if g not in users[:i]]
+
     def state_dict(self) -> Dict[str, Any]:
         from strategies.data import loader_state_dict
 
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state_dict(self.loader)}
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state_dict(self.loader),
+                "user_generators": list(self._generators_after)}
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
         from strategies.data import load_loader_state
 
         load_loader_state(self.loader, state["loader"], world_size=world_size, rank=rank)
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        users = [g for g in (self.base_generator, self.order_generator) if g is not None]
+        users = [g for i, g in enumerate(users) if g not in users[:i]]
+        saved = state.get("user_generators", [])
+        if len(saved) == len(users):  # the user's generators continue from where the saved epoch left them
+            for g, g_state in zip(users, saved):
+                g.set_state(g_state)
+            self._generators_after = list(saved)
         self._resumed = True
