@@ -78,11 +78,16 @@ class TrainingModule(nn.Module, Callback):
         self.hparams.update(values)
 
     def log(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
-            prog_bar: bool = False, sync_dist: bool = False, batch_size: Optional[int] = None) -> None:
+            prog_bar: bool = False, sync_dist: bool = False, batch_size: Optional[int] = None,
+            reduce_fx: str = "mean", rank_zero_only: bool = False, logger: bool = True) -> None:
         """Record a scalar. In training the default is per step; in validation/test per epoch, where
-        the epoch value is the mean over batches weighted by batch size (``sync_dist``: over all ranks)."""
+        the epoch value is ``reduce_fx`` over batches ("mean": weighted by batch size; "sum", "max",
+        "min"), with ``sync_dist`` over all ranks too. ``rank_zero_only``: logged from rank 0 only, never
+        synced; ``logger=False``: in ``trainer.callback_metrics`` but not sent to the trackers. In an
+        epoch-end hook the value is logged for that epoch (see ``trainer/metric_logging.py``)."""
         self.trainer._log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                          sync_dist=sync_dist, batch_size=batch_size)
+                          sync_dist=sync_dist, batch_size=batch_size, reduce_fx=reduce_fx,
+                          rank_zero_only=rank_zero_only, logger=logger)
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():

@@ -12,12 +12,12 @@ import torch
 
 from callbacks.base import Callback
 from strategies import Strategy
-from strategies.data_utils import batch_size_of
 from strategies.errors import ConfigurationError, TrainforgeError
 from trainer.accelerator import Accelerator
 from trainer.checkpointing import load_trainer_checkpoint, restore_pending_rng
 from trainer.config import LoopConfig, Progress, limited, parse_optimizers, resolve_root_dir
 from trainer.events import Event
+from trainer.metric_logging import MetricLogging
 from trainer.metrics import MetricStore
 from trainer.module import TrainingModule
 from trainer.seed import seed_everything
@@ -25,7 +25,7 @@ from trainer.seed import seed_everything
 log = logging.getLogger("trainforge")
 
 
-class Trainer:
+class Trainer(MetricLogging):
     def __init__(self, *, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
                  max_epochs: Optional[int] = None, max_steps: int = -1, accumulate_grad_batches: Optional[int] = None,
                  gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
@@ -58,7 +58,7 @@ class Trainer:
         self.progress = Progress()
         self.stage = "fit"
         self.should_stop = False
-        self.callback_metrics: Dict[str, torch.Tensor] = {}
+        self._init_logging()  # callback_metrics, logged_metrics (trainer/metric_logging.py)
         self.module: Optional[TrainingModule] = None
         self.model: Any = None
         self.optimizer: Any = None
@@ -107,32 +107,6 @@ class Trainer:
         targets = [self.module, *self.callbacks]
         self._listeners = {event: [getattr(t, event.value) for t in targets if _overrides(t, event.value)]
                            for event in Event}
-
-    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
-        """Send metrics to every tracker (the LOG event); call it on every rank."""
-        for name, value in metrics.items():
-            self.callback_metrics[name] = torch.tensor(float(value))
-        self._fire(Event.LOG, dict(metrics), self.global_step if step is None else step)
-
-    def _log(self, name: str, value: Any, *, on_step: Optional[bool], on_epoch: Optional[bool], prog_bar: bool,
-             sync_dist: bool, batch_size: Optional[int]) -> None:
-        training = self._running == "train"
-        if training and on_step is None and on_epoch is None and not prog_bar and type(value) is torch.Tensor \
-                and value.dim() == 0:  # the common case, once per step: the latest value, kept as a tensor
-            store = self._metrics["train"]
-            store.step_values[name] = value.detach()
-            store.step_sync[name] = sync_dist
-            return
-        on_step = training if on_step is None else on_step
-        on_epoch = (not training) if on_epoch is None else on_epoch
-        if on_epoch and batch_size is None:
-            batch_size = batch_size_of(self._batch)
-        self._metrics[self._running].log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                                         sync_dist=sync_dist, batch_size=batch_size or 1)
-
-    def _emit(self, metrics: Dict[str, float]) -> None:
-        if metrics:
-            self.log_metrics(metrics)
 
     # ---- fit -------------------------------------------------------------------------------------
     def fit(self, module: TrainingModule, train_dataloaders: Any, val_dataloaders: Any = None,
@@ -214,7 +188,7 @@ class Trainer:
         self._emit(self._metrics["train"].pop_epoch_metrics(self.strategy))
         self._step_schedulers("epoch")
         p.epoch_end_pending = 0  # a checkpoint written from here on already includes the epoch's end
-        self._fire(Event.EPOCH_END)
+        self._fire_epoch_end(Event.EPOCH_END)
         p.epoch, p.batch_idx = p.epoch + 1, 0
 
     def _finished(self) -> bool:
@@ -342,7 +316,7 @@ class Trainer:
                         out = step(batch, batch_idx)
                     self._fire(Event.VALIDATION_BATCH_END, out, batch, batch_idx)
         self._emit(self._metrics["val"].pop_epoch_metrics(self.strategy))
-        self._fire(Event.VALIDATION_END)
+        self._fire_epoch_end(Event.VALIDATION_END)
         self._running = "train"
         if was_training:
             self.module.train()

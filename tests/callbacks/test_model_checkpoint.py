@@ -73,7 +73,7 @@ def test_max_mode_and_every_n_epochs(tmp_path):
 def test_bad_template_and_missing_monitor_are_clear(tmp_path):
     with pytest.raises(ConfigurationError, match=r"filename='\{nope\}' cannot be filled"):
         fit(tmp_path / "a", [ModelCheckpoint(every_n_steps=1, filename="{nope}")], val=False)
-    with pytest.raises(ConfigurationError, match=r"monitor='val/acc'.*available: \['val/loss'\]"):
+    with pytest.raises(ConfigurationError, match=r"monitor='val/acc'.*available: \['train/loss', 'val/loss'\]"):
         fit(tmp_path / "b", [ModelCheckpoint(monitor="val/acc")])
     with pytest.raises(ConfigurationError, match="mode='best' is not one of: min, max"):
         ModelCheckpoint(monitor="x", mode="best")
