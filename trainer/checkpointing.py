@@ -78,6 +78,8 @@ def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str) -> Path
         "accumulation_step": trainer.accelerator.step,
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
     })
+    if trainer.datamodule is not None:
+        state["datamodule"] = trainer.datamodule.state_dict()
     if strategy.is_global_zero:
         writer.save_object("trainer_state", state)
     _write_rank_state(writer, strategy.global_rank, [trainer.train_dataloader])
@@ -112,6 +114,8 @@ def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool =
     for cb in trainer.callbacks:
         if cb.state_key in state["callbacks"]:
             cb.load_state_dict(state["callbacks"][cb.state_key])
+    if trainer.datamodule is not None and "datamodule" in state:
+        trainer.datamodule.load_state_dict(state["datamodule"])
     trainer._fire(Event.LOAD_CHECKPOINT, state)
     rng, (loader_state,) = _read_rank_state(path, meta, strategy)
     trainer.train_dataloader.load_state_dict(loader_state, world_size=strategy.world_size, rank=strategy.global_rank)

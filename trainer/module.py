@@ -1,7 +1,7 @@
 """``TrainingModule``: the user's model, its steps and its optimizers (an ``nn.Module``).
 
-It also receives every lifecycle event first (it inherits the Callback hooks), so there is one
-hook mechanism for modules and callbacks.
+It also receives every lifecycle event first, through the Trainer's one dispatcher, with
+Lightning's hook signatures (``trainer/hooks.py``).
 """
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from callbacks.base import Callback
 from strategies.errors import TrainforgeError
+from trainer.hooks import ModuleHooks
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.trainer import Trainer
 
 
-class TrainingModule(nn.Module, Callback):
+class TrainingModule(ModuleHooks, nn.Module):
     """Subclass it; implement ``training_step`` and ``configure_optimizers`` (the rest is optional).
 
     ``configure_optimizers`` returns an optimizer, ``(optimizer, scheduler)``, or
@@ -93,7 +93,3 @@ class TrainingModule(nn.Module, Callback):
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
 
-    # nn.Module and Callback both define state_dict/load_state_dict: the module's (weights) win by
-    # the MRO, which is what users and checkpoints expect.
-    state_dict = nn.Module.state_dict
-    load_state_dict = nn.Module.load_state_dict

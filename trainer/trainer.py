@@ -17,6 +17,8 @@ from trainer.accelerator import Accelerator
 from trainer.checkpointing import load_trainer_checkpoint, restore_pending_rng
 from trainer.config import LoopConfig, Progress, limited, parse_optimizers, resolve_root_dir
 from trainer.events import Event
+from trainer.evaluation import Evaluation, module_modes, restore_modes
+from trainer.hooks import bind_module_hook, warn_unknown_hooks
 from trainer.metric_logging import MetricLogging
 from trainer.metrics import MetricStore
 from trainer.module import TrainingModule
@@ -25,7 +27,7 @@ from trainer.seed import seed_everything
 log = logging.getLogger("trainforge")
 
 
-class Trainer(MetricLogging):
+class Trainer(MetricLogging, Evaluation):
     def __init__(self, *, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
                  max_epochs: Optional[int] = None, max_steps: int = -1, accumulate_grad_batches: Optional[int] = None,
                  gradient_clip_val: Optional[float] = None, gradient_clip_algorithm: str = "norm",
@@ -34,7 +36,7 @@ class Trainer(MetricLogging):
                  log_every_n_steps: int = 50, callbacks: Optional[Sequence[Callback]] = None,
                  default_root_dir: Optional[str] = None, enable_progress_bar: bool = True,
                  enable_checkpointing: bool = True, compile: bool = False, seed: Optional[int] = None,
-                 nonfinite_loss: str = "raise", resume: Optional[str] = None) -> None:
+                 nonfinite_loss: str = "raise", resume: Optional[str] = None, num_sanity_val_steps: int = 2) -> None:
         self.config = LoopConfig(max_epochs=max_epochs, max_steps=max_steps,
                                  accumulate_grad_batches=1 if accumulate_grad_batches is None else accumulate_grad_batches,
                                  gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
@@ -51,6 +53,12 @@ class Trainer(MetricLogging):
         self.strategy = self.accelerator.strategy
         self.default_root_dir = resolve_root_dir(default_root_dir)
         self.compile, self.resume, self.seed = compile, resume, seed
+        if not isinstance(num_sanity_val_steps, int) or isinstance(num_sanity_val_steps, bool) \
+                or num_sanity_val_steps < -1:
+            raise ConfigurationError(f"num_sanity_val_steps={num_sanity_val_steps!r} must be an int: 0 (off), "
+                                     "N batches (default 2) or -1 (the whole validation set)")
+        self.num_sanity_val_steps = num_sanity_val_steps
+        self.datamodule: Any = None
         from trainer.defaults import default_callbacks
 
         self.callbacks: List[Callback] = default_callbacks(list(callbacks or []), enable_progress_bar,
@@ -103,15 +111,25 @@ class Trainer(MetricLogging):
             hook(self, self.module, *args)
 
     def _build_listeners(self) -> None:
-        """Per event, the bound hooks of the targets that override it (no-op hooks are skipped)."""
-        targets = [self.module, *self.callbacks]
-        self._listeners = {event: [getattr(t, event.value) for t in targets if _overrides(t, event.value)]
-                           for event in Event}
+        """Per event, the bound hooks of the targets that override it (no-op hooks are skipped): the
+        module's with Lightning's signatures (``trainer/hooks.py``), bound once here."""
+        listeners = {}
+        for event in Event:
+            module_hook = bind_module_hook(self.module, event)
+            listeners[event] = ([module_hook] if module_hook is not None else []) + \
+                [getattr(cb, event.value) for cb in self.callbacks if _overrides(cb, event.value)]
+        self._listeners = listeners
 
     # ---- fit -------------------------------------------------------------------------------------
-    def fit(self, module: TrainingModule, train_dataloaders: Any, val_dataloaders: Any = None,
-            ckpt_path: Optional[str] = None) -> None:
+    def fit(self, module: TrainingModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            ckpt_path: Optional[str] = None, *, datamodule: Any = None) -> None:
+        """Loaders come from the arguments, else from ``datamodule``, else from the module's
+        ``train_dataloader()``/``val_dataloader()`` (Lightning)."""
         self._attach(module, "fit")
+        if train_dataloaders is None:
+            train_dataloaders = self._loaders_for("fit", None, datamodule)[0]
+            if val_dataloaders is None:
+                val_dataloaders = self._loaders_for("validate", None, datamodule, required=False) or None
         self._check_loader(train_dataloaders, "train_dataloaders")
         try:
             self._setup_fit(module, train_dataloaders, val_dataloaders)
@@ -120,8 +138,11 @@ class Trainer(MetricLogging):
             if path is not None:
                 load_trainer_checkpoint(self, path, required=ckpt_path is not None)
             self._fire(Event.FIT_START)
+            self._sanity_check()
             restore_pending_rng(self)  # last thing before the loop: keeps resumed random streams exact
+            self._fire(Event.TRAIN_START)
             self._fit_loop()
+            self._fire(Event.TRAIN_END)
             self._fire(Event.FIT_END)
             self._fire(Event.TEARDOWN, "fit")
         except BaseException as exc:
@@ -155,6 +176,7 @@ class Trainer(MetricLogging):
 
     def _fit_loop(self) -> None:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
+        train_modes = module_modes(self.module)  # the user's per-submodule modes (a frozen part stays in eval)
         if p.batch_idx >= self.num_training_batches:  # resumed from a checkpoint of the epoch's last batch
             if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
                 with warnings.catch_warnings():  # the optimizer stepped before the save, not in this process
@@ -163,7 +185,7 @@ class Trainer(MetricLogging):
             else:  # written at EPOCH_END (or by an older version)
                 p.epoch, p.batch_idx = p.epoch + 1, 0
         while not self._finished() and (cfg.max_epochs is None or p.epoch < cfg.max_epochs):
-            self.module.train()
+            restore_modes(train_modes)
             loader.set_epoch(p.epoch)
             self._fire(Event.EPOCH_START)
             for batch in loader:
@@ -225,6 +247,7 @@ class Trainer(MetricLogging):
             else:
                 self.strategy.clip_gradients(params, clip_value=cfg.gradient_clip_val)
         self.strategy.optimizer_step(optimizer)  # what the prepared optimizer does on a sync step
+        self._fire(Event.BEFORE_ZERO_GRAD, optimizer)
         optimizer.zero_grad()
         self.progress.global_step += 1
         self._step_schedulers("step")
@@ -299,69 +322,6 @@ class Trainer(MetricLogging):
         if self.progress.skipped_nonfinite and self.is_global_zero:
             log.warning("trainforge: %d batch(es) with a non-finite loss were skipped", self.progress.skipped_nonfinite)
 
-    # ---- evaluation ------------------------------------------------------------------------------
-    def _run_validation(self, loaders: List[Any], step_name: str) -> None:
-        was_training, self._running = self.module.training, "val"
-        self.module.eval()
-        self._fire(Event.VALIDATION_START)
-        with torch.no_grad():
-            step = self.accelerator.step_function(self.model, step_name)
-            for loader in loaders:
-                limit = limited(len(loader), self.config.limit_val_batches)
-                for batch_idx, batch in enumerate(loader):
-                    if batch_idx >= limit:
-                        break
-                    self._batch = batch
-                    with self.accelerator.autocast():
-                        out = step(batch, batch_idx)
-                    self._fire(Event.VALIDATION_BATCH_END, out, batch, batch_idx)
-        self._emit(self._metrics["val"].pop_epoch_metrics(self.strategy))
-        self._fire_epoch_end(Event.VALIDATION_END)
-        self._running = "train"
-        if was_training:
-            self.module.train()
-
-    def validate(self, module: TrainingModule, dataloaders: Any) -> Dict[str, float]:
-        return self._evaluate(module, dataloaders, "validate", "validation_step")
-
-    def test(self, module: TrainingModule, dataloaders: Any) -> Dict[str, float]:
-        return self._evaluate(module, dataloaders, "test", "test_step")
-
-    def _evaluate(self, module: TrainingModule, dataloaders: Any, stage: str, step_name: str) -> Dict[str, float]:
-        self._attach(module, stage)
-        loaders = _as_list(dataloaders)
-        for i, dl in enumerate(loaders):
-            self._check_loader(dl, f"dataloaders[{i}]")
-        try:
-            self._prepare_eval(module)
-            self._fire(Event.SETUP, stage)
-            before = dict(self.callback_metrics)
-            self._run_validation([self.accelerator.prepare_data_loader(dl) for dl in loaders], step_name)
-            self._fire(Event.TEARDOWN, stage)
-        except BaseException as exc:
-            self._fire(Event.EXCEPTION, exc)
-            self._fire(Event.TEARDOWN, stage)
-            raise
-        return {k: float(v) for k, v in self.callback_metrics.items() if before.get(k) is not v}
-
-    def predict(self, module: TrainingModule, dataloaders: Any) -> List[Any]:
-        self._attach(module, "predict")
-        self._prepare_eval(module)
-        self._fire(Event.SETUP, "predict")
-        outputs = []
-        module.eval()
-        step = self.accelerator.step_function(self.model, "predict_step")
-        with torch.no_grad():
-            for batch_idx, batch in enumerate(self.accelerator.prepare_data_loader(dataloaders)):
-                with self.accelerator.autocast():
-                    outputs.append(step(batch, batch_idx))
-        self._fire(Event.TEARDOWN, "predict")
-        return outputs
-
-    def _prepare_eval(self, module: TrainingModule) -> None:
-        if self.model is None or self.accelerator.unwrap_model(self.model) is not module:
-            self.model = self.accelerator.prepare(module)
-
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> Any:
         """Everything needed to resume exactly, as one checkpoint directory (every rank calls it)."""
@@ -389,7 +349,36 @@ class Trainer(MetricLogging):
                                      "return an optimizer such as torch.optim.AdamW(self.parameters(), lr=3e-4)")
         object.__setattr__(module, "_trainer", self)
         self.module, self.stage, self.should_stop = module, stage, False
+        if stage == "fit":
+            warn_unknown_hooks(module)
         self._build_listeners()
+
+    def _loaders_for(self, stage: str, given: Any, datamodule: Any, required: bool = True) -> List[Any]:
+        """The loaders a stage runs on: given, else the datamodule's, else the module's own."""
+        if given is not None:
+            return _as_list(given)
+        method = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
+                  "predict": "predict_dataloader"}[stage]
+        source = datamodule if datamodule is not None else self.module
+        if datamodule is not None and datamodule is not self.datamodule:
+            self.datamodule = datamodule
+            if self.strategy.local_rank == 0:
+                datamodule.prepare_data()  # once per node; the other processes wait
+            self.strategy.barrier()
+            datamodule.setup("fit" if stage == "validate" and self.stage == "fit" else stage)
+        if not callable(getattr(source, method, None)):
+            if not required:
+                return []
+            arg = "train_dataloaders" if stage == "fit" else "dataloaders"
+            raise ConfigurationError(f"Trainer.{stage}() got no {arg}: pass them, pass datamodule=..., or define "
+                                     f"{type(self.module).__name__}.{method}()")
+        try:
+            loaders = getattr(source, method)()
+        except NotImplementedError:
+            if not required:
+                return []
+            raise
+        return _as_list(loaders)
 
     @staticmethod
     def _check_loader(loader: Any, name: str) -> None:

@@ -74,10 +74,11 @@ class Probe(Regressor):
         self.log("bar", 3.0, prog_bar=True, rank_zero_only=True)
         return loss
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        self.seen.append((float(trainer.callback_metrics["train/loss"]), float(trainer.callback_metrics["both"])))
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        cm = self.trainer.callback_metrics
+        self.seen.append((float(cm["train/loss"]), float(cm["both"])))
 
-    def on_train_epoch_end(self, *args):
+    def on_train_epoch_end(self):
         self.log("epoch_end_value", 42.0)
 
 

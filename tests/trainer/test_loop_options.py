@@ -53,7 +53,8 @@ def test_limit_val_batches_and_max_steps_cut(tmp_path):
             type(self).val_batches += 1
             super().validation_step(batch, batch_idx)
 
-    trainer = run(tmp_path, module=CountVal(make_net()), limit_val_batches=1, max_steps=11, max_epochs=None)
+    trainer = run(tmp_path, module=CountVal(make_net()), limit_val_batches=1, max_steps=11, max_epochs=None,
+                  num_sanity_val_steps=0)
     assert trainer.global_step == 11 and trainer.current_epoch == 1
     assert CountVal.val_batches == 1  # one full epoch (validation at its end), one batch per validation
 

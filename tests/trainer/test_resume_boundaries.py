@@ -33,7 +33,7 @@ class EpochLR(TrainingModule):
         opt = torch.optim.SGD(self.parameters(), lr=0.5)
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # interval "epoch"
 
-    def on_train_epoch_end(self, *args):
+    def on_train_epoch_end(self):
         self.epoch_ends += 1
 
 
