@@ -313,7 +313,10 @@ class Trainer(MetricLogging, Evaluation):
         interval = self.config.val_check_interval
         n = self.num_training_batches
         every = max(1, int(n * interval)) if isinstance(interval, float) else interval
-        return self.progress.batch_idx % every == 0 or self.progress.batch_idx == n
+        # Lightning: every `every` batches of the epoch (of the run when check_val_every_n_epoch=None),
+        # and no extra run at the epoch end when it is not due
+        done = self.progress.batch_idx if every_epoch is not None else self.progress.epoch * n + self.progress.batch_idx
+        return done % every == 0
 
     def _warn_skips(self) -> None:
         skipped = self.accelerator.precision.skipped_steps
