@@ -179,6 +179,45 @@ def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> 
     return path
 
 
+def _project_root(acc: "Accelerator") -> Path:
+    if not acc.automatic_checkpoint_naming:
+        raise ConfigurationError("save_state()/load_state() without a directory need Accelerator(project_dir=..., "
+                                 "automatic_checkpoint_naming=True); or pass the directory")
+    return Path(acc.project_dir) / "checkpoints"
+
+
+def save_project_checkpoint(acc: "Accelerator") -> Path:
+    """Accelerate's automatic naming: ``checkpoints/checkpoint_<i>``, i one more than the newest;
+    the oldest beyond ``total_limit`` deleted (by rank 0, after the save)."""
+    from strategies.checkpoint_io import delete_checkpoint
+
+    root = _project_root(acc)
+    existing = _numbered(root)
+    path = save_accelerator_state(acc, root / f"checkpoint_{existing[-1][0] + 1 if existing else 0}")
+    if acc.total_limit is not None and acc.is_main_process:
+        for _, old in _numbered(root)[:-acc.total_limit]:
+            delete_checkpoint(old)
+    acc.wait_for_everyone()
+    return path
+
+
+def newest_project_checkpoint(acc: "Accelerator") -> Path:
+    root = _project_root(acc)
+    existing = _numbered(root)
+    if not existing:
+        raise CheckpointError(f"load_state(): no checkpoint_<i> under {root} yet; save_state() first")
+    return existing[-1][1]
+
+
+def _numbered(root: Path) -> List[tuple]:
+    out = []
+    for p in list_checkpoints(root) if root.exists() else []:
+        suffix = p.name[len("checkpoint_"):]
+        if p.name.startswith("checkpoint_") and suffix.isdigit():
+            out.append((int(suffix), p))
+    return sorted(out)
+
+
 # ---- consolidated weights ------------------------------------------------------------------------
 def save_weights(strategy: Any, model: Any, path: os.PathLike | str, max_shard_size: Optional[int] = None) -> Path:
     """One safetensors file (or shards + HF index) of the full model, plus ``config.json`` when the

@@ -1,12 +1,14 @@
 """The objects ``Accelerator.prepare`` hands back: they look like what the user passed in."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from strategies.data_utils import move_to_device
+from strategies.errors import ConfigurationError
 
 
 @dataclass
@@ -63,12 +65,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
 class PreparedScheduler:
     """Steps only when the optimizer really stepped (a sync step of accumulation)."""
 
-    def __init__(self, scheduler: Any, gradient_state: GradientState) -> None:
+    def __init__(self, scheduler: Any, gradient_state: GradientState, steps_per_call: int = 1) -> None:
         self.scheduler, self.gradient_state = scheduler, gradient_state
+        # Accelerate steps a prepared scheduler once per process per optimizer step (unless
+        # split_batches), so a schedule written for one process keeps its length in samples.
+        self.steps_per_call = steps_per_call
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self.gradient_state.sync_gradients:
-            self.scheduler.step(*args, **kwargs)
+            for _ in range(self.steps_per_call):
+                self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
@@ -94,6 +100,7 @@ class PreparedDataLoader:
         # The user's DataLoader generator and RandomSampler generator (None: the global torch RNG).
         self.base_generator, self.order_generator, self.broadcast = base_generator, order_generator, broadcast
         self._generators_after: List[torch.Tensor] = []  # the user's generators after the epoch-start draws
+        self._skip = 0  # skip_first_batches: batches the next pass starts into the epoch
         self.epoch = 0
         self.batch_in_epoch = 0
         self._resumed = False
@@ -115,6 +122,9 @@ class PreparedDataLoader:
             self.batch_in_epoch = 0
             set_loader_epoch(self.loader, self.epoch)  # sampler, batch sampler or dataset
             self._draw_epoch_randomness()
+            if self._skip:
+                self._start_at(self._skip)
+        self._skip = 0
         self._resumed = False
         try:
             total = len(self.loader)
@@ -165,6 +175,33 @@ class PreparedDataLoader:
         self.loader.generator.manual_seed(base)
         users = [g for g in (self.base_generator, self.order_generator) if g is not None]
         self._generators_after = [g.get_state() for i, g in enumerate(users) if g not in users[:i]]
+
+    def skip_first_batches(self, num_batches: int) -> "PreparedDataLoader":
+        if not isinstance(num_batches, int) or num_batches < 0:
+            raise ConfigurationError(f"skip_first_batches(num_batches={num_batches!r}) must be an int >= 0")
+        if self._resumed and self.batch_in_epoch > 0:
+            if num_batches != self.batch_in_epoch:
+                raise ConfigurationError(
+                    f"skip_first_batches({num_batches}) on a loader that load_state already put at batch "
+                    f"{self.batch_in_epoch} of epoch {self.epoch}: it continues from there by itself; drop the "
+                    "skip_first_batches call")
+            warnings.warn(f"skip_first_batches({num_batches}): load_state already restored this loader to batch "
+                          f"{num_batches} of the epoch; nothing more is skipped (trainforge restores data "
+                          "positions, Accelerate does not)", UserWarning, stacklevel=3)
+            return self
+        self._skip = num_batches
+        return self
+
+    def _start_at(self, num_batches: int) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if not callable(getattr(sampler, "check_compatible", None)):
+            raise ConfigurationError("skip_first_batches needs a map-style dataset sharded by trainforge (no custom "
+                                     "sampler or IterableDataset): skip inside your own sampler instead")
+        state = sampler.state_dict()
+        state["consumed"] = min(num_batches * (self.loader.batch_size or 1) * sampler.num_replicas,
+                                sampler.total_size)
+        sampler.load_state_dict(state)
+        self.batch_in_epoch = num_batches
 
     def state_dict(self) -> Dict[str, Any]:
         from strategies.data import loader_state_dict

@@ -61,6 +61,23 @@ def main(out):
         # after the loop, outside any dataloader: a plain gather (3 rows per rank -> 6)
         "after_loop_rows": acc.gather_for_metrics(torch.full((3,), float(rank))).tolist(),
     }
+    # Accelerate's process control and data options on 2 processes
+    result["gather_object"] = acc.gather_object([f"r{rank}"])
+    order_file = out + ".order"
+    with acc.main_process_first():
+        with open(order_file, "a") as f:
+            f.write(f"{rank}\n")
+    acc.wait_for_everyone()
+    result["main_first_order"] = open(order_file).read().split()
+    result["on_process_1"] = acc.gather_object([acc.on_process(lambda: rank, process_index=1)()])
+    uneven = Accelerator(even_batches=False).prepare(DataLoader(Indices(13), batch_size=4))
+    result["uneven_counts"] = acc.gather_object([sum(len(b[0]) for b in uneven)])
+    split = Accelerator(split_batches=True).prepare(DataLoader(Indices(16), batch_size=8))
+    result["split_batch_sizes"] = acc.gather_object([len(next(iter(split))[0])])
+    opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    sched = Accelerator().prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    sched.step()  # Accelerate: once per process -> twice on 2 processes
+    result["lr_after_one_step"] = opt.param_groups[0]["lr"]
     with acc.split_between_processes(list(range(5))) as part:
         result["split"] = acc.strategy.all_gather_object(part)
     result["fp16_hook_weights_agree"] = fp16_hook_trains_in_step()

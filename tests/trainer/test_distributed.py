@@ -46,6 +46,15 @@ def test_gather_for_metrics_counts_each_sample_once_and_collectives(tmp_path):
     assert r["padded"] == [0, 1, -1, 0, 1, 2]
     # Accelerate: gather_for_metrics outside a dataloader loop is a plain gather (no rows dropped)
     assert r["after_loop_rows"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    # Accelerate: gather_object concatenates lists in rank order; main_process_first lets rank 0 in
+    # first; on_process runs on that process only; even_batches=False drops the padding (13 samples:
+    # 7 + 6); split_batches divides the batch; a prepared scheduler steps once per process.
+    assert r["gather_object"] == ["r0", "r1"]
+    assert r["main_first_order"] == ["0", "1"]
+    assert r["on_process_1"] == [None, 1]
+    assert r["uneven_counts"] == [7, 6]
+    assert r["split_batch_sizes"] == [4, 4]
+    assert r["lr_after_one_step"] == 0.25
     assert r["split"] == [[0, 1, 2], [3, 4]]
     assert r["fp16_hook_weights_agree"] is True
     assert "comm_hook='bf16'" in r["bf16_hook_error"] and "'gloo'" in r["bf16_hook_error"]
