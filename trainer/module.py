@@ -89,6 +89,33 @@ class TrainingModule(ModuleHooks, nn.Module):
                           sync_dist=sync_dist, batch_size=batch_size, reduce_fx=reduce_fx,
                           rank_zero_only=rank_zero_only, logger=logger)
 
+    # ---- manual optimization (Lightning's automatic_optimization = False; trainer/manual.py) -----
+    @property
+    def automatic_optimization(self) -> bool:
+        return self.__dict__.get("_automatic_optimization", True)
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self.__dict__["_automatic_optimization"] = bool(value)
+
+    def optimizers(self) -> Any:
+        """The prepared optimizer(s): one object, or a list when configure_optimizers returned several."""
+        from trainer.manual import ManualOptimizer
+
+        opts = [ManualOptimizer(o, self.trainer) for o in self.trainer._prepared_optimizers]
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler(s) from configure_optimizers: None, one, or a list."""
+        scheds = [cfg["scheduler"] for cfg in self.trainer.lr_scheduler_configs]
+        return None if not scheds else scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` through the strategy (scaling, DDP sync, DeepSpeed engine)."""
+        from trainer.manual import manual_backward
+
+        manual_backward(self.trainer, loss)
+
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
             self.log(name, value, **kwargs)

@@ -19,6 +19,7 @@ from trainer.config import LoopConfig, Progress, limited, parse_optimizers, reso
 from trainer.events import Event
 from trainer.evaluation import Evaluation, module_modes, restore_modes
 from trainer.hooks import bind_module_hook, warn_unknown_hooks
+from trainer.manual import check_manual_config, run_manual_step
 from trainer.metric_logging import MetricLogging
 from trainer.metrics import MetricStore
 from trainer.module import TrainingModule
@@ -70,6 +71,7 @@ class Trainer(MetricLogging, Evaluation):
         self.module: Optional[TrainingModule] = None
         self.model: Any = None
         self.optimizer: Any = None
+        self._prepared_optimizers: List[Any] = []
         self.lr_scheduler_configs: List[Dict[str, Any]] = []
         self.train_dataloader: Any = None
         self.val_dataloaders: List[Any] = []
@@ -96,7 +98,7 @@ class Trainer(MetricLogging, Evaluation):
     max_steps = property(lambda self: self.config.max_steps)
     max_epochs = property(lambda self: self.config.max_epochs)
     log_every_n_steps = property(lambda self: self.config.log_every_n_steps)
-    optimizers = property(lambda self: [self.optimizer.optimizer] if self.optimizer is not None else [])
+    optimizers = property(lambda self: [o.optimizer for o in self._prepared_optimizers])
 
     @property
     def hparams(self) -> Dict[str, Any]:
@@ -159,13 +161,17 @@ class Trainer(MetricLogging, Evaluation):
         if self.compile:
             for child in module.children():
                 child.compile()
+        manual = not module.automatic_optimization
+        if manual:
+            check_manual_config(self)
         if self.strategy.requires_optimizer_after_setup:
             self.model = acc.prepare(module)
-            cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__)
-            self.optimizer = acc.prepare(cfg.optimizer)
+            cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__, manual)
+            prepared = [acc.prepare(o) for o in cfg.optimizers]
         else:
-            cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__)
-            self.model, self.optimizer = acc.prepare(module, cfg.optimizer)
+            cfg = parse_optimizers(module.configure_optimizers(), type(module).__name__, manual)
+            self.model, *prepared = acc.prepare(module, *cfg.optimizers)
+        self.optimizer, self._prepared_optimizers = prepared[0], prepared
         self.lr_scheduler_configs = cfg.schedulers
         self._training_step = acc.step_function(self.model, "training_step")
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
@@ -222,6 +228,8 @@ class Trainer(MetricLogging, Evaluation):
         self._batch, self._running = batch, "train"
         self._fire(Event.BATCH_START, batch, batch_idx)
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches
+        if not self.module.automatic_optimization:
+            return run_manual_step(self, batch, batch_idx)
         with acc.accumulate(self.model):
             with acc.autocast():
                 output = self._training_step(batch, batch_idx)
