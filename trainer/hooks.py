@@ -96,13 +96,8 @@ def _lightning_signature(name: str) -> str:
 def warn_unknown_hooks(module: Any) -> None:
     """A Lightning user's ``on_*`` method that the Trainer never calls would be silently ignored."""
     unknown = sorted(name for name in dir(type(module))
-                     if name.startswith("on_") and name not in MODULE_HOOKS and callable(getattr(type(module), name))
-                     and not hasattr(_Base, name))
+                     if name.startswith("on_") and name not in MODULE_HOOKS and callable(getattr(type(module), name)))
     if unknown:
         warnings.warn(f"{type(module).__name__} defines {', '.join(unknown)}, which the Trainer never calls (its "
                       f"module hooks: {', '.join(sorted(MODULE_HOOKS))}); rename or remove "
                       f"{'it' if len(unknown) == 1 else 'them'}", UserWarning, stacklevel=3)
-
-
-class _Base:  # what TrainingModule inherits besides the hooks (nn.Module): never a user's hook
-    pass
