@@ -4,7 +4,7 @@
 ``TrainingModule`` and then to every callback in order)::
 
     SETUP(stage="fit")
-    [LOAD_CHECKPOINT(checkpoint)]                  # when resuming (RNG is restored after FIT_START)
+    [LOAD_CHECKPOINT(checkpoint)]                  # when resuming (RNG is restored after TRAIN_START)
     FIT_START
     [SANITY_CHECK_START, a validation of num_sanity_val_steps batches (metrics dropped), SANITY_CHECK_END]
     TRAIN_START

@@ -141,8 +141,8 @@ class Trainer(MetricLogging, Evaluation):
                 load_trainer_checkpoint(self, path, required=ckpt_path is not None)
             self._fire(Event.FIT_START)
             self._sanity_check()
-            restore_pending_rng(self)  # last thing before the loop: keeps resumed random streams exact
             self._fire(Event.TRAIN_START)
+            restore_pending_rng(self)  # last thing before the loop: keeps resumed random streams exact
             self._fit_loop()
             self._fire(Event.TRAIN_END)
             self._fire(Event.FIT_END)
