@@ -92,6 +92,9 @@ class Strategy:
         else:
             loss.backward()
 
+    def prepare_for_manual_backward(self, module: nn.Module, loss: torch.Tensor) -> None:
+        """Called before each backward of manual optimization (several per forward); DDP readies its reducer."""
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> Any:
         if self.precision is not None:
             return self.precision.optimizer_step(optimizer)

@@ -179,6 +179,20 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
 
+    def prepare_for_manual_backward(self, module: nn.Module, loss: torch.Tensor) -> None:
+        """Manual optimization runs several backward passes per forward (one per optimizer): ready
+        DDP's reducer for each, as Lightning's DDP strategy does before every backward."""
+        if not isinstance(module, DistributedDataParallel) or not torch.is_grad_enabled():
+            return
+        if not module.require_backward_grad_sync:
+            module.require_forward_param_sync = False
+            return
+        module.require_forward_param_sync = True
+        find = module.find_unused_parameters and not module.static_graph
+        outputs = [t for t in (loss if isinstance(loss, (list, tuple)) else [loss]) if isinstance(t, torch.Tensor)]
+        module.reducer._rebuild_buckets()
+        module.reducer.prepare_for_backward(outputs if find else [])
+
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         if enabled and isinstance(module, DistributedDataParallel):
             return module.no_sync()

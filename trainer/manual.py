@@ -71,5 +71,6 @@ def run_manual_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
 
 def manual_backward(trainer: "Trainer", loss: Any) -> None:
     trainer._fire(Event.BEFORE_BACKWARD, loss)
+    trainer.strategy.prepare_for_manual_backward(trainer.model, loss)
     trainer.accelerator.backward(loss, trainer.model)
     trainer._fire(Event.AFTER_BACKWARD)
