@@ -92,6 +92,10 @@ class Strategy:
         else:
             loss.backward()
 
+    def force_backward_sync(self, module: nn.Module) -> ContextManager:
+        """Gradients sync in the backward inside even within ``no_backward_sync`` (DDP overrides)."""
+        return contextlib.nullcontext()
+
     def prepare_for_manual_backward(self, module: nn.Module, loss: torch.Tensor) -> None:
         """Called before each backward of manual optimization (several per forward); DDP readies its reducer."""
 

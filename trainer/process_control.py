@@ -70,3 +70,8 @@ class ProcessControl:
     def no_sync(self, model: nn.Module) -> Any:
         """Skip the gradient all-reduce in the backward passes inside (accumulate by hand)."""
         return self.strategy.no_backward_sync(model, enabled=True)
+
+    def trigger_sync_in_backward(self, model: nn.Module) -> Any:
+        """The forward and backward inside all-reduce gradients even within ``no_sync`` (the
+        gradients accumulated locally so far are synced with them)."""
+        return self.strategy.force_backward_sync(model)

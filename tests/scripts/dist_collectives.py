@@ -38,6 +38,22 @@ def fp16_hook_trains_in_step():
     return bool(torch.equal(both[0], both[1])) and not torch.equal(weights, torch.zeros_like(weights))
 
 
+def no_sync_then_trigger():
+    """Accelerate test_sync: grads differ across ranks after a backward in no_sync, agree after the
+    next backward inside trigger_sync_in_backward (which syncs the accumulated gradients)."""
+    acc = Accelerator()
+    model = acc.prepare(torch.nn.Linear(4, 1))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(acc.process_index))
+    with acc.no_sync(model):
+        acc.backward(model(x).pow(2).mean())
+        grads = acc.gather(model.module.weight.grad.detach().clone().unsqueeze(0))
+        differ = not torch.equal(grads[0], grads[1])
+        with acc.trigger_sync_in_backward(model):  # inside no_sync: this backward syncs all the same
+            acc.backward(model(x).pow(2).mean())
+    grads = acc.gather(model.module.weight.grad.detach().clone().unsqueeze(0))
+    return [differ, bool(torch.equal(grads[0], grads[1]))]
+
+
 def main(out):
     acc = Accelerator()
     rank = acc.process_index
@@ -78,6 +94,7 @@ def main(out):
     sched = Accelerator().prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     sched.step()  # Accelerate: once per process -> twice on 2 processes
     result["lr_after_one_step"] = opt.param_groups[0]["lr"]
+    result["no_sync_then_trigger"] = no_sync_then_trigger()
     with acc.split_between_processes(list(range(5))) as part:
         result["split"] = acc.strategy.all_gather_object(part)
     result["fp16_hook_weights_agree"] = fp16_hook_trains_in_step()

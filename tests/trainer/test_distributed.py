@@ -55,6 +55,7 @@ def test_gather_for_metrics_counts_each_sample_once_and_collectives(tmp_path):
     assert r["uneven_counts"] == [7, 6]
     assert r["split_batch_sizes"] == [4, 4]
     assert r["lr_after_one_step"] == 0.25
+    assert r["no_sync_then_trigger"] == [True, True]  # Accelerate test_sync: trigger_sync_in_backward
     assert r["split"] == [[0, 1, 2], [3, 4]]
     assert r["fp16_hook_weights_agree"] is True
     assert "comm_hook='bf16'" in r["bf16_hook_error"] and "'gloo'" in r["bf16_hook_error"]
