@@ -101,4 +101,5 @@ class MetricLogging:
             logged = self._epoch_end_logged
         finally:
             self._epoch_end_logged = None
-        self._emit({k: float(v) for k, v in logged.items()})
+        if self.stage != "sanity_check":  # the sanity check's values are dropped (Lightning)
+            self._emit({k: float(v) for k, v in logged.items()})
