@@ -5,6 +5,10 @@ rank 0 deletes, and decisions are broadcast from rank 0 so all ranks agree."""
 from __future__ import annotations
 
 import math
+import re
+import time
+import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -16,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainer import Trainer, TrainingModule
 
 MODES = ("min", "max")
+_FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")  # {name} or {name:format} in a filename template
 
 
 class ModelCheckpoint(Callback):
@@ -23,48 +28,87 @@ class ModelCheckpoint(Callback):
     Args:
         dirpath: where checkpoints go (default ``<default_root_dir>/checkpoints``; ``fit(ckpt_path="last")``
             and ``Trainer(resume="auto")`` look there).
-        filename: a template over ``epoch``, ``step`` and logged metrics, e.g.
-            ``"{epoch}-{step}-{val/loss:.3f}"`` (``/`` in names becomes ``_``).
-        monitor, mode, save_top_k: keep the k best checkpoints by a logged metric, judged at the end of
-            each validation (-1 keeps all).
-        every_n_steps, every_n_epochs: periodic saves; ``keep_last_k`` bounds how many periodic
-            saves are kept (None keeps all).
-        save_last: also save at the end of every epoch and at the end of fit, so the newest state
-            is always resumable.
+        filename: a template over ``epoch``, ``step`` and logged metrics, e.g. ``"{epoch}-{val/loss:.3f}"``
+            -> ``epoch=3-val_loss=0.123`` (``auto_insert_metric_name=False``: ``3-0.123``; ``/`` becomes ``_``).
+        monitor, mode, save_top_k: keep the k best checkpoints by a logged metric (-1 keeps all), judged at
+            the end of each validation, or at the end of each training epoch when there is no validation
+            loop (``save_on_train_epoch_end=True`` forces that). Without ``monitor``, ``save_top_k`` may
+            only be -1, 0 or 1.
+        every_n_steps (alias ``every_n_train_steps``), every_n_epochs, train_time_interval: periodic saves;
+            ``keep_last_k`` bounds how many periodic saves are kept (None keeps all). With none of
+            ``monitor``/``every_n_*``/``train_time_interval`` (Lightning's default), a checkpoint is saved at
+            every epoch end and the newest ``save_top_k`` are kept (1; -1 all; 0 none).
+        save_last: also keep a checkpoint named ``last`` (``last_model_path``), rewritten at every save,
+            every epoch end and the end of fit, so the newest state is always resumable.
+        save_weights_only: write consolidated safetensors weights only (not resumable).
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
                  mode: str = "min", save_top_k: int = 1, every_n_steps: Optional[int] = None,
                  every_n_epochs: Optional[int] = None, save_last: bool = False,
-                 keep_last_k: Optional[int] = None) -> None:
+                 keep_last_k: Optional[int] = None, *, every_n_train_steps: Optional[int] = None,
+                 train_time_interval: Optional[timedelta] = None, save_weights_only: bool = False,
+                 auto_insert_metric_name: bool = True, save_on_train_epoch_end: Optional[bool] = None) -> None:
         if mode not in MODES:
             raise invalid_choice("mode", mode, MODES)
+        if every_n_train_steps is not None:
+            if every_n_steps is not None and every_n_steps != every_n_train_steps:
+                raise ConfigurationError(f"every_n_steps={every_n_steps!r} and every_n_train_steps="
+                                         f"{every_n_train_steps!r} are the same setting; pass one")
+            every_n_steps = every_n_train_steps
+            if monitor is None and keep_last_k is None:
+                warnings.warn("ModelCheckpoint(every_n_train_steps=...) without monitor keeps every periodic "
+                              "checkpoint (Lightning keeps only the newest); pass keep_last_k=1 for that",
+                              UserWarning, stacklevel=2)
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs),
                             ("keep_last_k", keep_last_k)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name}={value!r} must be an int >= 1 or None")
         if not isinstance(save_top_k, int) or save_top_k < -1:
             raise ConfigurationError(f"save_top_k={save_top_k!r} must be -1 (keep all), 0 (none) or a count >= 1")
+        if monitor is None and save_top_k not in (-1, 0, 1):
+            raise ConfigurationError(f"ModelCheckpoint(save_top_k={save_top_k}) without monitor: there is no metric "
+                                     "to rank checkpoints by; pass monitor='<logged metric>', or save_top_k -1 "
+                                     "(keep all), 0 or 1 (the newest)")
+        if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
+            raise ConfigurationError(f"train_time_interval={train_time_interval!r} must be a datetime.timedelta")
         self.dirpath = dirpath
-        self.filename = filename or ("epoch={epoch}-step={step}" + ("" if monitor is None else "-" + monitor + "={" + monitor + ":.4g}"))
+        self.filename = filename or ("{epoch}-{step}" + ("" if monitor is None else "-{" + monitor + ":.4g}"))
+        self.auto_insert_metric_name = auto_insert_metric_name
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs
+        self.train_time_interval = train_time_interval
+        self.save_weights_only, self.save_on_train_epoch_end = save_weights_only, save_on_train_epoch_end
+        # Lightning's default: no trigger given -> every epoch end, the newest save_top_k kept
+        self._epoch_default = monitor is None and every_n_steps is None and every_n_epochs is None \
+            and train_time_interval is None
+        if self._epoch_default:
+            self.every_n_epochs = 1 if save_top_k != 0 else None
+            if keep_last_k is None and save_top_k >= 1:
+                keep_last_k = save_top_k
         self.save_last, self.keep_last_k = save_last, keep_last_k
         self.best_k: Dict[str, float] = {}     # path -> score (monitored saves)
         self.periodic: List[str] = []          # paths of periodic saves, oldest first
         self.last_saved_step = -1
-        self.last_path: Optional[str] = None
+        self.last_path: Optional[str] = None   # the newest checkpoint written, whatever its kind
+        self.last_model_path: Optional[str] = None  # the ``last`` checkpoint (save_last)
+        self._last_written_step = -1  # the step of the ``last`` checkpoint
+        self.current_score: Optional[float] = None
+        self._last_time = time.monotonic()
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {"best_k": dict(self.best_k), "periodic": list(self.periodic), "last_saved_step": self.last_saved_step,
-                "last_path": self.last_path, "monitor": self.monitor}
+                "last_path": self.last_path, "monitor": self.monitor, "last_model_path": self.last_model_path,
+                "current_score": self.current_score}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.best_k = dict(state.get("best_k", {}))
         self.periodic = list(state.get("periodic", []))
         self.last_saved_step = int(state.get("last_saved_step", -1))
         self.last_path = state.get("last_path")
+        self.last_model_path = state.get("last_model_path")
+        self.current_score = state.get("current_score")
 
     @property
     def best_model_path(self) -> Optional[str]:
@@ -73,33 +117,70 @@ class ModelCheckpoint(Callback):
         pick = min if self.mode == "min" else max
         return pick(self.best_k, key=self.best_k.get)
 
+    @property
+    def best_model_score(self) -> Optional[float]:
+        path = self.best_model_path
+        return None if path is None else self.best_k[path]
+
+    @property
+    def best_k_models(self) -> Dict[str, float]:
+        return dict(self.best_k)
+
+    @property
+    def kth_best_model_path(self) -> Optional[str]:
+        """The worst of the kept top-k (the one the next better score replaces)."""
+        if not self.best_k:
+            return None
+        pick = max if self.mode == "min" else min
+        return pick(self.best_k, key=self.best_k.get)
+
     def directory(self, trainer: "Trainer") -> Path:
         return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "checkpoints"
 
     # ---- triggers ------------------------------------------------------------------------------
+    def on_fit_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+        self._last_time = time.monotonic()
+
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         n = self.every_n_steps
         if n and trainer.global_step % n == 0 and trainer.global_step != self.last_saved_step:
             self._save_periodic(trainer)
+        elif self.train_time_interval is not None:
+            due = time.monotonic() - self._last_time >= self.train_time_interval.total_seconds()
+            if trainer.strategy.broadcast(due, 0):  # rank 0's clock decides, so every rank saves together
+                self._save_periodic(trainer)
 
     def on_train_epoch_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
         n = self.every_n_epochs
-        if (n and (trainer.current_epoch + 1) % n == 0) or self.save_last:
+        if n and (trainer.current_epoch + 1) % n == 0:
             self._save_periodic(trainer)
+        if self.monitor is not None and self._judge_at_train_epoch_end(trainer):
+            self._save_top_k(trainer)
+        self._save_last(trainer)
 
     def on_fit_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
-        if self.save_last and trainer.global_step != self.last_saved_step:
-            self._save_periodic(trainer)
+        if self._epoch_default and self.save_top_k != 0 and trainer.global_step != self.last_saved_step:
+            self._save_periodic(trainer)  # stopped inside an epoch (max_steps): its state is the newest
+        self._save_last(trainer)
 
     def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
-        if self.monitor is None or trainer.stage != "fit" or self.save_top_k == 0:
+        if self.monitor is None or trainer.stage != "fit" or self._judge_at_train_epoch_end(trainer):
             return
+        self._save_top_k(trainer)
+
+    def _judge_at_train_epoch_end(self, trainer: "Trainer") -> bool:
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        return not getattr(trainer, "val_dataloaders", None)  # no validation loop: judge training metrics
+
+    def _save_top_k(self, trainer: "Trainer") -> None:
         if self.monitor not in trainer.callback_metrics:
             raise ConfigurationError(f"ModelCheckpoint(monitor={self.monitor!r}): no such logged metric; available: "
                                      f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...)")
         score = trainer.strategy.broadcast(float(trainer.callback_metrics[self.monitor]), 0)
-        if math.isnan(score) or not self._improves(score):
+        self.current_score = score
+        if self.save_top_k == 0 or math.isnan(score) or not self._improves(score):
             return
         # The state written into this checkpoint must already describe it (path in, eviction out),
         # so that a run resumed from it keeps pruning correctly.
@@ -113,6 +194,7 @@ class ModelCheckpoint(Callback):
         self._write(trainer, path)
         if evicted is not None and evicted not in self.periodic:
             self._delete(trainer, evicted)
+        self._save_last(trainer)
 
     def _improves(self, score: float) -> bool:
         if self.save_top_k == -1 or len(self.best_k) < self.save_top_k:
@@ -122,6 +204,7 @@ class ModelCheckpoint(Callback):
 
     # ---- saving --------------------------------------------------------------------------------
     def _save_periodic(self, trainer: "Trainer") -> None:
+        self._last_time = time.monotonic()
         if trainer.global_step == self.last_saved_step and self.last_path:
             return
         path = self._path(trainer)
@@ -133,19 +216,36 @@ class ModelCheckpoint(Callback):
         for old in evicted:
             if old not in self.best_k and old != path:
                 self._delete(trainer, old)
+        self._save_last(trainer)
+
+    def _save_last(self, trainer: "Trainer") -> None:
+        if not self.save_last or trainer.global_step == self._last_written_step:
+            return
+        path = str(self.directory(trainer) / "last")
+        self.last_model_path, self._last_written_step = path, trainer.global_step
+        self._write(trainer, path)
 
     def _path(self, trainer: "Trainer") -> str:
         return str(self.directory(trainer) / self._format_name(trainer))
 
     def _write(self, trainer: "Trainer", path: str) -> None:
         self.last_saved_step, self.last_path = trainer.global_step, path
-        trainer.save_checkpoint(path)
+        if self.save_weights_only:
+            trainer.save_weights(path)
+        else:
+            trainer.save_checkpoint(path)
 
     def _format_name(self, trainer: "Trainer") -> str:
         values: Dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         values.update(epoch=trainer.current_epoch, step=trainer.global_step)
+
+        def fill(match: "re.Match[str]") -> str:
+            name, spec = match.group(1), match.group(2) or ""
+            text = format(values[name], spec[1:])
+            return f"{name}={text}" if self.auto_insert_metric_name else text
+
         try:
-            name = self.filename.format(**values)
+            name = _FIELD.sub(fill, self.filename)
         except (KeyError, ValueError, IndexError) as exc:
             raise ConfigurationError(f"ModelCheckpoint filename={self.filename!r} cannot be filled ({exc}); it may "
                                      f"use epoch, step and the logged metrics {sorted(trainer.callback_metrics)}") from None

@@ -1,13 +1,15 @@
-"""EarlyStopping: stop training when a validation metric stops improving.
+"""EarlyStopping: stop training when a monitored metric stops improving.
 
 It checks in ``on_validation_end`` during ``fit`` (the Trainer has put the validation epoch values
-in ``trainer.callback_metrics`` by then). Each rank judges the value it sees; the decisions are
+in ``trainer.callback_metrics`` by then), or at each training epoch end when there is no validation
+loop or with ``check_on_train_epoch_end=True``, as Lightning does. Each rank judges the value it sees; the decisions are
 then reduced (``all_reduce`` max of a 0/1 tensor: stop if any rank says stop), so every rank sets
 ``trainer.should_stop`` at the same step even when the metric was not synced across ranks.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
@@ -30,12 +32,14 @@ class EarlyStopping(Callback):
 
     def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0,
                  check_finite: bool = True, stopping_threshold: Optional[float] = None,
-                 divergence_threshold: Optional[float] = None, verbose: bool = True) -> None:
+                 divergence_threshold: Optional[float] = None, verbose: bool = True, strict: bool = True,
+                 check_on_train_epoch_end: Optional[bool] = None) -> None:
         if mode not in MODES:
             raise invalid_choice("EarlyStopping(mode)", mode, MODES,
                                  "use 'min' for losses and errors, 'max' for accuracies and scores")
-        if int(patience) < 1:
-            raise ConfigurationError(f"EarlyStopping(patience={patience!r}) must be an integer >= 1")
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
+            raise ConfigurationError(f"EarlyStopping(patience={patience!r}) must be an integer >= 0 "
+                                     "(0: stop at the first check without improvement)")
         if min_delta < 0:
             raise ConfigurationError(f"EarlyStopping(min_delta={min_delta!r}) must be >= 0; "
                                      "the direction comes from mode")
@@ -47,6 +51,8 @@ class EarlyStopping(Callback):
         self.stopping_threshold = stopping_threshold
         self.divergence_threshold = divergence_threshold
         self.verbose = verbose
+        self.strict = strict  # False: a missing metric only warns (Lightning)
+        self.check_on_train_epoch_end = check_on_train_epoch_end  # None: there when there is no validation loop
         self.wait_count = 0
         self.best_score = math.inf if mode == "min" else -math.inf
         self.stopped_epoch = -1
@@ -60,16 +66,31 @@ class EarlyStopping(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
+    def _on_train_epoch_end_too(self, trainer: "Trainer") -> bool:
+        if self.check_on_train_epoch_end is not None:
+            return self.check_on_train_epoch_end
+        return not getattr(trainer, "val_dataloaders", None)
+
+    def on_train_epoch_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+        if self._on_train_epoch_end_too(trainer):
+            self._check(trainer)
+
     def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
-        if getattr(trainer, "stage", "fit") != "fit":
+        if getattr(trainer, "stage", "fit") != "fit" or self._on_train_epoch_end_too(trainer):
             return  # trainer.validate()/test() never stop anything
+        self._check(trainer)
+
+    def _check(self, trainer: "Trainer") -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             available = ", ".join(sorted(metrics)) or "(none: nothing was logged)"
-            raise ConfigurationError(
-                f"EarlyStopping(monitor={self.monitor!r}): no such metric in trainer.callback_metrics. "
-                f"Available: {available}. Log it in validation_step (self.log({self.monitor!r}, value)) "
-                "or monitor one of the available names")
+            message = (f"EarlyStopping(monitor={self.monitor!r}): no such metric in trainer.callback_metrics. "
+                       f"Available: {available}. Log it (self.log({self.monitor!r}, value)) "
+                       "or monitor one of the available names")
+            if not self.strict:
+                warnings.warn(message + " (strict=False: not checked this time)", UserWarning, stacklevel=2)
+                return
+            raise ConfigurationError(message)
         reason = self.judge(float(torch.as_tensor(metrics[self.monitor]).detach().float().cpu()))
         device = getattr(trainer.strategy, "root_device", torch.device("cpu"))
         vote = torch.tensor([1.0 if reason else 0.0], device=device)

@@ -108,6 +108,12 @@ class Timer(Callback):
     def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
         self._finish("test" if getattr(trainer, "stage", "fit") == "test" else "validate")
 
+    def on_test_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+        self._begin("test")
+
+    def on_test_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+        self._finish("test")
+
     def on_teardown(self, trainer: "Trainer", module: "TrainingModule", stage: str) -> None:
         for name in STAGES:  # an exception skipped the *_end hook: stop the clock anyway
             self._finish(name)

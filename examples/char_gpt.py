@@ -71,9 +71,9 @@ class LitCharGPT(TrainingModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
-        if trainer.stage == "fit":
-            self.val_history.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
+    def on_validation_end(self) -> None:
+        if self.trainer.stage == "fit":
+            self.val_history.append((self.trainer.global_step, float(self.trainer.callback_metrics["val/loss"])))
 
 
 @torch.no_grad()

@@ -102,6 +102,13 @@ class Strategy:
         else:
             loss.backward()
 
+    def force_backward_sync(self, module: nn.Module) -> ContextManager:
+        """Gradients sync in the backward inside even within ``no_backward_sync`` (DDP overrides)."""
+        return contextlib.nullcontext()
+
+    def prepare_for_manual_backward(self, module: nn.Module, loss: torch.Tensor) -> None:
+        """Called before each backward of manual optimization (several per forward); DDP readies its reducer."""
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> Any:
         if self.precision is not None:
             return self.precision.optimizer_step(optimizer)

@@ -238,8 +238,9 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
     """Rebuild ``dataloader`` as a sharded, resumable :class:`ResumableDataLoader` for ``rank``.
 
     - A Sequential/RandomSampler is replaced by a ``ResumableDistributedSampler`` (``shuffle=None``:
-      shuffle iff it was a RandomSampler; the order is seeded by ``seed`` + epoch, not by the old
-      sampler's generator). ``even_batches=True`` pads with samples from the start of the epoch
+      shuffle iff it was a RandomSampler; the order is seeded by ``seed`` + epoch unless the caller
+      hands each epoch's generator state to ``sampler.set_order_state`` -- the Accelerator and the
+      Trainer do, drawing it as ``RandomSampler`` would, from the user's generator or the global RNG). ``even_batches=True`` pads with samples from the start of the epoch
       like ``DistributedSampler`` so every rank gets the same number of batches; ``False`` leaves
       the last ranks one sample short (evaluation without duplicates).
     - A user's ``DistributedSampler`` is kept as is (its ``set_epoch`` still works); so is any other

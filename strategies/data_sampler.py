@@ -1,7 +1,8 @@
 """A ``DistributedSampler`` that can start mid-epoch at a global sample position.
 
 Global order of epoch ``e``: exactly torch's ``DistributedSampler`` order (``randperm`` from a
-generator seeded with ``seed + e``, padded by repeating from the start to a multiple of the world
+generator seeded with ``seed + e``, or from the generator state given by ``set_order_state`` for
+this epoch -- how the Accelerator follows ``RandomSampler``'s semantics --, padded by repeating from the start to a multiple of the world
 size, or the tail dropped with ``drop_last``). Rank ``r`` of ``W`` takes ``order[start + r :: W]``,
 where ``start`` is the number of global samples already consumed this epoch. Because the position
 is global, a run saved with ``W`` processes can continue with ``W'`` from the same sample, and
@@ -68,6 +69,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self._resume_at = 0  # one-shot start of the next __iter__, set by load_state_dict
         self._it: Optional[Iterator[int]] = None  # this rank's indices of the iteration under way
         self._start = self._end = self._count = 0
+        self._order_state: Optional[torch.Tensor] = None  # this epoch's permutation generator state
 
     # -- order ----------------------------------------------------------------------------
     def global_order(self) -> list:
@@ -75,7 +77,10 @@ class ResumableDistributedSampler(DistributedSampler):
         n = len(self.dataset)
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+            if self._order_state is not None:
+                g.set_state(self._order_state)
+            else:
+                g.manual_seed(self.seed + self.epoch)
             indices = torch.randperm(n, generator=g).tolist()
         else:
             indices = list(range(n))
@@ -113,14 +118,20 @@ class ResumableDistributedSampler(DistributedSampler):
             self._consumed = 0
             self._resume_at = 0
             self._it = None
+            self._order_state = None
         self.epoch = epoch
+
+    def set_order_state(self, state: Optional[torch.Tensor]) -> None:
+        """Draw the current epoch's permutation from a generator in ``state`` (``Generator.get_state()``)
+        instead of ``seed + epoch``; saved in ``state_dict`` so the epoch resumes on any world size."""
+        self._order_state = None if state is None else state.clone()
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         return {SAMPLER_STATE_MARKER: 1, "epoch": self.epoch, "consumed": self.consumed,
                 "seed": self.seed, "num_replicas": self.num_replicas,
                 "dataset_len": len(self.dataset), "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "pad": self.pad}
+                "drop_last": self.drop_last, "pad": self.pad, "order_state": self._order_state}
 
     def check_compatible(self, state: Dict[str, Any]) -> None:
         """Raise ConfigurationError if ``state`` describes a different epoch order."""
@@ -156,6 +167,7 @@ class ResumableDistributedSampler(DistributedSampler):
                 f"same count. Resume with a number of processes that divides {consumed} (it was "
                 f"saved with {old_replicas})")
         self.epoch = int(state["epoch"])
+        self._order_state = state.get("order_state")
         self._resume_at = self.total_size if finished else consumed
         self._consumed = self._resume_at
         self._it = None

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, List, Optional, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -179,6 +179,34 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def prepare_for_manual_backward(self, module: nn.Module, loss: torch.Tensor) -> None:
+        """Manual optimization runs several backward passes per forward (one per optimizer): ready
+        DDP's reducer for each, as Lightning's DDP strategy does before every backward."""
+        if not isinstance(module, DistributedDataParallel) or not torch.is_grad_enabled():
+            return
+        if not module.require_backward_grad_sync:
+            module.require_forward_param_sync = False
+            return
+        module.require_forward_param_sync = True
+        find = module.find_unused_parameters and not module.static_graph
+        outputs = [t for t in (loss if isinstance(loss, (list, tuple)) else [loss]) if isinstance(t, torch.Tensor)]
+        module.reducer._rebuild_buckets()
+        module.reducer.prepare_for_backward(outputs if find else [])
+
+    @contextlib.contextmanager
+    def force_backward_sync(self, module: nn.Module) -> Iterator[None]:
+        """The forward and backward inside all-reduce gradients even within ``no_sync`` (Accelerate's
+        ``trigger_sync_in_backward``): DDP's sync flags are set for the block, then restored."""
+        if not isinstance(module, DistributedDataParallel):
+            yield
+            return
+        old = module.require_backward_grad_sync, module.require_forward_param_sync
+        module.require_backward_grad_sync = module.require_forward_param_sync = True
+        try:
+            yield
+        finally:
+            module.require_backward_grad_sync, module.require_forward_param_sync = old
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         if enabled and isinstance(module, DistributedDataParallel):

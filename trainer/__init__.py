@@ -1,6 +1,7 @@
 """trainforge: one training script on a laptop CPU, one GPU, many GPUs and many nodes."""
 from strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
 from trainer.accelerator import Accelerator
+from trainer.datamodule import DataModule
 from trainer.events import Event
 from trainer.module import TrainingModule
 from trainer.precision import PRECISIONS, Precision
@@ -16,5 +17,5 @@ def notebook_launcher(*args, **kwargs):  # noqa: D103 - documented in trainer.no
     return launch(*args, **kwargs)
 
 
-__all__ = ["Trainer", "TrainingModule", "Accelerator", "Event", "Precision", "PRECISIONS", "seed_everything",
+__all__ = ["Trainer", "TrainingModule", "DataModule", "Accelerator", "Event", "Precision", "PRECISIONS", "seed_everything",
            "notebook_launcher", "TrainforgeError", "ConfigurationError", "CheckpointError", "LaunchError"]

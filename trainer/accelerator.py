@@ -16,6 +16,7 @@ have one code path.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -26,13 +27,24 @@ from strategies.devices import check_device_matches, normalize_accelerator
 from strategies.data_utils import apply_to_tensors
 from strategies.errors import ConfigurationError
 from trainer.precision import Precision
+from trainer.process_control import ProcessControl
 from trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
 
-class Accelerator:
+class Accelerator(ProcessControl):
+    """Accelerate's options also accepted: ``even_batches`` (False: no padding duplicates on the
+    last batch; ranks may get one batch fewer), ``split_batches`` (True: the loader's batch size is
+    the global batch, split between processes; schedulers then step once per optimizer step),
+    ``project_dir`` + ``automatic_checkpoint_naming`` + ``total_limit`` (or a ``project_config``
+    object with those attributes): ``save_state()`` with no path writes
+    ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps the newest ``total_limit``,
+    ``load_state()`` with no path loads the newest."""
+
     def __init__(self, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
-                 gradient_accumulation_steps: Optional[int] = None, seed: int = 0,
-                 accelerator: Optional[str] = None) -> None:
+                 gradient_accumulation_steps: Optional[int] = None, seed: int = 0, *,
+                 accelerator: Optional[str] = None, even_batches: bool = True,
+                 split_batches: bool = False, project_dir: Optional[str] = None, project_config: Any = None,
+                 automatic_checkpoint_naming: bool = False, total_limit: Optional[int] = None) -> None:
         from trainer.launch_config import launch_defaults, strategy_kwargs
 
         defaults = launch_defaults()  # what `trainforge launch` was told; explicit arguments win
@@ -63,6 +75,19 @@ class Accelerator:
         self._schedulers: List[PreparedScheduler] = []
         self._dataloaders: List[PreparedDataLoader] = []
         self._custom_objects: List[Any] = []
+        self.even_batches, self.split_batches = even_batches, split_batches
+        if project_config is not None:  # Accelerate's ProjectConfiguration, duck-typed
+            project_dir = project_dir or getattr(project_config, "project_dir", None)
+            automatic_checkpoint_naming = getattr(project_config, "automatic_checkpoint_naming",
+                                                  automatic_checkpoint_naming)
+            total_limit = getattr(project_config, "total_limit", total_limit)
+        if automatic_checkpoint_naming and project_dir is None:
+            raise ConfigurationError("automatic_checkpoint_naming=True needs project_dir=<directory> (checkpoints "
+                                     "go to <project_dir>/checkpoints/checkpoint_<i>)")
+        if total_limit is not None and (not isinstance(total_limit, int) or total_limit < 1):
+            raise ConfigurationError(f"total_limit={total_limit!r} must be an int >= 1 or None (keep all)")
+        self.project_dir, self.total_limit = project_dir, total_limit
+        self.automatic_checkpoint_naming = automatic_checkpoint_naming
 
     # ---- topology --------------------------------------------------------------------------------
     device = property(lambda self: self.strategy.root_device)
@@ -129,24 +154,32 @@ class Accelerator:
     def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
         from trainer.seed import seeds_workers, worker_init_fn
 
+        if self.split_batches or not self.even_batches:
+            loader = _rebuilt(loader, self.num_processes, self.split_batches)
         sharded = self.strategy.setup_dataloader(loader, seed=self.seed)
+        if not self.even_batches and hasattr(sharded.sampler, "pad"):
+            _unpadded(sharded.sampler)
         if getattr(self.strategy, "micro_batch_size", None) is None:
             self.strategy.micro_batch_size = loader.batch_size  # the first loader prepared is the training one
         if getattr(sharded, "num_workers", 0) > 0 and sharded.worker_init_fn is None and seeds_workers():
             sharded.worker_init_fn = worker_init_fn
-        own_generator = sharded.generator is None
-        if own_generator:
-            # Creating an iterator draws a worker base seed; from the global RNG that would shift
-            # the model's random stream on resume. A loader-owned generator, reseeded per epoch,
-            # keeps worker seeds a function of (seed, epoch) and the global stream untouched.
-            sharded.generator = torch.Generator()
+        # The random draws a plain DataLoader makes when an epoch starts (worker base seed, shuffle
+        # order) are made by PreparedDataLoader from the user's generator or the global RNG, as torch
+        # would; the loader itself gets a private generator, so that recreating its iterator on
+        # resume draws nothing from the user's streams.
+        sharded.generator = torch.Generator()
+        sampler = loader.sampler if loader.batch_size is not None else getattr(loader.batch_sampler, "sampler", None)
+        world = self.num_processes
         prepared = PreparedDataLoader(sharded, self.device, self.gradient_state, self.precision,
-                                      generator_seed=self.seed if own_generator else None)
+                                      base_generator=loader.generator,
+                                      order_generator=getattr(sampler, "generator", None),
+                                      broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None)
         self._dataloaders.append(prepared)
         return prepared
 
     def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        prepared = PreparedScheduler(scheduler, self.gradient_state)
+        steps = 1 if self.split_batches else self.num_processes  # Accelerate: once per process per step
+        prepared = PreparedScheduler(scheduler, self.gradient_state, steps_per_call=steps)
         self._schedulers.append(prepared)
         return prepared
 
@@ -198,9 +231,10 @@ class Accelerator:
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Like ``gather`` but drops the duplicates that even sharding added on the last batch, so
-        every sample of the dataset is counted exactly once."""
+        every sample of the dataset is counted exactly once. Outside a prepared loader's loop it is
+        a plain ``gather`` (as in Accelerate)."""
         state = self.gradient_state
-        if not (state.end_of_dataloader and state.padding):
+        if not (state.end_of_dataloader and state.padding and state.active_dataloaders):
             return self.gather(data)
         keep_until = -state.padding
 
@@ -248,15 +282,30 @@ class Accelerator:
                                      "state_dict()/load_state_dict(); register objects that have both")
         self._custom_objects.extend(objects)
 
-    def save_state(self, output_dir: str, **kwargs: Any) -> Any:
-        from trainer.checkpointing import save_accelerator_state
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        """Everything to resume exactly. With no ``output_dir`` (automatic_checkpoint_naming):
+        ``<project_dir>/checkpoints/checkpoint_<i>``, the newest ``total_limit`` kept."""
+        from trainer.checkpointing import save_accelerator_state, save_project_checkpoint
 
+        if not safe_serialization:
+            warnings.warn("save_state(safe_serialization=False): trainforge always writes weights as safetensors "
+                          "(and the rest with torch.save, loaded weights_only)", UserWarning, stacklevel=2)
+        if output_dir is None:
+            return save_project_checkpoint(self, **kwargs)
         return save_accelerator_state(self, output_dir, **kwargs)
 
-    def load_state(self, input_dir: str, **kwargs: Any) -> Any:
-        from trainer.checkpointing import load_accelerator_state
+    def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> Any:
+        """With no ``input_dir`` (automatic_checkpoint_naming): the newest project checkpoint."""
+        from trainer.checkpointing import load_accelerator_state, newest_project_checkpoint
 
-        return load_accelerator_state(self, input_dir, **kwargs)
+        return load_accelerator_state(self, input_dir if input_dir is not None else newest_project_checkpoint(self),
+                                      **kwargs)
+
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
+        """The loader whose next pass starts ``num_batches`` into the epoch, without loading them
+        (Accelerate). A loader restored by ``load_state`` already continues where it was saved: asking
+        to skip that same position again is a no-op (with a warning), anything else an error."""
+        return dataloader.skip_first_batches(num_batches)
 
     def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Optional[int] = None) -> Any:
         from trainer.checkpointing import save_weights
@@ -323,6 +372,29 @@ def _restore_forward(module: nn.Module, original: Any) -> None:
         module.__dict__.pop("forward", None)
     else:
         module.forward = original
+
+
+def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> torch.utils.data.DataLoader:
+    """``split_batches``: the same loader with a per-process batch of batch_size // world."""
+    if not split:
+        return loader
+    if loader.batch_size is None or loader.batch_size % world:
+        raise ConfigurationError(f"split_batches=True needs a batch_size divisible by the {world} processes "
+                                 f"(got batch_size={loader.batch_size}); use a multiple of {world} or "
+                                 "split_batches=False")
+    from strategies.data import _loader_kwargs
+
+    return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size // world, sampler=loader.sampler,
+                                       drop_last=loader.drop_last, **_loader_kwargs(loader))
+
+
+def _unpadded(sampler: Any) -> None:
+    """``even_batches=False``: no duplicated samples; the last ranks may get one sample (batch) fewer."""
+    from strategies.data_sampler import epoch_length
+
+    sampler.pad = False
+    sampler.total_size = epoch_length(len(sampler.dataset), sampler.num_replicas, sampler.drop_last, False)
+    sampler.num_samples = len(range(sampler.rank, sampler.total_size, sampler.num_replicas))
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -57,7 +57,9 @@ def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
     source = rank if old_world == strategy.world_size else rank % old_world
     if old_world != strategy.world_size and strategy.is_global_zero:
         log.warning("trainforge: resuming a checkpoint written by %d process(es) on %d; the data position "
-                    "continues from the same global sample", old_world, strategy.world_size)
+                    "continues from the same global sample, but the random streams (dropout, later epochs' "
+                    "shuffle order) continue from rank 0's and differ from an uninterrupted run on %d",
+                    old_world, strategy.world_size, strategy.world_size)
     return load_object(path, f"rng_rank{source}"), load_object(path, f"dataloader_rank{0 if old_world != strategy.world_size else source}")
 
 
@@ -76,6 +78,8 @@ def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str) -> Path
         "accumulation_step": trainer.accelerator.step,
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
     })
+    if trainer.datamodule is not None:
+        state["datamodule"] = trainer.datamodule.state_dict()
     if strategy.is_global_zero:
         writer.save_object("trainer_state", state)
     _write_rank_state(writer, strategy.global_rank, [trainer.train_dataloader])
@@ -110,6 +114,8 @@ def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool =
     for cb in trainer.callbacks:
         if cb.state_key in state["callbacks"]:
             cb.load_state_dict(state["callbacks"][cb.state_key])
+    if trainer.datamodule is not None and "datamodule" in state:
+        trainer.datamodule.load_state_dict(state["datamodule"])
     trainer._fire(Event.LOAD_CHECKPOINT, state)
     rng, (loader_state,) = _read_rank_state(path, meta, strategy)
     trainer.train_dataloader.load_state_dict(loader_state, world_size=strategy.world_size, rank=strategy.global_rank)
@@ -171,6 +177,45 @@ def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> 
         dl.load_state_dict(sd, world_size=strategy.world_size, rank=strategy.global_rank)
     set_rng_state(rng)
     return path
+
+
+def _project_root(acc: "Accelerator") -> Path:
+    if not acc.automatic_checkpoint_naming:
+        raise ConfigurationError("save_state()/load_state() without a directory need Accelerator(project_dir=..., "
+                                 "automatic_checkpoint_naming=True); or pass the directory")
+    return Path(acc.project_dir) / "checkpoints"
+
+
+def save_project_checkpoint(acc: "Accelerator") -> Path:
+    """Accelerate's automatic naming: ``checkpoints/checkpoint_<i>``, i one more than the newest;
+    the oldest beyond ``total_limit`` deleted (by rank 0, after the save)."""
+    from strategies.checkpoint_io import delete_checkpoint
+
+    root = _project_root(acc)
+    existing = _numbered(root)
+    path = save_accelerator_state(acc, root / f"checkpoint_{existing[-1][0] + 1 if existing else 0}")
+    if acc.total_limit is not None and acc.is_main_process:
+        for _, old in _numbered(root)[:-acc.total_limit]:
+            delete_checkpoint(old)
+    acc.wait_for_everyone()
+    return path
+
+
+def newest_project_checkpoint(acc: "Accelerator") -> Path:
+    root = _project_root(acc)
+    existing = _numbered(root)
+    if not existing:
+        raise CheckpointError(f"load_state(): no checkpoint_<i> under {root} yet; save_state() first")
+    return existing[-1][1]
+
+
+def _numbered(root: Path) -> List[tuple]:
+    out = []
+    for p in list_checkpoints(root) if root.exists() else []:
+        suffix = p.name[len("checkpoint_"):]
+        if p.name.startswith("checkpoint_") and suffix.isdigit():
+            out.append((int(suffix), p))
+    return sorted(out)
 
 
 # ---- consolidated weights ------------------------------------------------------------------------

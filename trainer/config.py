@@ -82,6 +82,7 @@ class Progress:
     batch_idx: int = 0           # micro-batches of this epoch already consumed
     accumulation_step: int = 0   # micro-batches into the current accumulation window
     skipped_nonfinite: int = 0
+    epoch_end_pending: int = 0   # 1 between the epoch's last batch and its end (scheduler step, EPOCH_END)
 
     def state_dict(self) -> Dict[str, int]:
         return asdict(self)
@@ -95,15 +96,23 @@ class Progress:
 class OptimizerConfig:
     optimizer: torch.optim.Optimizer
     schedulers: List[Dict[str, Any]] = field(default_factory=list)
+    optimizers: List[torch.optim.Optimizer] = field(default_factory=list)  # all of them (manual optimization)
 
 
 SCHEDULER_INTERVALS = ("step", "epoch")
 
 
-def parse_optimizers(result: Any, module_name: str) -> OptimizerConfig:
+def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> OptimizerConfig:
     """What ``configure_optimizers`` may return: an optimizer, ``(optimizer, scheduler)``,
     ``([optimizer], [scheduler])``, or ``{"optimizer": ..., "lr_scheduler": sched | {"scheduler": ...,
-    "interval": "step"|"epoch", "frequency": 1, "name": ...}}``."""
+    "interval": "step"|"epoch", "frequency": 1, "name": ...}}``. With manual optimization also
+    several: ``[opt1, opt2]``, ``([opt1, opt2], [sched1, sched2])`` or a tuple of such dicts."""
+    if manual:
+        several = _several(result)
+        if several is not None:
+            parsed = [parse_optimizers(one, module_name) for one in several]
+            return OptimizerConfig(parsed[0].optimizer, [s for p in parsed for s in p.schedulers],
+                                   [p.optimizer for p in parsed])
     hint = ("return an optimizer, (optimizer, scheduler), or {'optimizer': opt, 'lr_scheduler': "
             "{'scheduler': sched, 'interval': 'step', 'frequency': 1}}")
     optimizer, scheduler = None, None
@@ -116,13 +125,22 @@ def parse_optimizers(result: Any, module_name: str) -> OptimizerConfig:
         if isinstance(optimizer, (list, tuple)):
             if len(optimizer) != 1:
                 raise ConfigurationError(f"{module_name}.configure_optimizers returned {len(optimizer)} optimizers; "
-                                         "the Trainer steps one optimizer (use the Accelerator for several)")
+                                         "with automatic optimization the Trainer steps one. Set "
+                                         "self.automatic_optimization = False in __init__ and step them in "
+                                         "training_step (self.optimizers(), self.manual_backward(loss)), as in "
+                                         "Lightning")
             optimizer = optimizer[0]
         if isinstance(scheduler, (list, tuple)):
             scheduler = scheduler[0] if scheduler else None
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigurationError(f"{module_name}.configure_optimizers returned {result!r}, which holds no "
                                  f"torch.optim.Optimizer; {hint}")
+    several = _several(result)
+    if several is not None and len(several) > 1:
+        raise ConfigurationError(f"{module_name}.configure_optimizers returned {len(several)} optimizers; with "
+                                 "automatic optimization the Trainer steps one. Set self.automatic_optimization = "
+                                 "False in __init__ and step them in training_step (self.optimizers(), "
+                                 "self.manual_backward(loss)), as in Lightning")
     schedulers = []
     if scheduler is not None:
         entry = dict(scheduler) if isinstance(scheduler, dict) else {"scheduler": scheduler}
@@ -137,7 +155,24 @@ def parse_optimizers(result: Any, module_name: str) -> OptimizerConfig:
         if not isinstance(entry["frequency"], int) or entry["frequency"] < 1:
             raise ConfigurationError(f"lr_scheduler frequency={entry['frequency']!r} must be an int >= 1")
         schedulers.append(entry)
-    return OptimizerConfig(optimizer, schedulers)
+    return OptimizerConfig(optimizer, schedulers, [optimizer])
+
+
+def _several(result: Any) -> Optional[List[Any]]:
+    """The per-optimizer pieces of a multi-optimizer return, or None for a single optimizer."""
+    if isinstance(result, dict) or isinstance(result, torch.optim.Optimizer):
+        return None
+    if not isinstance(result, (list, tuple)) or not result:
+        return None
+    if all(isinstance(o, torch.optim.Optimizer) for o in result):
+        return list(result) if len(result) > 1 else None
+    if all(isinstance(o, dict) for o in result):
+        return list(result)
+    if len(result) == 2 and isinstance(result[0], (list, tuple)) and len(result[0]) > 1:
+        optimizers, schedulers = list(result[0]), list(result[1] or [])
+        by_opt = {id(getattr(s, "optimizer", None)): s for s in schedulers}
+        return [{"optimizer": o, "lr_scheduler": by_opt[id(o)]} if id(o) in by_opt else o for o in optimizers]
+    return None
 
 
 def resolve_root_dir(path: Optional[str]) -> str:

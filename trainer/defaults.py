@@ -18,5 +18,5 @@ def default_callbacks(user: List[Callback], progress_bar: bool, checkpointing: b
     if not any(isinstance(c, TrackerCallback) for c in out):
         out.append(CSVLogger())  # always available; the default when no tracker is given
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in out):
-        out.append(ModelCheckpoint(save_last=True, keep_last_k=1))  # the newest epoch end, resumable
+        out.append(ModelCheckpoint())  # Lightning's default: every epoch end (and the end of fit), the newest kept
     return out

@@ -13,11 +13,15 @@ import torch
 from strategies.errors import ConfigurationError
 
 
+REDUCE_FX = ("mean", "sum", "max", "min")
+
+
 @dataclass
 class _EpochMean:
     total: torch.Tensor
     weight: float
     sync_dist: bool
+    reduce_fx: str = "mean"
 
 
 @dataclass
@@ -28,7 +32,7 @@ class MetricStore:
     prog_bar: Dict[str, torch.Tensor] = field(default_factory=dict)
 
     def log(self, name: str, value: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool, sync_dist: bool,
-            batch_size: int) -> None:
+            batch_size: int, reduce_fx: str = "mean") -> None:
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"log name={name!r} must be a non-empty string")
         if isinstance(value, torch.Tensor) and value.dim() == 0:
@@ -49,13 +53,15 @@ class MetricStore:
             if prog_bar:
                 self.prog_bar[step_name] = tensor
         if on_epoch:
-            weighted = tensor.float() * batch_size
+            weighted = tensor.float() * batch_size if reduce_fx == "mean" else tensor.float()
             acc = self.epoch_means.get(epoch_name)
             if acc is None:
-                self.epoch_means[epoch_name] = _EpochMean(weighted, float(batch_size), sync_dist)
-            else:
+                self.epoch_means[epoch_name] = _EpochMean(weighted, float(batch_size), sync_dist, reduce_fx)
+            elif reduce_fx in ("mean", "sum"):
                 acc.total = acc.total + weighted
                 acc.weight += batch_size
+            else:
+                acc.total = torch.maximum(acc.total, weighted) if reduce_fx == "max" else torch.minimum(acc.total, weighted)
             if prog_bar:
                 self.prog_bar[epoch_name] = tensor
 
@@ -73,6 +79,12 @@ class MetricStore:
         """Weighted means over the epoch's batches; with sync_dist, over every rank's batches."""
         out = {}
         for name, acc in self.epoch_means.items():
+            if acc.reduce_fx != "mean":  # sum, max, min: over batches, then over ranks (sync_dist)
+                total = acc.total
+                if acc.sync_dist and strategy.world_size > 1:
+                    total = strategy.all_reduce(total.to(strategy.root_device), acc.reduce_fx)
+                out[name] = float(total)
+                continue
             total, weight = acc.total, torch.tensor(acc.weight, dtype=torch.float64)
             if acc.sync_dist and strategy.world_size > 1:
                 total = strategy.all_reduce(total.to(strategy.root_device, torch.float64), "sum")

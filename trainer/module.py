@@ -1,7 +1,7 @@
 """``TrainingModule``: the user's model, its steps and its optimizers (an ``nn.Module``).
 
-It also receives every lifecycle event first (it inherits the Callback hooks), so there is one
-hook mechanism for modules and callbacks.
+It also receives every lifecycle event first, through the Trainer's one dispatcher, with
+Lightning's hook signatures (``trainer/hooks.py``).
 """
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from callbacks.base import Callback
 from strategies.errors import TrainforgeError
+from trainer.hooks import ModuleHooks
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.trainer import Trainer
 
 
-class TrainingModule(nn.Module, Callback):
+class TrainingModule(ModuleHooks, nn.Module):
     """Subclass it; implement ``training_step`` and ``configure_optimizers`` (the rest is optional).
 
     ``configure_optimizers`` returns an optimizer, ``(optimizer, scheduler)``, or
@@ -78,17 +78,45 @@ class TrainingModule(nn.Module, Callback):
         self.hparams.update(values)
 
     def log(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
-            prog_bar: bool = False, sync_dist: bool = False, batch_size: Optional[int] = None) -> None:
+            prog_bar: bool = False, sync_dist: bool = False, batch_size: Optional[int] = None,
+            reduce_fx: str = "mean", rank_zero_only: bool = False, logger: bool = True) -> None:
         """Record a scalar. In training the default is per step; in validation/test per epoch, where
-        the epoch value is the mean over batches weighted by batch size (``sync_dist``: over all ranks)."""
+        the epoch value is ``reduce_fx`` over batches ("mean": weighted by batch size; "sum", "max",
+        "min"), with ``sync_dist`` over all ranks too. ``rank_zero_only``: logged from rank 0 only, never
+        synced; ``logger=False``: in ``trainer.callback_metrics`` but not sent to the trackers. In an
+        epoch-end hook the value is logged for that epoch (see ``trainer/metric_logging.py``)."""
         self.trainer._log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                          sync_dist=sync_dist, batch_size=batch_size)
+                          sync_dist=sync_dist, batch_size=batch_size, reduce_fx=reduce_fx,
+                          rank_zero_only=rank_zero_only, logger=logger)
+
+    # ---- manual optimization (Lightning's automatic_optimization = False; trainer/manual.py) -----
+    @property
+    def automatic_optimization(self) -> bool:
+        return self.__dict__.get("_automatic_optimization", True)
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        self.__dict__["_automatic_optimization"] = bool(value)
+
+    def optimizers(self) -> Any:
+        """The prepared optimizer(s): one object, or a list when configure_optimizers returned several."""
+        from trainer.manual import ManualOptimizer
+
+        opts = [ManualOptimizer(o, self.trainer) for o in self.trainer._prepared_optimizers]
+        return opts[0] if len(opts) == 1 else opts
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler(s) from configure_optimizers: None, one, or a list."""
+        scheds = [cfg["scheduler"] for cfg in self.trainer.lr_scheduler_configs]
+        return None if not scheds else scheds[0] if len(scheds) == 1 else scheds
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` through the strategy (scaling, DDP sync, DeepSpeed engine)."""
+        from trainer.manual import manual_backward
+
+        manual_backward(self.trainer, loss)
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
 
-    # nn.Module and Callback both define state_dict/load_state_dict: the module's (weights) win by
-    # the MRO, which is what users and checkpoints expect.
-    state_dict = nn.Module.state_dict
-    load_state_dict = nn.Module.load_state_dict

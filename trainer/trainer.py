@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
 from callbacks.base import Callback
 from strategies import Strategy
-from strategies.data_utils import batch_size_of
 from strategies.errors import ConfigurationError, TrainforgeError
 from trainer.accelerator import Accelerator
 from trainer.checkpointing import load_trainer_checkpoint, restore_pending_rng
 from trainer.config import LoopConfig, Progress, limited, parse_optimizers, resolve_root_dir
 from trainer.events import Event
+from trainer.evaluation import Evaluation, module_modes, restore_modes
+from trainer.hooks import bind_module_hook, warn_unknown_hooks
+from trainer.manual import check_manual_config, run_manual_step
+from trainer.metric_logging import MetricLogging
 from trainer.metrics import MetricStore
 from trainer.module import TrainingModule
 from trainer.seed import seed_everything
@@ -24,7 +28,7 @@ from trainer.seed import seed_everything
 log = logging.getLogger("trainforge")
 
 
-class Trainer:
+class Trainer(MetricLogging, Evaluation):
     def __init__(self, *, accelerator: Optional[str] = None, strategy: Union[str, Strategy, None] = None,
                  precision: Optional[str] = None,
                  max_epochs: Optional[int] = None, max_steps: int = -1, accumulate_grad_batches: Optional[int] = None,
@@ -34,7 +38,7 @@ class Trainer:
                  log_every_n_steps: int = 50, callbacks: Optional[Sequence[Callback]] = None,
                  default_root_dir: Optional[str] = None, enable_progress_bar: bool = True,
                  enable_checkpointing: bool = True, compile: bool = False, seed: Optional[int] = None,
-                 nonfinite_loss: str = "raise", resume: Optional[str] = None) -> None:
+                 nonfinite_loss: str = "raise", resume: Optional[str] = None, num_sanity_val_steps: int = 2) -> None:
         self.config = LoopConfig(max_epochs=max_epochs, max_steps=max_steps,
                                  accumulate_grad_batches=1 if accumulate_grad_batches is None else accumulate_grad_batches,
                                  gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
@@ -52,6 +56,12 @@ class Trainer:
         self.strategy = self.accelerator.strategy
         self.default_root_dir = resolve_root_dir(default_root_dir)
         self.compile, self.resume, self.seed = compile, resume, seed
+        if not isinstance(num_sanity_val_steps, int) or isinstance(num_sanity_val_steps, bool) \
+                or num_sanity_val_steps < -1:
+            raise ConfigurationError(f"num_sanity_val_steps={num_sanity_val_steps!r} must be an int: 0 (off), "
+                                     "N batches (default 2) or -1 (the whole validation set)")
+        self.num_sanity_val_steps = num_sanity_val_steps
+        self.datamodule: Any = None
         from trainer.defaults import default_callbacks
 
         self.callbacks: List[Callback] = default_callbacks(list(callbacks or []), enable_progress_bar,
@@ -59,10 +69,11 @@ class Trainer:
         self.progress = Progress()
         self.stage = "fit"
         self.should_stop = False
-        self.callback_metrics: Dict[str, torch.Tensor] = {}
+        self._init_logging()  # callback_metrics, logged_metrics (trainer/metric_logging.py)
         self.module: Optional[TrainingModule] = None
         self.model: Any = None
         self.optimizer: Any = None
+        self._prepared_optimizers: List[Any] = []
         self.lr_scheduler_configs: List[Dict[str, Any]] = []
         self.train_dataloader: Any = None
         self.val_dataloaders: List[Any] = []
@@ -89,7 +100,7 @@ class Trainer:
     max_steps = property(lambda self: self.config.max_steps)
     max_epochs = property(lambda self: self.config.max_epochs)
     log_every_n_steps = property(lambda self: self.config.log_every_n_steps)
-    optimizers = property(lambda self: [self.optimizer.optimizer] if self.optimizer is not None else [])
+    optimizers = property(lambda self: [o.optimizer for o in self._prepared_optimizers])
 
     @property
     def hparams(self) -> Dict[str, Any]:
@@ -104,41 +115,25 @@ class Trainer:
             hook(self, self.module, *args)
 
     def _build_listeners(self) -> None:
-        """Per event, the bound hooks of the targets that override it (no-op hooks are skipped)."""
-        targets = [self.module, *self.callbacks]
-        self._listeners = {event: [getattr(t, event.value) for t in targets if _overrides(t, event.value)]
-                           for event in Event}
-
-    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
-        """Send metrics to every tracker (the LOG event); call it on every rank."""
-        for name, value in metrics.items():
-            self.callback_metrics[name] = torch.tensor(float(value))
-        self._fire(Event.LOG, dict(metrics), self.global_step if step is None else step)
-
-    def _log(self, name: str, value: Any, *, on_step: Optional[bool], on_epoch: Optional[bool], prog_bar: bool,
-             sync_dist: bool, batch_size: Optional[int]) -> None:
-        training = self._running == "train"
-        if training and on_step is None and on_epoch is None and not prog_bar and type(value) is torch.Tensor \
-                and value.dim() == 0:  # the common case, once per step: the latest value, kept as a tensor
-            store = self._metrics["train"]
-            store.step_values[name] = value.detach()
-            store.step_sync[name] = sync_dist
-            return
-        on_step = training if on_step is None else on_step
-        on_epoch = (not training) if on_epoch is None else on_epoch
-        if on_epoch and batch_size is None:
-            batch_size = batch_size_of(self._batch)
-        self._metrics[self._running].log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                                         sync_dist=sync_dist, batch_size=batch_size or 1)
-
-    def _emit(self, metrics: Dict[str, float]) -> None:
-        if metrics:
-            self.log_metrics(metrics)
+        """Per event, the bound hooks of the targets that override it (no-op hooks are skipped): the
+        module's with Lightning's signatures (``trainer/hooks.py``), bound once here."""
+        listeners = {}
+        for event in Event:
+            module_hook = bind_module_hook(self.module, event)
+            listeners[event] = ([module_hook] if module_hook is not None else []) + \
+                [getattr(cb, event.value) for cb in self.callbacks if _overrides(cb, event.value)]
+        self._listeners = listeners
 
     # ---- fit -------------------------------------------------------------------------------------
-    def fit(self, module: TrainingModule, train_dataloaders: Any, val_dataloaders: Any = None,
-            ckpt_path: Optional[str] = None) -> None:
+    def fit(self, module: TrainingModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            ckpt_path: Optional[str] = None, *, datamodule: Any = None) -> None:
+        """Loaders come from the arguments, else from ``datamodule``, else from the module's
+        ``train_dataloader()``/``val_dataloader()`` (Lightning)."""
         self._attach(module, "fit")
+        if train_dataloaders is None:
+            train_dataloaders = self._loaders_for("fit", None, datamodule)[0]
+            if val_dataloaders is None:
+                val_dataloaders = self._loaders_for("validate", None, datamodule, required=False) or None
         self._check_loader(train_dataloaders, "train_dataloaders")
         try:
             self._setup_fit(module, train_dataloaders, val_dataloaders)
@@ -147,8 +142,11 @@ class Trainer:
             if path is not None:
                 load_trainer_checkpoint(self, path, required=ckpt_path is not None)
             self._fire(Event.FIT_START)
+            self._sanity_check()
+            self._fire(Event.TRAIN_START)
             restore_pending_rng(self)  # last thing before the loop: keeps resumed random streams exact
             self._fit_loop()
+            self._fire(Event.TRAIN_END)
             self._fire(Event.FIT_END)
             self._fire(Event.TEARDOWN, "fit")
         except BaseException as exc:
@@ -165,16 +163,20 @@ class Trainer:
         if self.compile:
             for child in module.children():
                 child.compile()
+        manual = not module.automatic_optimization
+        if manual:
+            check_manual_config(self)
         # Lightning's order, for every strategy: place and wrap first, then build the optimizers, so
         # configure_optimizers sees the final device and parameters (fused AdamW on CUDA, FSDP's
         # DTensors, bf16-true weights) and nothing has to be remapped.
         configured = []
 
         def build_optimizers() -> list:
-            configured.append(parse_optimizers(module.configure_optimizers(), type(module).__name__))
-            return [configured[0].optimizer]
+            configured.append(parse_optimizers(module.configure_optimizers(), type(module).__name__, manual))
+            return list(configured[0].optimizers)
 
-        self.model, (self.optimizer,) = acc.prepare_model_with_optimizers(module, build_optimizers)
+        self.model, prepared = acc.prepare_model_with_optimizers(module, build_optimizers)
+        self.optimizer, self._prepared_optimizers = prepared[0], prepared
         self.lr_scheduler_configs = configured[0].schedulers
         self._training_step = acc.step_function(self.model, "training_step")
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
@@ -185,15 +187,22 @@ class Trainer:
 
     def _fit_loop(self) -> None:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
-        if p.batch_idx >= self.num_training_batches:  # resumed from an end-of-epoch checkpoint
-            p.epoch, p.batch_idx = p.epoch + 1, 0
+        train_modes = module_modes(self.module)  # the user's per-submodule modes (a frozen part stays in eval)
+        if p.batch_idx >= self.num_training_batches:  # resumed from a checkpoint of the epoch's last batch
+            if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
+                with warnings.catch_warnings():  # the optimizer stepped before the save, not in this process
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                    self._end_epoch()
+            else:  # written at EPOCH_END (or by an older version)
+                p.epoch, p.batch_idx = p.epoch + 1, 0
         while not self._finished() and (cfg.max_epochs is None or p.epoch < cfg.max_epochs):
-            self.module.train()
+            restore_modes(train_modes)
             loader.set_epoch(p.epoch)
             self._fire(Event.EPOCH_START)
             for batch in loader:
                 self._train_batch(batch, p.batch_idx)
                 p.batch_idx += 1
+                p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches)
                 if self._validation_due():
                     self._run_validation(self.val_dataloaders, "validation_step")
                 self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
@@ -201,14 +210,19 @@ class Trainer:
                 if self._finished() or p.batch_idx >= self.num_training_batches:
                     break
             if p.batch_idx >= self.num_training_batches:  # a complete epoch (not a max_steps/should_stop cut)
-                self._emit(self._metrics["train"].pop_epoch_metrics(self.strategy))
-                self._step_schedulers("epoch")
-                self._fire(Event.EPOCH_END)
-                p.epoch, p.batch_idx = p.epoch + 1, 0
+                self._end_epoch()
             else:
                 break
         self._raise_if_flagged()  # a non-finite loss after the last log point (accelerators)
         self._warn_skips()
+
+    def _end_epoch(self) -> None:
+        p = self.progress
+        self._emit(self._metrics["train"].pop_epoch_metrics(self.strategy))
+        self._step_schedulers("epoch")
+        p.epoch_end_pending = 0  # a checkpoint written from here on already includes the epoch's end
+        self._fire_epoch_end(Event.EPOCH_END)
+        p.epoch, p.batch_idx = p.epoch + 1, 0
 
     def _finished(self) -> bool:
         max_steps = self.config.max_steps
@@ -219,6 +233,8 @@ class Trainer:
         self._batch, self._running = batch, "train"
         self._fire(Event.BATCH_START, batch, batch_idx)
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches
+        if not self.module.automatic_optimization:
+            return run_manual_step(self, batch, batch_idx)
         with acc.accumulate(self.model):
             with acc.autocast():
                 output = self._training_step(batch, batch_idx)
@@ -244,6 +260,7 @@ class Trainer:
             else:
                 self.strategy.clip_gradients(params, clip_value=cfg.gradient_clip_val)
         self.strategy.optimizer_step(optimizer)  # what the prepared optimizer does on a sync step
+        self._fire(Event.BEFORE_ZERO_GRAD, optimizer)
         optimizer.zero_grad()
         self.progress.global_step += 1
         self._step_schedulers("step")
@@ -309,7 +326,10 @@ class Trainer:
         interval = self.config.val_check_interval
         n = self.num_training_batches
         every = max(1, int(n * interval)) if isinstance(interval, float) else interval
-        return self.progress.batch_idx % every == 0 or self.progress.batch_idx == n
+        # Lightning: every `every` batches of the epoch (of the run when check_val_every_n_epoch=None),
+        # and no extra run at the epoch end when it is not due
+        done = self.progress.batch_idx if every_epoch is not None else self.progress.epoch * n + self.progress.batch_idx
+        return done % every == 0
 
     def _warn_skips(self) -> None:
         skipped = self.accelerator.precision.skipped_steps
@@ -317,69 +337,6 @@ class Trainer:
             log.warning("trainforge: the fp16 grad scaler skipped %d optimizer step(s) on inf/nan gradients", skipped)
         if self.progress.skipped_nonfinite and self.is_global_zero:
             log.warning("trainforge: %d batch(es) with a non-finite loss were skipped", self.progress.skipped_nonfinite)
-
-    # ---- evaluation ------------------------------------------------------------------------------
-    def _run_validation(self, loaders: List[Any], step_name: str) -> None:
-        was_training, self._running = self.module.training, "val"
-        self.module.eval()
-        self._fire(Event.VALIDATION_START)
-        with torch.no_grad():
-            step = self.accelerator.step_function(self.model, step_name)
-            for loader in loaders:
-                limit = limited(len(loader), self.config.limit_val_batches)
-                for batch_idx, batch in enumerate(loader):
-                    if batch_idx >= limit:
-                        break
-                    self._batch = batch
-                    with self.accelerator.autocast():
-                        out = step(batch, batch_idx)
-                    self._fire(Event.VALIDATION_BATCH_END, out, batch, batch_idx)
-        self._emit(self._metrics["val"].pop_epoch_metrics(self.strategy))
-        self._fire(Event.VALIDATION_END)
-        self._running = "train"
-        if was_training:
-            self.module.train()
-
-    def validate(self, module: TrainingModule, dataloaders: Any) -> Dict[str, float]:
-        return self._evaluate(module, dataloaders, "validate", "validation_step")
-
-    def test(self, module: TrainingModule, dataloaders: Any) -> Dict[str, float]:
-        return self._evaluate(module, dataloaders, "test", "test_step")
-
-    def _evaluate(self, module: TrainingModule, dataloaders: Any, stage: str, step_name: str) -> Dict[str, float]:
-        self._attach(module, stage)
-        loaders = _as_list(dataloaders)
-        for i, dl in enumerate(loaders):
-            self._check_loader(dl, f"dataloaders[{i}]")
-        try:
-            self._prepare_eval(module)
-            self._fire(Event.SETUP, stage)
-            before = dict(self.callback_metrics)
-            self._run_validation([self.accelerator.prepare_data_loader(dl) for dl in loaders], step_name)
-            self._fire(Event.TEARDOWN, stage)
-        except BaseException as exc:
-            self._fire(Event.EXCEPTION, exc)
-            self._fire(Event.TEARDOWN, stage)
-            raise
-        return {k: float(v) for k, v in self.callback_metrics.items() if before.get(k) is not v}
-
-    def predict(self, module: TrainingModule, dataloaders: Any) -> List[Any]:
-        self._attach(module, "predict")
-        self._prepare_eval(module)
-        self._fire(Event.SETUP, "predict")
-        outputs = []
-        module.eval()
-        step = self.accelerator.step_function(self.model, "predict_step")
-        with torch.no_grad():
-            for batch_idx, batch in enumerate(self.accelerator.prepare_data_loader(dataloaders)):
-                with self.accelerator.autocast():
-                    outputs.append(step(batch, batch_idx))
-        self._fire(Event.TEARDOWN, "predict")
-        return outputs
-
-    def _prepare_eval(self, module: TrainingModule) -> None:
-        if self.model is None or self.accelerator.unwrap_model(self.model) is not module:
-            self.model = self.accelerator.prepare(module)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> Any:
@@ -408,7 +365,36 @@ class Trainer:
                                      "return an optimizer such as torch.optim.AdamW(self.parameters(), lr=3e-4)")
         object.__setattr__(module, "_trainer", self)
         self.module, self.stage, self.should_stop = module, stage, False
+        if stage == "fit":
+            warn_unknown_hooks(module)
         self._build_listeners()
+
+    def _loaders_for(self, stage: str, given: Any, datamodule: Any, required: bool = True) -> List[Any]:
+        """The loaders a stage runs on: given, else the datamodule's, else the module's own."""
+        if given is not None:
+            return _as_list(given)
+        method = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader",
+                  "predict": "predict_dataloader"}[stage]
+        source = datamodule if datamodule is not None else self.module
+        if datamodule is not None and datamodule is not self.datamodule:
+            self.datamodule = datamodule
+            if self.strategy.local_rank == 0:
+                datamodule.prepare_data()  # once per node; the other processes wait
+            self.strategy.barrier()
+            datamodule.setup("fit" if stage == "validate" and self.stage == "fit" else stage)
+        if not callable(getattr(source, method, None)):
+            if not required:
+                return []
+            arg = "train_dataloaders" if stage == "fit" else "dataloaders"
+            raise ConfigurationError(f"Trainer.{stage}() got no {arg}: pass them, pass datamodule=..., or define "
+                                     f"{type(self.module).__name__}.{method}()")
+        try:
+            loaders = getattr(source, method)()
+        except NotImplementedError:
+            if not required:
+                return []
+            raise
+        return _as_list(loaders)
 
     @staticmethod
     def _check_loader(loader: Any, name: str) -> None:

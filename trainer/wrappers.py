@@ -1,12 +1,14 @@
 """The objects ``Accelerator.prepare`` hands back: they look like what the user passed in."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from strategies.data_utils import move_to_device
+from strategies.errors import ConfigurationError
 
 
 @dataclass
@@ -16,6 +18,7 @@ class GradientState:
     sync_gradients: bool = True
     end_of_dataloader: bool = False
     padding: int = 0  # duplicates the sampler added at the end of this epoch (dropped by gather_for_metrics)
+    active_dataloaders: int = 0  # prepared loaders being iterated now (outside any, gather_for_metrics = gather)
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -62,12 +65,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
 class PreparedScheduler:
     """Steps only when the optimizer really stepped (a sync step of accumulation)."""
 
-    def __init__(self, scheduler: Any, gradient_state: GradientState) -> None:
+    def __init__(self, scheduler: Any, gradient_state: GradientState, steps_per_call: int = 1) -> None:
         self.scheduler, self.gradient_state = scheduler, gradient_state
+        # Accelerate steps a prepared scheduler once per process per optimizer step (unless
+        # split_batches), so a schedule written for one process keeps its length in samples.
+        self.steps_per_call = steps_per_call
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         if self.gradient_state.sync_gradients:
-            self.scheduler.step(*args, **kwargs)
+            for _ in range(self.steps_per_call):
+                self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
@@ -87,9 +94,13 @@ class PreparedDataLoader:
     is also the number of global steps into the epoch, whatever the number of processes."""
 
     def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any,
-                 generator_seed: Optional[int] = None) -> None:
+                 base_generator: Optional[torch.Generator] = None, order_generator: Optional[torch.Generator] = None,
+                 broadcast: Optional[Callable[[Any], Any]] = None) -> None:
         self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
-        self.generator_seed = generator_seed  # reseed the loader's own generator at each epoch start
+        # The user's DataLoader generator and RandomSampler generator (None: the global torch RNG).
+        self.base_generator, self.order_generator, self.broadcast = base_generator, order_generator, broadcast
+        self._generators_after: List[torch.Tensor] = []  # the user's generators after the epoch-start draws
+        self._skip = 0  # skip_first_batches: batches the next pass starts into the epoch
         self.epoch = 0
         self.batch_in_epoch = 0
         self._resumed = False
@@ -107,11 +118,13 @@ class PreparedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         from strategies.data import num_padding_samples, set_loader_epoch
 
-        if not self._resumed:
+        if not self._resumed or self.batch_in_epoch == 0:  # a new epoch (also one resumed at its start)
             self.batch_in_epoch = 0
             set_loader_epoch(self.loader, self.epoch)  # sampler, batch sampler or dataset
-            if self.generator_seed is not None:
-                self.loader.generator.manual_seed(self.generator_seed * 1_000_003 + self.epoch)
+            self._draw_epoch_randomness()
+            if self._skip:
+                self._start_at(self._skip)
+        self._skip = 0
         self._resumed = False
         try:
             total = len(self.loader)
@@ -123,24 +136,89 @@ class PreparedDataLoader:
         move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run
         convert = self.precision.convert_input if getattr(self.precision, "input_dtype", None) is not None else None
         state.end_of_dataloader = False
-        for batch in self.loader:
-            self.batch_in_epoch += 1
-            state.end_of_dataloader = self.batch_in_epoch == total
-            if move:
-                batch = move_to_device(batch, device)
-            yield convert(batch) if convert is not None else batch
+        state.active_dataloaders += 1
+        try:
+            for batch in self.loader:
+                self.batch_in_epoch += 1
+                state.end_of_dataloader = self.batch_in_epoch == total
+                if move:
+                    batch = move_to_device(batch, device)
+                yield convert(batch) if convert is not None else batch
+        finally:  # also when the loop breaks out (the generator is closed)
+            state.active_dataloaders -= 1
         state.end_of_dataloader = True
         self.epoch += 1
         self.batch_in_epoch = 0
 
+    def _draw_epoch_randomness(self) -> None:
+        """What iterating a plain ``DataLoader(shuffle=True, generator=g)`` draws, in torch's order: the
+        worker base seed from ``g`` (else the global RNG), then RandomSampler's permutation from its
+        generator (else from a generator seeded by one more global draw; then a second randperm, as
+        RandomSampler makes for ``num_samples % n``). The permutation's generator state is handed to
+        our sampler, which saves it, so a resumed epoch keeps its order on any number of processes."""
+        base = int(torch.empty((), dtype=torch.int64).random_(generator=self.base_generator).item())
+        sampler = getattr(self.loader, "sampler", None)
+        if getattr(sampler, "shuffle", False) and callable(getattr(sampler, "set_order_state", None)):
+            g = self.order_generator
+            if g is None:
+                g = torch.Generator()
+                g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+                state = g.get_state()
+            else:
+                state = g.get_state()
+                n = len(sampler.dataset)
+                torch.randperm(n, generator=g)
+                torch.randperm(n, generator=g)
+            if self.broadcast is not None:  # every rank shards rank 0's permutation
+                state = self.broadcast(state)
+            sampler.set_order_state(state)
+        self.loader.generator.manual_seed(base)
+        users = [g for g in (self.base_generator, self.order_generator) if g is not None]
+        self._generators_after = [g.get_state() for i, g in enumerate(users) if g not in users[:i]]
+
+    def skip_first_batches(self, num_batches: int) -> "PreparedDataLoader":
+        if not isinstance(num_batches, int) or num_batches < 0:
+            raise ConfigurationError(f"skip_first_batches(num_batches={num_batches!r}) must be an int >= 0")
+        if self._resumed and self.batch_in_epoch > 0:
+            if num_batches != self.batch_in_epoch:
+                raise ConfigurationError(
+                    f"skip_first_batches({num_batches}) on a loader that load_state already put at batch "
+                    f"{self.batch_in_epoch} of epoch {self.epoch}: it continues from there by itself; drop the "
+                    "skip_first_batches call")
+            warnings.warn(f"skip_first_batches({num_batches}): load_state already restored this loader to batch "
+                          f"{num_batches} of the epoch; nothing more is skipped (trainforge restores data "
+                          "positions, Accelerate does not)", UserWarning, stacklevel=3)
+            return self
+        self._skip = num_batches
+        return self
+
+    def _start_at(self, num_batches: int) -> None:
+        sampler = getattr(self.loader, "sampler", None)
+        if not callable(getattr(sampler, "check_compatible", None)):
+            raise ConfigurationError("skip_first_batches needs a map-style dataset sharded by trainforge (no custom "
+                                     "sampler or IterableDataset): skip inside your own sampler instead")
+        state = sampler.state_dict()
+        state["consumed"] = min(num_batches * (self.loader.batch_size or 1) * sampler.num_replicas,
+                                sampler.total_size)
+        sampler.load_state_dict(state)
+        self.batch_in_epoch = num_batches
+
     def state_dict(self) -> Dict[str, Any]:
         from strategies.data import loader_state_dict
 
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state_dict(self.loader)}
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state_dict(self.loader),
+                "user_generators": list(self._generators_after)}
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
         from strategies.data import load_loader_state
 
         load_loader_state(self.loader, state["loader"], world_size=world_size, rank=rank)
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        users = [g for g in (self.base_generator, self.order_generator) if g is not None]
+        users = [g for i, g in enumerate(users) if g not in users[:i]]
+        saved = state.get("user_generators", [])
+        if len(saved) == len(users):  # the user's generators continue from where the saved epoch left them
+            for g, g_state in zip(users, saved):
+                g.set_state(g_state)
+            self._generators_after = list(saved)
         self._resumed = True

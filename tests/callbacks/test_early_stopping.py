@@ -69,8 +69,41 @@ def test_missing_key_lists_available_keys():
 def test_bad_mode_and_patience():
     with pytest.raises(ConfigurationError, match=r"mode\)='minimum' is not one of: min, max"):
         EarlyStopping("val/loss", mode="minimum")
-    with pytest.raises(ConfigurationError, match="patience=0"):
-        EarlyStopping("val/loss", patience=0)
+    with pytest.raises(ConfigurationError, match="patience=-1"):
+        EarlyStopping("val/loss", patience=-1)
+
+
+def test_patience_zero_stops_at_the_first_check_without_improvement():
+    """Lightning: patience=0 is accepted; the first validation that does not improve stops."""
+    trainer, seen = _fit(EarlyStopping("val/loss", patience=0), [1.0, 0.9, 0.95] + [0.1] * 10)
+    assert len(seen) == 3 and trainer.should_stop
+
+
+def test_strict_false_only_warns_when_the_metric_is_absent():
+    """Lightning: EarlyStopping(strict=False) warns (does not raise) when the monitored metric is missing."""
+    with pytest.warns(UserWarning, match=r"monitor='val/los'.*strict=False"):
+        trainer, seen = _fit(EarlyStopping("val/los", strict=False), [1.0] * 3, max_steps=6)
+    assert not trainer.should_stop and len(seen) == 3
+
+
+def test_monitors_a_training_metric_without_validation_loop(tmp_path):
+    """Lightning: with no validation loop EarlyStopping checks at the train epoch end
+    (check_on_train_epoch_end), so a metric logged in training_step can stop the run."""
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainer import Trainer
+
+    class Flat(Regressor):
+        def training_step(self, batch, batch_idx):
+            self.log("score", 1.0, on_step=False, on_epoch=True)  # never improves after epoch 0
+            return super().training_step(batch, batch_idx)
+
+    cb = EarlyStopping("score", patience=2, verbose=False)
+    trainer = Trainer(max_epochs=10, callbacks=[cb], default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    trainer.fit(Flat(make_net()), DataLoader(regression_data(n=16), batch_size=8))
+    assert trainer.current_epoch == 3 and cb.stopped_epoch == 2  # epochs 0 (best), 1, 2 (patience 2 spent)
 
 
 @pytest.mark.slow

@@ -45,16 +45,22 @@ class ScriptedVal(Regressor):
     def validation_step(self, batch, batch_idx):
         self.log("val/loss", self.script[self.calls])
 
-    def on_validation_end(self, trainer, module):
-        self.calls += 1
+    def on_validation_end(self):
+        if self.trainer.stage == "fit":  # not the sanity check
+            self.calls += 1
 
 
 def test_monitored_top_k_keeps_the_best(tmp_path):
     script = [5.0, 3.0, 4.0, 1.0, 2.0]
     cb = ModelCheckpoint(monitor="val/loss", mode="min", save_top_k=2, filename="{epoch}-{val/loss:.1f}")
     fit(tmp_path, [cb], module=ScriptedVal(script), max_epochs=5)
-    assert names(tmp_path / "checkpoints") == ["3-1.0", "4-2.0"]
-    assert Path(cb.best_model_path).name == "3-1.0"
+    # Lightning: metric names are inserted ("{epoch}-{val_loss:.2f}" -> "epoch=3-val_loss=0.12")
+    assert names(tmp_path / "checkpoints") == ["epoch=3-val_loss=1.0", "epoch=4-val_loss=2.0"]
+    assert Path(cb.best_model_path).name == "epoch=3-val_loss=1.0"
+    # Lightning: best_model_score, best_k_models, kth_best_model_path, current_score
+    assert cb.best_model_score == 1.0 and cb.current_score == 2.0
+    assert sorted(Path(p).name for p in cb.best_k_models) == names(tmp_path / "checkpoints")
+    assert Path(cb.kth_best_model_path).name == "epoch=4-val_loss=2.0"
 
 
 def test_max_mode_and_every_n_epochs(tmp_path):
@@ -68,7 +74,7 @@ def test_max_mode_and_every_n_epochs(tmp_path):
 def test_bad_template_and_missing_monitor_are_clear(tmp_path):
     with pytest.raises(ConfigurationError, match=r"filename='\{nope\}' cannot be filled"):
         fit(tmp_path / "a", [ModelCheckpoint(every_n_steps=1, filename="{nope}")], val=False)
-    with pytest.raises(ConfigurationError, match=r"monitor='val/acc'.*available: \['val/loss'\]"):
+    with pytest.raises(ConfigurationError, match=r"monitor='val/acc'.*available: \['train/loss', 'val/loss'\]"):
         fit(tmp_path / "b", [ModelCheckpoint(monitor="val/acc")])
     with pytest.raises(ConfigurationError, match="mode='best' is not one of: min, max"):
         ModelCheckpoint(monitor="x", mode="best")
@@ -97,3 +103,69 @@ def test_keep_last_k_keeps_pruning_after_a_resume(tmp_path):
     fit(tmp_path, [ModelCheckpoint(every_n_steps=2, keep_last_k=2)], val=False, max_epochs=None, max_steps=10,
         resume="auto")
     assert names(tmp_path / "checkpoints") == ["epoch=1-step=8", "epoch=2-step=10"]
+
+
+# ---- Lightning behaviours ---------------------------------------------------------------------------
+def test_dirpath_alone_saves_every_epoch_end_and_keeps_the_newest(tmp_path):
+    """Lightning: ModelCheckpoint(dirpath=d) with defaults saves at every epoch end, keeps the newest."""
+    d = tmp_path / "d"
+    fit(tmp_path, [ModelCheckpoint(dirpath=str(d))], val=False, max_epochs=3)
+    assert names(d) == ["epoch=2-step=12"]
+
+
+def test_save_last_keeps_a_checkpoint_named_last(tmp_path):
+    """Lightning: save_last=True keeps `last` (last_model_path); save_top_k=0 + save_last keeps only it."""
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "a"), save_last=True)
+    fit(tmp_path, [cb], val=False, max_epochs=2)
+    assert names(tmp_path / "a") == ["epoch=1-step=8", "last"]
+    assert Path(cb.last_model_path).name == "last"
+    assert json.loads((tmp_path / "a" / "last" / "metadata.json").read_text())["step"] == 8
+    only = ModelCheckpoint(dirpath=str(tmp_path / "b"), save_top_k=0, save_last=True)
+    fit(tmp_path, [only], val=False, max_epochs=2)
+    assert names(tmp_path / "b") == ["last"]
+
+
+def test_template_without_metric_names_and_save_top_k_without_monitor(tmp_path):
+    """Lightning: auto_insert_metric_name=False keeps the template as written; save_top_k other than
+    -1/0/1 without monitor is a configuration error."""
+    d = tmp_path / "d"
+    fit(tmp_path, [ModelCheckpoint(dirpath=str(d), filename="e{epoch:02d}", auto_insert_metric_name=False)],
+        val=False, max_epochs=1)
+    assert names(d) == ["e00"]
+    with pytest.raises(ConfigurationError, match=r"save_top_k=3\) without monitor.*monitor="):
+        ModelCheckpoint(save_top_k=3)
+
+
+class TrainMetric(Regressor):
+    """The training loss is logged per step; a fixed per-epoch score as an epoch metric."""
+
+    def __init__(self, scores):
+        super().__init__(make_net())
+        self.scores = scores
+
+    def training_step(self, batch, batch_idx):
+        self.log("score", self.scores[self.current_epoch], on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def test_monitor_a_training_metric_without_validation(tmp_path):
+    """Lightning: with no validation loop, a monitored training metric is judged at the train epoch end."""
+    cb = ModelCheckpoint(dirpath=str(tmp_path / "d"), monitor="score", mode="max", filename="{epoch}")
+    fit(tmp_path, [cb], module=TrainMetric([1.0, 3.0, 2.0]), val=False, max_epochs=3)
+    assert names(tmp_path / "d") == ["epoch=1"] and cb.best_model_score == 3.0
+
+
+def test_every_n_train_steps_time_interval_and_weights_only_are_accepted(tmp_path):
+    """Lightning names: every_n_train_steps (warns that every periodic save is kept unless keep_last_k),
+    train_time_interval, save_weights_only (consolidated safetensors, not resumable)."""
+    from datetime import timedelta
+
+    with pytest.warns(UserWarning, match="keep_last_k=1"):
+        steps = ModelCheckpoint(dirpath=str(tmp_path / "s"), every_n_train_steps=4)
+    timed = ModelCheckpoint(dirpath=str(tmp_path / "t"), train_time_interval=timedelta(seconds=0),
+                            save_weights_only=True, keep_last_k=1)
+    fit(tmp_path, [steps, timed], val=False, max_epochs=1)
+    assert names(tmp_path / "s") == ["epoch=0-step=4"]
+    assert names(tmp_path / "t") == ["epoch=0-step=4"]
+    assert (tmp_path / "t" / "epoch=0-step=4" / "model.safetensors").is_file()
+    assert not (tmp_path / "t" / "epoch=0-step=4" / "optimizers.pt").exists()

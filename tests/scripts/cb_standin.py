@@ -83,6 +83,7 @@ class StandInTrainer:
             max_epochs: int = 1000, scheduler: Any = None, loss_fn: Optional[Callable] = None,
             val_every_n_steps: Optional[int] = None, val_metrics: Optional[Callable[[Any], Dict]] = None) -> None:
         self.module, self.optimizers, self.train_dataloader = module, [optimizer], loader
+        self.val_dataloaders = ["validation"] if val_every_n_steps else []  # as the Trainer: a validation loop runs
         if scheduler is not None:
             self.lr_scheduler_configs = [{"scheduler": scheduler, "interval": "step", "frequency": 1, "name": None}]
         loss_fn = loss_fn or (lambda m, b: m(b[0]).float().pow(2).mean())

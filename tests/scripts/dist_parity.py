@@ -9,7 +9,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tests.helpers.models import Regressor, make_net, regression_data  # noqa: E402
@@ -18,15 +18,36 @@ from trainer import Accelerator, Trainer, seed_everything  # noqa: E402
 EPOCHS, BATCH = 2, 4
 
 
+class RandomShard(torch.utils.data.Sampler):
+    """The order trainforge gives a shuffled DataLoader on several processes, written out: at each
+    epoch start the draws a plain DataLoader makes from the global RNG (worker base seed, then the
+    RandomSampler's seed), rank 0's permutation shared, rank r taking positions r, r+W, ... (padded
+    like DistributedSampler)."""
+
+    def __init__(self, n, rank, world):
+        self.n, self.rank, self.world = n, rank, world
+        self.total = -(-n // world) * world
+
+    def __len__(self):
+        return self.total // self.world
+
+    def __iter__(self):
+        torch.empty((), dtype=torch.int64).random_()  # the worker base seed
+        seed = torch.empty((), dtype=torch.int64).random_()
+        dist.broadcast(seed, 0)
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(int(seed))).tolist()
+        order += order[:self.total - self.n]
+        return iter(order[self.rank::self.world])
+
+
 def raw_ddp(net, accum):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(net)
     ds = regression_data()
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler)
+    loader = DataLoader(ds, batch_size=BATCH, sampler=RandomShard(len(ds), rank, world),
+                        generator=torch.Generator())  # the sampler makes the global draws
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for epoch in range(EPOCHS):
-        sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
             last = (i + 1) % accum == 0 or i + 1 == len(loader)
             ctx = model.no_sync() if not last else torch.enable_grad()
@@ -68,8 +89,11 @@ def main(out_dir):
         dist.init_process_group("gloo")
     results = {}
     for accum in (1, 2):
+        seed_everything(1)  # each run starts from the same random state: the shuffle order draws from it
         results[f"raw_accum{accum}"] = raw_ddp(copy.deepcopy(initial), accum)
+        seed_everything(1)
         results[f"trainer_accum{accum}"] = via_trainer(copy.deepcopy(initial), accum, os.path.join(out_dir, "root"))
+        seed_everything(1)
         results[f"accelerator_accum{accum}"] = via_accelerator(copy.deepcopy(initial), accum)
     if dist.get_rank() == 0:
         for name, net in results.items():

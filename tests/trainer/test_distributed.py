@@ -44,6 +44,18 @@ def test_gather_for_metrics_counts_each_sample_once_and_collectives(tmp_path):
     assert (r["reduce_sum"], r["reduce_mean"], r["reduce_max"]) == (3.0, 1.5, 2.0)
     assert r["broadcast"] == {"from": 1}
     assert r["padded"] == [0, 1, -1, 0, 1, 2]
+    # Accelerate: gather_for_metrics outside a dataloader loop is a plain gather (no rows dropped)
+    assert r["after_loop_rows"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    # Accelerate: gather_object concatenates lists in rank order; main_process_first lets rank 0 in
+    # first; on_process runs on that process only; even_batches=False drops the padding (13 samples:
+    # 7 + 6); split_batches divides the batch; a prepared scheduler steps once per process.
+    assert r["gather_object"] == ["r0", "r1"]
+    assert r["main_first_order"] == ["0", "1"]
+    assert r["on_process_1"] == [None, 1]
+    assert r["uneven_counts"] == [7, 6]
+    assert r["split_batch_sizes"] == [4, 4]
+    assert r["lr_after_one_step"] == 0.25
+    assert r["no_sync_then_trigger"] == [True, True]  # Accelerate test_sync: trigger_sync_in_backward
     assert r["split"] == [[0, 1, 2], [3, 4]]
     assert r["fp16_hook_weights_agree"] is True
     assert "comm_hook='bf16'" in r["bf16_hook_error"] and "'gloo'" in r["bf16_hook_error"]
@@ -65,3 +77,13 @@ def test_notebook_launcher_ddp_matches_raw_ddp(tmp_path):
         raw = load_file(tmp_path / f"raw_accum{accum}.safetensors")
         trained = load_file(tmp_path / f"trainer_accum{accum}.safetensors")
         assert all(torch.equal(trained[k], raw[k]) for k in raw), f"accumulation {accum}: Trainer != raw DDP"
+
+
+@pytest.mark.slow
+def test_manual_optimization_with_two_optimizers_under_ddp(tmp_path):
+    """Lightning: a GAN-style manual optimization step (two optimizers, two backward passes per
+    forward) trains under DDP (with find_unused_parameters=True) like the raw DDP loop."""
+    out = tmp_path / "manual.json"
+    launch("dist_manual.py", str(out))
+    r = json.loads(out.read_text())
+    assert r == {"agree": True, "global_step": 8, "matches_raw_ddp": True}

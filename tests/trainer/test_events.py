@@ -29,10 +29,10 @@ class RecordingModule(Regressor):
         super().__init__(*args, **kwargs)
         self.events = []
 
-    def on_fit_start(self, trainer, module):
+    def on_fit_start(self):  # Lightning's module signatures
         self.events.append("on_fit_start")
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
         self.events.append("on_train_batch_end")
 
 
@@ -43,12 +43,15 @@ def test_fit_event_order_matches_documented_loop(tmp_path):
                       enable_progress_bar=False, enable_checkpointing=False)
     data = regression_data(n=16)
     trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=16))
-    step = ["on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_log"]
-    validation = ["on_validation_start", "on_validation_batch_end", "on_log", "on_validation_end"]
-    expected = (["on_setup", "on_fit_start", "on_train_epoch_start"]
+    step = ["on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+            "on_before_zero_grad", "on_log"]
+    validation = ["on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
+                  "on_validation_batch_end", "on_log", "on_validation_epoch_end", "on_validation_end"]
+    sanity = ["on_sanity_check_start"] + [e for e in validation if e != "on_log"] + ["on_sanity_check_end"]
+    expected = (["on_setup", "on_fit_start"] + sanity + ["on_train_start", "on_train_epoch_start"]
                 + step + ["on_train_batch_end"]
                 + step + validation + ["on_train_batch_end"]
-                + ["on_train_epoch_end", "on_fit_end", "on_teardown"])
+                + ["on_train_epoch_end", "on_train_end", "on_fit_end", "on_teardown"])
     assert rec.events == expected
     # the module receives the same events, and before the callbacks (one mechanism, module first)
     assert module.events == ["on_fit_start", "on_train_batch_end", "on_train_batch_end"]

@@ -55,3 +55,48 @@ def test_precision_modes_train_on_cpu(tmp_path, precision, param_dtype, compute_
     assert module.output_dtype == compute_dtype
     first, last = float(module.losses[0]), float(module.losses[-1])
     assert last < first, f"{precision}: loss did not go down ({first} -> {last})"
+
+
+# ---- Lightning's logging rules (trainer/metric_logging.py) ----------------------------------------
+class Probe(Regressor):
+    """Records what a callback would see in callback_metrics after each step; logs with the options."""
+
+    def __init__(self):
+        super().__init__(make_net())
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("both", float(batch_idx), on_step=True, on_epoch=True)
+        self.log("biggest", float(batch_idx), on_step=False, on_epoch=True, reduce_fx="max")
+        self.log("total", 1.0, on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log("hidden", 7.0, logger=False)
+        self.log("bar", 3.0, prog_bar=True, rank_zero_only=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        cm = self.trainer.callback_metrics
+        self.seen.append((float(cm["train/loss"]), float(cm["both"])))
+
+    def on_train_epoch_end(self):
+        self.log("epoch_end_value", 42.0)
+
+
+def test_callback_metrics_are_current_after_every_step_and_lightning_log_options(tmp_path):
+    """Lightning: callback_metrics is current after every step whatever log_every_n_steps is (and
+    keeps tensors); with on_step and on_epoch the plain name is there too; reduce_fx, logger=False,
+    rank_zero_only; values logged in on_train_epoch_end are logged for that epoch; logged_metrics
+    and progress_bar_metrics exist."""
+    module = Probe()
+    trainer = Trainer(max_epochs=1, log_every_n_steps=3, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    trainer.fit(module, DataLoader(regression_data(n=32), batch_size=8))
+    assert [loss for loss, _ in module.seen] == [float(v) for v in module.losses]  # every step, not every 3
+    assert [both for _, both in module.seen] == [0.0, 1.0, 2.0, 3.0]
+    cm = trainer.callback_metrics
+    assert all(isinstance(v, torch.Tensor) for v in cm.values())
+    assert float(cm["both"]) == float(cm["both_epoch"]) == 1.5  # the plain name: the newest (epoch) value
+    assert float(cm["biggest"]) == 3.0 and float(cm["total"]) == 4.0
+    assert float(cm["epoch_end_value"]) == 42.0 and trainer.logged_metrics["epoch_end_value"] == 42.0
+    assert float(cm["hidden"]) == 7.0 and "hidden" not in trainer.logged_metrics and "bar" in trainer.logged_metrics
+    assert trainer.progress_bar_metrics == {"bar": 3.0}

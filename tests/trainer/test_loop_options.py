@@ -34,7 +34,10 @@ def run(tmp_path, module=None, val=True, callbacks=(), **kwargs):
 
 @pytest.mark.parametrize("kwargs,expected", [
     ({"val_check_interval": 0.5}, [(0, 4), (0, 8), (1, 4), (1, 8)]),
-    ({"val_check_interval": 3}, [(0, 3), (0, 6), (0, 8), (1, 3), (1, 6), (1, 8)]),
+    # Lightning: validation where it is due, no extra run at the epoch end
+    ({"val_check_interval": 3}, [(0, 3), (0, 6), (1, 3), (1, 6)]),
+    ({"val_check_interval": 0.3}, [(0, 2), (0, 4), (0, 6), (0, 8), (1, 2), (1, 4), (1, 6), (1, 8)]),
+    ({"val_check_interval": 3, "check_val_every_n_epoch": None}, [(0, 3), (0, 6), (1, 1), (1, 4), (1, 7)]),
     ({"check_val_every_n_epoch": 2}, [(1, 8)]),
     ({"limit_train_batches": 5}, [(0, 5), (1, 5)]),
     ({"limit_train_batches": 0.25, "max_epochs": 1}, [(0, 2)]),
@@ -53,7 +56,8 @@ def test_limit_val_batches_and_max_steps_cut(tmp_path):
             type(self).val_batches += 1
             super().validation_step(batch, batch_idx)
 
-    trainer = run(tmp_path, module=CountVal(make_net()), limit_val_batches=1, max_steps=11, max_epochs=None)
+    trainer = run(tmp_path, module=CountVal(make_net()), limit_val_batches=1, max_steps=11, max_epochs=None,
+                  num_sanity_val_steps=0)
     assert trainer.global_step == 11 and trainer.current_epoch == 1
     assert CountVal.val_batches == 1  # one full epoch (validation at its end), one batch per validation
 

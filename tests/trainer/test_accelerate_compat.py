@@ -1,0 +1,108 @@
+"""Accelerator behaviours Accelerate users rely on (one process; the multi-process ones are in
+tests/scripts/dist_collectives.py via tests/trainer/test_distributed.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers.models import make_net, regression_data
+from trainer import Accelerator, CheckpointError, ConfigurationError
+
+
+class ProjectConfiguration:  # the shape of accelerate.utils.ProjectConfiguration
+    def __init__(self, project_dir, automatic_checkpoint_naming=False, total_limit=None):
+        self.project_dir, self.total_limit = project_dir, total_limit
+        self.automatic_checkpoint_naming = automatic_checkpoint_naming
+
+
+def _prepared(acc):
+    model = make_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return acc.prepare(model, opt)
+
+
+def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
+    """Accelerate test_state_checkpointing: ProjectConfiguration(automatic_checkpoint_naming=True,
+    total_limit=2): save_state() writes checkpoints/checkpoint_<i>, keeps 2; load_state() loads the newest."""
+    acc = Accelerator(project_config=ProjectConfiguration(str(tmp_path), automatic_checkpoint_naming=True,
+                                                          total_limit=2))
+    model, opt = _prepared(acc)
+    for i in range(3):
+        with torch.no_grad():
+            model[0].bias.fill_(float(i))
+        acc.save_state(safe_serialization=True)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert names == ["checkpoint_1", "checkpoint_2"]
+    with torch.no_grad():
+        model[0].bias.zero_()
+    assert acc.load_state().name == "checkpoint_2"
+    assert torch.all(model[0].bias == 2.0)
+    same = Accelerator(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    _prepared(same)
+    assert same.save_state().name == "checkpoint_3"  # numbering continues from what is on disk
+    with pytest.raises(ConfigurationError, match="project_dir"):
+        Accelerator(automatic_checkpoint_naming=True)
+    with pytest.raises(CheckpointError, match="no checkpoint_<i>"):
+        fresh = Accelerator(project_dir=str(tmp_path / "empty"), automatic_checkpoint_naming=True)
+        fresh.load_state()
+    with pytest.warns(UserWarning, match="always writes weights as safetensors"):
+        acc.save_state(str(tmp_path / "unsafe"), safe_serialization=False)
+
+
+def test_skip_first_batches_and_its_no_op_after_load_state(tmp_path):
+    """Accelerate: skip_first_batches(loader, n) starts the next pass n batches in (without loading
+    them); after load_state (which restores the position, unlike Accelerate) skipping that same
+    position again warns and skips nothing more, another count is an error."""
+    data = TensorDataset(torch.arange(32))
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(data, batch_size=4))
+    assert [b[0].tolist() for b in acc.skip_first_batches(loader, 6)] == [[24, 25, 26, 27], [28, 29, 30, 31]]
+    assert len([b for b in loader]) == 8  # the next pass is whole again
+    for i, _ in enumerate(loader):
+        if i == 2:
+            acc.save_state(str(tmp_path / "mid"))
+            break
+    acc2 = Accelerator()
+    loader2 = acc2.prepare(DataLoader(data, batch_size=4))
+    acc2.load_state(str(tmp_path / "mid"))
+    with pytest.raises(ConfigurationError, match="drop the skip_first_batches call"):
+        acc2.skip_first_batches(loader2, 5)
+    with pytest.warns(UserWarning, match="nothing more is skipped"):
+        resumed = acc2.skip_first_batches(loader2, 3)
+    assert [b[0].tolist() for b in resumed][0] == [12, 13, 14, 15]
+
+
+def test_process_control_on_one_process():
+    """Accelerate: main_process_first, on_main_process/on_local_main_process/on_process decorators,
+    gather_object, no_sync (a no-op wrapper on one process)."""
+    acc = Accelerator()
+    with acc.main_process_first():
+        ran = True
+    assert ran
+    assert acc.on_main_process(lambda: "main")() == "main"
+    assert acc.on_local_main_process(lambda: "local")() == "local"
+    assert acc.on_process(lambda: "p1", process_index=1)() is None
+    assert acc.on_process(process_index=0)(lambda: "p0")() == "p0"
+    assert acc.gather_object(["a", "b"]) == ["a", "b"] and acc.gather_object({"k": 1}) == [{"k": 1}]
+    model, opt = _prepared(acc)
+    with acc.no_sync(model):
+        acc.backward(model(torch.randn(2, 8)).sum())
+    assert model[0].weight.grad is not None
+
+
+def test_prepared_scheduler_and_split_batches_on_one_process():
+    """Accelerate: a prepared scheduler steps once per process per optimizer step (one here);
+    split_batches=True makes the loader's batch_size the global batch."""
+    acc = Accelerator(split_batches=True)
+    model, opt = _prepared(acc)
+    sched = acc.prepare(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    loader = acc.prepare(DataLoader(regression_data(n=16), batch_size=8))
+    for x, y in loader:
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert sched.steps_per_call == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert Accelerator().prepare(torch.optim.lr_scheduler.StepLR(opt, 1)).steps_per_call == 1

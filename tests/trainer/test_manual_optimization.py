@@ -1,0 +1,93 @@
+"""Manual optimization and several optimizers (Lightning: automatic_optimization = False,
+self.optimizers(), self.lr_schedulers(), self.manual_backward(loss); a GAN-style step)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tests.helpers.models import make_net, regression_data
+from trainer import ConfigurationError, Trainer, TrainingModule, seed_everything
+
+
+class TwoNets(TrainingModule):
+    """Two players, two optimizers, a scheduler on the second; stepped by hand."""
+
+    def __init__(self, g, d):
+        super().__init__()
+        self.automatic_optimization = False
+        self.g, self.d = g, d
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_g, opt_d = self.optimizers()
+        loss_g = nn.functional.mse_loss(self.g(x), y)
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        loss_d = nn.functional.mse_loss(self.d(x), self.g(x).detach())
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        self.lr_schedulers().step()
+        self.log("loss_g", loss_g)
+
+    def configure_optimizers(self):
+        opt_g = torch.optim.AdamW(self.g.parameters(), lr=1e-2)
+        opt_d = torch.optim.SGD(self.d.parameters(), lr=1e-1)
+        return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_d, step_size=2, gamma=0.5)]
+
+
+def raw(g, d):
+    opt_g = torch.optim.AdamW(g.parameters(), lr=1e-2)
+    opt_d = torch.optim.SGD(d.parameters(), lr=1e-1)
+    sched = torch.optim.lr_scheduler.StepLR(opt_d, step_size=2, gamma=0.5)
+    for x, y in DataLoader(regression_data(n=32), batch_size=8):
+        loss_g = nn.functional.mse_loss(g(x), y)
+        opt_g.zero_grad()
+        loss_g.backward()
+        opt_g.step()
+        loss_d = nn.functional.mse_loss(d(x), g(x).detach())
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_d.step()
+        sched.step()
+    return g, d
+
+
+def test_two_optimizers_stepped_by_hand_match_the_raw_loop(tmp_path):
+    seed_everything(0)
+    g0, d0 = make_net(), make_net()
+    g_ref, d_ref = raw(copy.deepcopy(g0), copy.deepcopy(d0))
+    module = TwoNets(copy.deepcopy(g0), copy.deepcopy(d0))
+    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False, log_every_n_steps=2)
+    trainer.fit(module, DataLoader(regression_data(n=32), batch_size=8))
+    for ref, got in ((g_ref, module.g), (d_ref, module.d)):
+        for a, b in zip(ref.state_dict().values(), got.state_dict().values()):
+            assert torch.equal(a, b)
+    assert trainer.global_step == 8  # Lightning counts every optimizer step
+    assert trainer.optimizers[1].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+    assert "loss_g" in trainer.logged_metrics
+    assert len(trainer.optimizers) == 2  # both saved in checkpoints (the default ModelCheckpoint wrote one)
+
+
+def test_several_optimizers_need_manual_optimization_and_manual_rejects_accumulation(tmp_path):
+    """Lightning: multiple optimizers with automatic optimization, and accumulate_grad_batches or
+    gradient_clip_val with manual optimization, are configuration errors."""
+
+    class Auto(TwoNets):
+        def __init__(self):
+            super().__init__(make_net(), make_net())
+            self.automatic_optimization = True
+
+    kwargs = dict(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False)
+    loader = DataLoader(regression_data(n=16), batch_size=8)
+    with pytest.raises(ConfigurationError, match="2 optimizers.*automatic_optimization = False"):
+        Trainer(**kwargs).fit(Auto(), loader)
+    with pytest.raises(ConfigurationError, match="accumulate_grad_batches=2 with manual optimization"):
+        Trainer(accumulate_grad_batches=2, **kwargs).fit(TwoNets(make_net(), make_net()), loader)
+    with pytest.raises(ConfigurationError, match="gradient_clip_val=1.0 with manual optimization"):
+        Trainer(gradient_clip_val=1.0, **kwargs).fit(TwoNets(make_net(), make_net()), loader)

@@ -1,0 +1,131 @@
+"""The Trainer's evaluation loops: validation inside fit, the sanity check, ``validate``, ``test``
+and ``predict`` (Lightning's hooks: ``on_<stage>_start``, ``_epoch_start``, ``_batch_start``,
+``_batch_end``, ``_epoch_end``, ``_end``; see ``trainer/events.py``).
+
+Train/eval modes are restored per submodule after each loop, so a submodule the user put in eval
+mode (a frozen encoder, batch-norm statistics) stays there (Lightning 2.2+)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from trainer.config import limited
+from trainer.events import EVAL_EVENTS, Event
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainer.module import TrainingModule
+
+
+def module_modes(module: nn.Module) -> Dict[nn.Module, bool]:
+    return {m: m.training for m in module.modules()}
+
+
+def restore_modes(modes: Dict[nn.Module, bool]) -> None:
+    for m, training in modes.items():
+        m.training = training
+
+
+class Evaluation:
+    """Mixed into ``Trainer``."""
+
+    def _run_validation(self, loaders: List[Any], step_name: str, max_batches: Optional[int] = None) -> None:
+        start, epoch_start, batch_start, batch_end, epoch_end, end = EVAL_EVENTS[step_name]
+        modes, self._running = module_modes(self.module), "val"
+        self.module.eval()
+        self._fire(start)
+        self._fire(epoch_start)
+        with torch.no_grad():
+            step = self.accelerator.step_function(self.model, step_name)
+            for loader in loaders:
+                limit = limited(len(loader), self.config.limit_val_batches)
+                if max_batches is not None and max_batches >= 0:
+                    limit = min(limit, max_batches)
+                for batch_idx, batch in enumerate(loader):
+                    if batch_idx >= limit:
+                        break
+                    self._batch = batch
+                    self._fire(batch_start, batch, batch_idx)
+                    with self.accelerator.autocast():
+                        out = step(batch, batch_idx)
+                    self._fire(batch_end, out, batch, batch_idx)
+        metrics = self._metrics["val"].pop_epoch_metrics(self.strategy)
+        if self.stage != "sanity_check":  # the sanity check's values are dropped (Lightning)
+            self._emit(metrics)
+        self._fire_epoch_end(epoch_end)
+        self._fire_epoch_end(end)
+        self._running = "train"
+        restore_modes(modes)
+
+    def _sanity_check(self) -> None:
+        """``num_sanity_val_steps`` validation batches before training, so a broken validation_step
+        fails in seconds. Callbacks see ``trainer.stage == "sanity_check"`` (and ``sanity_checking``)."""
+        n = self.num_sanity_val_steps
+        if n == 0 or not self.val_dataloaders or self.config.limit_val_batches == 0:
+            return
+        self.stage = "sanity_check"
+        try:
+            self._fire(Event.SANITY_CHECK_START)
+            self._run_validation(self.val_dataloaders, "validation_step", max_batches=n)
+            self._fire(Event.SANITY_CHECK_END)
+        finally:
+            self.stage = "fit"
+
+    @property
+    def sanity_checking(self) -> bool:
+        return self.stage == "sanity_check"
+
+    def validate(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> Dict[str, float]:
+        return self._evaluate(module, dataloaders, "validate", "validation_step", datamodule)
+
+    def test(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> Dict[str, float]:
+        return self._evaluate(module, dataloaders, "test", "test_step", datamodule)
+
+    def _evaluate(self, module: "TrainingModule", dataloaders: Any, stage: str, step_name: str,
+                  datamodule: Any) -> Dict[str, float]:
+        self._attach(module, stage)
+        loaders = self._loaders_for(stage, dataloaders, datamodule)
+        for i, dl in enumerate(loaders):
+            self._check_loader(dl, f"dataloaders[{i}]")
+        try:
+            self._prepare_eval(module)
+            self._fire(Event.SETUP, stage)
+            before = dict(self.callback_metrics)
+            self._run_validation([self.accelerator.prepare_data_loader(dl) for dl in loaders], step_name)
+            self._fire(Event.TEARDOWN, stage)
+        except BaseException as exc:
+            self._fire(Event.EXCEPTION, exc)
+            self._fire(Event.TEARDOWN, stage)
+            raise
+        return {k: float(v) for k, v in self.callback_metrics.items() if before.get(k) is not v}
+
+    def predict(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> List[Any]:
+        self._attach(module, "predict")
+        loaders = self._loaders_for("predict", dataloaders, datamodule)
+        self._prepare_eval(module)
+        self._fire(Event.SETUP, "predict")
+        start, epoch_start, batch_start, batch_end, epoch_end, end = EVAL_EVENTS["predict_step"]
+        outputs: List[Any] = []
+        modes = module_modes(module)
+        module.eval()
+        self._fire(start)
+        self._fire(epoch_start)
+        step = self.accelerator.step_function(self.model, "predict_step")
+        with torch.no_grad():
+            for loader in loaders:
+                for batch_idx, batch in enumerate(self.accelerator.prepare_data_loader(loader)):
+                    self._fire(batch_start, batch, batch_idx)
+                    with self.accelerator.autocast():
+                        out = step(batch, batch_idx)
+                    outputs.append(out)
+                    self._fire(batch_end, out, batch, batch_idx)
+        self._fire(epoch_end)
+        self._fire(end)
+        restore_modes(modes)
+        self._fire(Event.TEARDOWN, "predict")
+        return outputs
+
+    def _prepare_eval(self, module: "TrainingModule") -> None:
+        if self.model is None or self.accelerator.unwrap_model(self.model) is not module:
+            self.model = self.accelerator.prepare(module)

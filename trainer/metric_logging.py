@@ -1,0 +1,105 @@
+"""The Trainer's side of ``TrainingModule.log``: where values go and when (Lightning's rules).
+
+- ``trainer.callback_metrics``: every logged value, current after every step (tensors kept, no
+  device sync; epoch values replace step values at the epoch end), so callbacks can monitor any
+  metric whatever ``log_every_n_steps`` is. With ``on_step=True, on_epoch=True`` the step value is
+  ``<name>_step``, the epoch value ``<name>_epoch``, and the plain ``<name>`` holds the newest of
+  the two.
+- ``trainer.logged_metrics``: what was last sent to the trackers (the LOG event), as floats.
+- ``trainer.progress_bar_metrics``: the values logged with ``prog_bar=True``, as floats.
+- Values logged in an epoch-end hook (``on_train_epoch_end``, ``on_validation_end``...) are logged
+  for that epoch, at that step.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Set
+
+import torch
+
+from strategies.data_utils import batch_size_of
+from strategies.errors import invalid_choice
+from trainer.metrics import REDUCE_FX
+from trainer.events import Event
+
+
+class MetricLogging:
+    """Mixed into ``Trainer``; uses its ``_metrics``, ``_running``, ``_batch``, ``_fire``."""
+
+    callback_metrics: Dict[str, Any]
+
+    def _init_logging(self) -> None:
+        self.callback_metrics = {}
+        self.logged_metrics: Dict[str, float] = {}
+        self._not_logged: Set[str] = set()        # names logged with logger=False
+        self._epoch_end_logged: Optional[Dict[str, torch.Tensor]] = None  # inside an epoch-end hook
+
+    @property
+    def progress_bar_metrics(self) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        for store in self._metrics.values():
+            out.update({k: float(v) for k, v in store.prog_bar.items()})
+        return out
+
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        """Send metrics to every tracker (the LOG event); call it on every rank."""
+        for name, value in metrics.items():
+            self.callback_metrics[name] = torch.tensor(float(value))
+        self.logged_metrics.update({k: float(v) for k, v in metrics.items()})
+        self._fire(Event.LOG, dict(metrics), self.global_step if step is None else step)
+
+    def _log(self, name: str, value: Any, *, on_step: Optional[bool], on_epoch: Optional[bool], prog_bar: bool,
+             sync_dist: bool, batch_size: Optional[int], reduce_fx: str = "mean", rank_zero_only: bool = False,
+             logger: bool = True) -> None:
+        training = self._running == "train"
+        cm = self.callback_metrics
+        if training and on_step is None and on_epoch is None and not prog_bar and type(value) is torch.Tensor \
+                and value.dim() == 0 and logger and reduce_fx == "mean" and self._epoch_end_logged is None:
+            store = self._metrics["train"]  # the common case, once per step: the latest value, kept as a tensor
+            cm[name] = store.step_values[name] = value.detach()
+            store.step_sync[name] = sync_dist and not rank_zero_only
+            return
+        if reduce_fx not in REDUCE_FX:
+            raise invalid_choice("self.log(reduce_fx)", reduce_fx, REDUCE_FX)
+        if not logger:
+            self._not_logged.add(name)
+        if self._epoch_end_logged is not None:  # an epoch-end hook: the value is this epoch's
+            tensor = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            if sync_dist and not rank_zero_only and self.world_size > 1:
+                tensor = self.strategy.all_reduce(tensor.to(self.strategy.root_device), reduce_fx)
+            cm[name] = self._epoch_end_logged[name] = tensor
+            return
+        on_step = training if on_step is None else on_step
+        on_epoch = (not training) if on_epoch is None else on_epoch
+        if on_epoch and batch_size is None:
+            batch_size = batch_size_of(self._batch)
+        store = self._metrics[self._running]
+        store.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
+                  sync_dist=sync_dist and not rank_zero_only, batch_size=batch_size or 1, reduce_fx=reduce_fx)
+        if on_step:
+            latest = store.step_values[f"{name}_step" if on_epoch else name]
+            cm[name] = latest
+            if on_epoch:
+                cm[f"{name}_step"] = latest
+
+    def _emit(self, metrics: Dict[str, float]) -> None:
+        if not metrics:
+            return
+        for name in [k for k in metrics if k.endswith("_epoch")]:  # the plain name: the newest value
+            self.callback_metrics[name[:-len("_epoch")]] = torch.tensor(metrics[name])
+        hidden = self._not_logged
+        for name in hidden.intersection(metrics):
+            self.callback_metrics[name] = torch.tensor(float(metrics[name]))
+        loggable = {k: v for k, v in metrics.items() if k not in hidden} if hidden else metrics
+        if loggable:
+            self.log_metrics(loggable)
+
+    def _fire_epoch_end(self, event: Event) -> None:
+        """Fire an epoch-end event; what its hooks log is logged for this epoch, right after."""
+        self._epoch_end_logged = {}
+        try:
+            self._fire(event)
+            logged = self._epoch_end_logged
+        finally:
+            self._epoch_end_logged = None
+        if self.stage != "sanity_check":  # the sanity check's values are dropped (Lightning)
+            self._emit({k: float(v) for k, v in logged.items()})
