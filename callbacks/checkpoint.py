@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from callbacks.base import Callback
+from strategies.async_save import check_async_save, resolve_async_save
 from strategies.checkpoint_io import delete_checkpoint
 from strategies.errors import ConfigurationError, invalid_choice
 
@@ -31,12 +32,17 @@ class ModelCheckpoint(Callback):
             saves are kept (None keeps all).
         save_last: also save at the end of every epoch and at the end of fit, so the newest state
             is always resumable.
+        async_save: None (default) saves asynchronously when training on an accelerator (CUDA) and
+            synchronously on CPU; True/False force it. Asynchronous: the loop waits only while the
+            state is copied to host memory; writing, fsync, checksums and the commit run in the
+            background, one save at a time, and pruning waits for the new checkpoint's commit.
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
                  mode: str = "min", save_top_k: int = 1, every_n_steps: Optional[int] = None,
                  every_n_epochs: Optional[int] = None, save_last: bool = False,
-                 keep_last_k: Optional[int] = None) -> None:
+                 keep_last_k: Optional[int] = None, async_save: Optional[bool] = None) -> None:
+        self.async_save = check_async_save(async_save, "ModelCheckpoint(async_save)")
         if mode not in MODES:
             raise invalid_choice("mode", mode, MODES)
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs),
@@ -139,7 +145,10 @@ class ModelCheckpoint(Callback):
 
     def _write(self, trainer: "Trainer", path: str) -> None:
         self.last_saved_step, self.last_path = trainer.global_step, path
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, async_save=self._async(trainer))
+
+    def _async(self, trainer: "Trainer") -> bool:
+        return resolve_async_save(self.async_save, trainer.device)
 
     def _format_name(self, trainer: "Trainer") -> str:
         values: Dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -152,6 +161,10 @@ class ModelCheckpoint(Callback):
         return name.replace("/", "_").replace(" ", "_")
 
     def _delete(self, trainer: "Trainer", path: str) -> None:
+        if self._async(trainer):  # only once the checkpoint just saved is committed (issue 12)
+            if trainer.is_global_zero:
+                trainer.accelerator.async_checkpointer.after_commit(lambda: delete_checkpoint(path))
+            return
         if trainer.is_global_zero:
             delete_checkpoint(path)
         trainer.strategy.barrier()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from strategies import Strategy, resolve_strategy
+from strategies.async_save import AsyncCheckpointer
 from strategies.devices import check_device_matches, normalize_accelerator
 from strategies.data_utils import apply_to_tensors
 from strategies.errors import ConfigurationError
@@ -62,6 +63,7 @@ class Accelerator:
         self._schedulers: List[PreparedScheduler] = []
         self._dataloaders: List[PreparedDataLoader] = []
         self._custom_objects: List[Any] = []
+        self._async_checkpointer: Optional[AsyncCheckpointer] = None  # created by the first async save
 
     # ---- topology --------------------------------------------------------------------------------
     device = property(lambda self: self.strategy.root_device)
@@ -246,9 +248,22 @@ class Accelerator:
         self._custom_objects.extend(objects)
 
     def save_state(self, output_dir: str, **kwargs: Any) -> Any:
+        """``async_save=True``: return once the state is copied to host memory; the write and commit
+        go on in the background (``wait_for_checkpoint``; ``end_training`` and exit wait for it)."""
         from trainer.checkpointing import save_accelerator_state
 
         return save_accelerator_state(self, output_dir, **kwargs)
+
+    @property
+    def async_checkpointer(self) -> AsyncCheckpointer:
+        if self._async_checkpointer is None:
+            self._async_checkpointer = AsyncCheckpointer(self.strategy)
+        return self._async_checkpointer
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the asynchronous save in flight is committed; raise CheckpointError if it failed."""
+        if self._async_checkpointer is not None:
+            self._async_checkpointer.wait()
 
     def load_state(self, input_dir: str, **kwargs: Any) -> Any:
         from trainer.checkpointing import load_accelerator_state
@@ -261,6 +276,7 @@ class Accelerator:
         return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
 
     def end_training(self) -> None:
+        self.wait_for_checkpoint()
         self.strategy.teardown()
 
     def run_step(self, model: nn.Module, method: str, *args: Any) -> Any:
