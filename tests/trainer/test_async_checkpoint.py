@@ -1,6 +1,6 @@
 """Asynchronous checkpoints (strategies/async_save.py): exact staged state, one save in flight,
 pruning after the commit, errors raised in the main thread, SIGKILLs during background writes,
-and bit-identical resume on 1 process and on 2 (DDP, FSDP) processes. CPU, fp32."""
+and bit-identical resume on 1 process and on 2 (DDP, FSDP, DeepSpeed) processes. CPU, fp32."""
 from __future__ import annotations
 
 import logging
@@ -205,8 +205,10 @@ def test_file_too_large_in_the_background_write_names_the_path_and_keeps_the_pre
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
 def test_two_processes_async_saves_killed_and_restarted_resume_bit_identical(tmp_path, strategy):
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
     script = SCRIPTS / "resume_run.py"
     common = ["--strategy", strategy, "--ckpt-every", "2"]
     procs.run(procs.trainforge_launch(script, "--root", tmp_path / "full", "--record", tmp_path / "full.rec",
