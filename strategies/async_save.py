@@ -31,7 +31,7 @@ What happens where:
 
 A failure is raised in the main thread as CheckpointError naming the checkpoint, by ``check``
 (the Trainer calls it before every step), ``wait`` or the next save. The worker thread is not a
-daemon and an ``atexit`` hook waits too, so the process does not exit before the last save is
+daemon and an exit hook waits too, so the process does not exit before the last save is
 committed.
 """
 from __future__ import annotations
@@ -178,7 +178,9 @@ class AsyncCheckpointer:
             self._logged_size = True
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainforge-async-ckpt")
-            atexit.register(self._at_exit)
+            # Run before concurrent.futures' own exit hook (threading's exit hooks run last-registered
+            # first): after that one, the writer's checksum threads could no longer be started.
+            getattr(threading, "_register_atexit", atexit.register)(self._at_exit)
         after: List[Callable[[], Any]] = []
 
         def run() -> None:

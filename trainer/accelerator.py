@@ -273,6 +273,7 @@ class Accelerator:
     def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Optional[int] = None) -> Any:
         from trainer.checkpointing import save_weights
 
+        self.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
 
     def end_training(self) -> None:

@@ -406,6 +406,7 @@ class Trainer:
         """Consolidated safetensors weights of the module (loadable by safetensors and transformers)."""
         from trainer.checkpointing import save_weights
 
+        self.accelerator.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, self.model, path, max_shard_size=max_shard_size)
 
     # ---- helpers ---------------------------------------------------------------------------------

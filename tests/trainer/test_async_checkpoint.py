@@ -223,3 +223,17 @@ def test_two_processes_async_saves_killed_and_restarted_resume_bit_identical(tmp
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
     ckpts = tmp_path / "cut" / "checkpoints"
     assert verify_checkpoint(resolve_checkpoint(ckpts, "last"))["step"] == 12
+
+
+@pytest.mark.slow
+def test_the_process_does_not_exit_before_an_async_save_state_is_committed(tmp_path):
+    script = ("import sys, torch\n"
+              "from trainer import Accelerator\n"
+              "acc = Accelerator()\n"
+              "model, opt = acc.prepare(torch.nn.Linear(512, 512), torch.optim.AdamW([torch.zeros(1)]))\n"
+              "acc.save_state(sys.argv[1], async_save=True)\n"
+              "print('returned', flush=True)\n")  # and the interpreter exits at once
+    out = procs.run([sys.executable, "-c", script, str(tmp_path / "state")], timeout=120).stdout
+    assert "returned" in out
+    assert verify_checkpoint(tmp_path / "state")["kind"] == "accelerator"
+    assert load_tensors(tmp_path / "state")["weight"].shape == (512, 512)
