@@ -1,14 +1,15 @@
 """Trainer runs with an asynchronous save after every step, for tests/trainer/test_async_checkpoint.py.
 
-    python tests/scripts/async_kill_run.py --serve
+    python tests/scripts/async_kill_run.py
 
 A fork server (it pays the torch/trainforge import once, and runs no torch op before forking).
 Stdin lines:
     run ROOT LOG RESUME     fork a child: one fit (RESUME=1: Trainer(resume="auto")); answers ``pid P``
     reap P                  wait for child P; answers ``status S`` (the raw wait status)
-The child's output goes to LOG: ``started`` when the loop starts, ``committed N`` whenever ``latest`` names a newer step (seen at the
-end of a step), ``done`` at the end. Rank 0 writes ROOT/final.safetensors. A few MB of weights and
-AdamW state, dropout on, 12 steps, ModelCheckpoint(every_n_steps=1, keep_last_k=2, async_save=True).
+The child's output goes to LOG: ``started`` when the loop starts, ``committed N`` whenever
+``latest`` names a newer step (seen at the end of a step), ``done`` at the end; the final weights go
+to ROOT/final.safetensors. A few MB of weights and AdamW state, dropout on, 12 steps,
+ModelCheckpoint(every_n_steps=1, keep_last_k=2, async_save=True).
 """
 from __future__ import annotations
 

@@ -163,7 +163,8 @@ def test_sigkill_while_async_writes_are_in_flight_then_resume_is_bit_identical(t
 
     try:
         assert _readline(server, 60) == "ready"
-        assert fit(tmp_path / "reference", tmp_path / "reference.log", False) == 0, (tmp_path / "reference.log").read_text()
+        ref_log = tmp_path / "reference.log"
+        assert fit(tmp_path / "reference", ref_log, False) == 0, ref_log.read_text()
         reference = _final(tmp_path / "reference")
         mid_write = 0
         for trial in range(12):
