@@ -57,17 +57,18 @@ log = logging.getLogger("trainforge")
 
 def check_async_save(value: Any, where: str = "async_save") -> Optional[bool]:
     if not isinstance(value, (bool, type(None))):
-        raise ConfigurationError(f"{where}={value!r} is not one of: None (on when training on an accelerator such "
-                                 "as CUDA, off on CPU), True (the loop waits only while the state is copied to "
+        raise ConfigurationError(f"{where}={value!r} is not one of: None (on when training on CUDA, off on "
+                                 "CPU), True (the loop waits only while the state is copied to "
                                  "host memory), False (the loop waits for the whole write)")
     return value
 
 
 def resolve_async_save(value: Optional[bool], device: torch.device) -> bool:
-    """``None`` means: on for accelerators (the device time saved is worth the host copy), off on
-    CPU, where staging is a full memory copy competing with training for the same cores."""
+    """``None`` means: on for CUDA (the device time saved is worth the host copy), off on CPU,
+    where staging is a full memory copy competing with training for the same cores, and off on
+    other devices, where staging has not been tried (pass True to have it there)."""
     check_async_save(value)
-    return device.type != "cpu" if value is None else value
+    return device.type == "cuda" if value is None else value
 
 
 class AsyncCheckpointer:

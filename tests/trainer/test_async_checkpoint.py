@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from callbacks import ModelCheckpoint
 from strategies import resolve_strategy
-from strategies.async_save import AsyncCheckpointer
+from strategies.async_save import AsyncCheckpointer, resolve_async_save
 from strategies.checkpoint_io import (list_checkpoints, load_object, load_tensors, read_latest_pointer,
                                       resolve_checkpoint, verify_checkpoint)
 from tests.helpers import procs
@@ -44,6 +44,13 @@ def test_bad_async_save_values_name_the_choices(tmp_path, value):
     with pytest.raises(ConfigurationError, match="async_save=.*is not one of"):
         trainer.save_checkpoint(str(tmp_path / "ckpt"), async_save=value)
     assert not (tmp_path / "state").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_default_is_on_for_cuda_and_off_on_cpu():
+    assert resolve_async_save(None, torch.device("cuda")) is True
+    assert resolve_async_save(None, torch.device("cpu")) is False
+    assert resolve_async_save(True, torch.device("cpu")) is True
+    assert resolve_async_save(False, torch.device("cuda")) is False
 
 
 # ---- the saver on its own -------------------------------------------------------------------------
