@@ -20,9 +20,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from strategies.async_save import resolve_async_save
 from strategies.checkpoint_io import (CheckpointWriter, list_checkpoints, load_object, read_metadata,
                                       resolve_checkpoint)
-from strategies.async_save import resolve_async_save
 from strategies.errors import CheckpointError, ConfigurationError
 from trainer.events import Event
 from trainer.seed import rng_state, set_rng_state
