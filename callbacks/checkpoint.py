@@ -42,7 +42,7 @@ class ModelCheckpoint(Callback):
                  mode: str = "min", save_top_k: int = 1, every_n_steps: Optional[int] = None,
                  every_n_epochs: Optional[int] = None, save_last: bool = False,
                  keep_last_k: Optional[int] = None, async_save: Optional[bool] = None) -> None:
-        self.async_save = check_async_save(async_save, "ModelCheckpoint(async_save)")
+        self.async_save = check_async_save(async_save, "ModelCheckpoint")
         if mode not in MODES:
             raise invalid_choice("mode", mode, MODES)
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs),

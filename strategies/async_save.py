@@ -55,9 +55,9 @@ from strategies.errors import CheckpointError, ConfigurationError
 log = logging.getLogger("trainforge")
 
 
-def check_async_save(value: Any, where: str = "async_save") -> Optional[bool]:
+def check_async_save(value: Any, where: str = "") -> Optional[bool]:
     if not isinstance(value, (bool, type(None))):
-        raise ConfigurationError(f"{where}={value!r} is not one of: None (on when training on CUDA, off on "
+        raise ConfigurationError(f"{where + ': ' if where else ''}async_save={value!r} is not one of: None (on when training on CUDA, off on "
                                  "CPU), True (the loop waits only while the state is copied to "
                                  "host memory), False (the loop waits for the whole write)")
     return value

@@ -35,7 +35,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 # ---- bad input ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["yes", 1, 0.0, "auto"])
 def test_bad_async_save_values_name_the_choices(tmp_path, value):
-    with pytest.raises(ConfigurationError, match=r"async_save\)?=.*is not one of: None .*True .*False"):
+    with pytest.raises(ConfigurationError, match=r"ModelCheckpoint: async_save=.*is not one of: None .*True .*False"):
         ModelCheckpoint(async_save=value)
     acc = Accelerator()
     with pytest.raises(ConfigurationError, match="async_save=.*is not one of"):
