@@ -10,7 +10,10 @@ Parts (each a function ``part(args) -> None`` registered in ``PARTS``; add new o
              file and checksums it, so ``torch.save`` is also timed followed by an fsync. Loads
              read files the save just wrote (page cache warm): they measure decoding and copying,
              not the disk. Repeats are interleaved (method order rotates) and medians reported.
-  (planned) dataloader_resume: time to resume a StatefulDataLoader at batch 10 vs 10,000.
+  resume     time to the first batch after loading a loader position.
+  stall      (``--stall``, ``--gpt2``) how long a save blocks the Trainer's loop, synchronous vs
+             asynchronous, next to the raw step time and the throughput of a window with one save
+             (benchmarks/checkpoint_stall.py).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from checkpoint_stall import part_stall  # beside this script
 from strategies.checkpoint_io import CheckpointWriter, load_object, load_tensors, verify_checkpoint
 
 
@@ -181,7 +185,9 @@ def part_resume(args: argparse.Namespace) -> None:
               + (f"; items loaded on resume: {l10} vs {l10k}" if workers == 0 else ""))
 
 
-PARTS: Dict[str, Callable[[argparse.Namespace], None]] = {"save_load": part_save_load, "resume": part_resume}
+PARTS: Dict[str, Callable[[argparse.Namespace], None]] = {"save_load": part_save_load, "resume": part_resume,
+                                                          "stall": part_stall}
+DEFAULT_PARTS = ["save_load", "resume"]  # "stall" trains a model: asked for with --stall
 
 
 def main(argv: List[str] | None = None) -> None:
@@ -189,10 +195,17 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--size-mb", type=float, default=500.0, help="total state size for save_load (MiB)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per method (median reported)")
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp directory)")
-    parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=list(PARTS), help="which parts to run")
+    parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=DEFAULT_PARTS, help="which parts to run")
+    parser.add_argument("--stall", action="store_true", help="run only the stall part (sync vs async saves)")
+    parser.add_argument("--gpt2", action="store_true", help="stall: also GPT-2 124M (needs CUDA)")
+    parser.add_argument("--stall-mb", type=float, default=100.0, help="stall: MB of MLP weights (x3 with AdamW)")
+    parser.add_argument("--window", type=int, default=30, help="stall: measured optimizer steps per run")
     args = parser.parse_args(argv)
-    if args.size_mb <= 0 or args.repeats < 1:
-        parser.error(f"--size-mb={args.size_mb} must be > 0 and --repeats={args.repeats} >= 1")
+    if args.size_mb <= 0 or args.repeats < 1 or args.stall_mb <= 0 or args.window < 3:
+        parser.error(f"--size-mb={args.size_mb} and --stall-mb={args.stall_mb} must be > 0, --repeats={args.repeats}"
+                     f" >= 1 and --window={args.window} >= 3")
+    if args.stall:
+        args.parts = ["stall"]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, writing under {args.dir or tempfile.gettempdir()}")
     for name in args.parts:
         PARTS[name](args)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from callbacks.base import Callback
+from strategies.async_save import check_async_save, resolve_async_save
 from strategies.checkpoint_io import delete_checkpoint
 from strategies.errors import ConfigurationError, invalid_choice
 
@@ -41,6 +42,10 @@ class ModelCheckpoint(Callback):
         save_last: also keep a checkpoint named ``last`` (``last_model_path``), rewritten at every save,
             every epoch end and the end of fit, so the newest state is always resumable.
         save_weights_only: write consolidated safetensors weights only (not resumable).
+        async_save: None (default) saves asynchronously when training on an accelerator (CUDA) and
+            synchronously on CPU; True/False force it. Asynchronous: the loop waits only while the
+            state is copied to host memory; writing, fsync, checksums and the commit run in the
+            background, one save at a time, and pruning waits for the new checkpoint's commit.
     """
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
@@ -48,7 +53,9 @@ class ModelCheckpoint(Callback):
                  every_n_epochs: Optional[int] = None, save_last: bool = False,
                  keep_last_k: Optional[int] = None, *, every_n_train_steps: Optional[int] = None,
                  train_time_interval: Optional[timedelta] = None, save_weights_only: bool = False,
-                 auto_insert_metric_name: bool = True, save_on_train_epoch_end: Optional[bool] = None) -> None:
+                 auto_insert_metric_name: bool = True, save_on_train_epoch_end: Optional[bool] = None,
+                 async_save: Optional[bool] = None) -> None:
+        self.async_save = check_async_save(async_save, "ModelCheckpoint")
         if mode not in MODES:
             raise invalid_choice("mode", mode, MODES)
         if every_n_train_steps is not None:
@@ -233,7 +240,10 @@ class ModelCheckpoint(Callback):
         if self.save_weights_only:
             trainer.save_weights(path)
         else:
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, async_save=self._async(trainer))
+
+    def _async(self, trainer: "Trainer") -> bool:
+        return resolve_async_save(self.async_save, trainer.device)
 
     def _format_name(self, trainer: "Trainer") -> str:
         values: Dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -252,6 +262,10 @@ class ModelCheckpoint(Callback):
         return name.replace("/", "_").replace(" ", "_")
 
     def _delete(self, trainer: "Trainer", path: str) -> None:
+        if self._async(trainer):  # only once the checkpoint just saved is committed (issue 12)
+            if trainer.is_global_zero:
+                trainer.accelerator.async_checkpointer.after_commit(lambda: delete_checkpoint(path))
+            return
         if trainer.is_global_zero:
             delete_checkpoint(path)
         trainer.strategy.barrier()

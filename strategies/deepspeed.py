@@ -370,7 +370,9 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         """DeepSpeed's own shards (every rank writes its part) into ``<tmp_dir>/deepspeed/state``;
         rank 0 hashes them into the manifest at ``finalize``."""
         engine = self._engine_of(module)
-        engine.save_checkpoint(str(writer.tmp_dir / CHECKPOINT_DIR), tag=TAG, client_state={}, save_latest=False)
+        staging = writer.deferred_engine(engine) if hasattr(writer, "deferred_engine") else contextlib.nullcontext()
+        with staging:  # asynchronous save: the engine's files are staged now, written in the background
+            engine.save_checkpoint(str(writer.tmp_dir / CHECKPOINT_DIR), tag=TAG, client_state={}, save_latest=False)
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[Any]) -> None:
         path = Path(path)

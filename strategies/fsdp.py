@@ -231,6 +231,8 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         hashes them at finalize). ``full``: consolidated files from rank 0 (the base class)."""
         if self.state_dict_type == "full":
             return super().save_checkpoint(writer, module, optimizers)
+        if hasattr(writer, "dcp_async_save"):  # an asynchronous save: DCP's async_save (strategies/async_save.py)
+            return writer.dcp_async_save(self._sharded_state(module, optimizers), DCP_DIR)
         dcp.save(self._sharded_state(module, optimizers), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from strategies import Strategy, resolve_strategy
+from strategies.async_save import AsyncCheckpointer
 from strategies.devices import check_device_matches, normalize_accelerator
 from strategies.data_utils import apply_to_tensors
 from strategies.errors import ConfigurationError
@@ -88,6 +89,7 @@ class Accelerator(ProcessControl):
             raise ConfigurationError(f"total_limit={total_limit!r} must be an int >= 1 or None (keep all)")
         self.project_dir, self.total_limit = project_dir, total_limit
         self.automatic_checkpoint_naming = automatic_checkpoint_naming
+        self._async_checkpointer: Optional[AsyncCheckpointer] = None  # created by the first async save
 
     # ---- topology --------------------------------------------------------------------------------
     device = property(lambda self: self.strategy.root_device)
@@ -284,7 +286,9 @@ class Accelerator(ProcessControl):
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
         """Everything to resume exactly. With no ``output_dir`` (automatic_checkpoint_naming):
-        ``<project_dir>/checkpoints/checkpoint_<i>``, the newest ``total_limit`` kept."""
+        ``<project_dir>/checkpoints/checkpoint_<i>``, the newest ``total_limit`` kept. ``async_save=True``:
+        return once the state is copied to host memory; the write and commit go on in the background
+        (``wait_for_checkpoint``; ``end_training`` and exit wait for it)."""
         from trainer.checkpointing import save_accelerator_state, save_project_checkpoint
 
         if not safe_serialization:
@@ -293,6 +297,17 @@ class Accelerator(ProcessControl):
         if output_dir is None:
             return save_project_checkpoint(self, **kwargs)
         return save_accelerator_state(self, output_dir, **kwargs)
+
+    @property
+    def async_checkpointer(self) -> AsyncCheckpointer:
+        if self._async_checkpointer is None:
+            self._async_checkpointer = AsyncCheckpointer(self.strategy)
+        return self._async_checkpointer
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the asynchronous save in flight is committed; raise CheckpointError if it failed."""
+        if self._async_checkpointer is not None:
+            self._async_checkpointer.wait()
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> Any:
         """With no ``input_dir`` (automatic_checkpoint_naming): the newest project checkpoint."""
@@ -310,9 +325,11 @@ class Accelerator(ProcessControl):
     def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Optional[int] = None) -> Any:
         from trainer.checkpointing import save_weights
 
+        self.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
 
     def end_training(self) -> None:
+        self.wait_for_checkpoint()
         self.strategy.teardown()
 
     def run_step(self, model: nn.Module, method: str, *args: Any) -> Any:

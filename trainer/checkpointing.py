@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from strategies.async_save import resolve_async_save
 from strategies.checkpoint_io import (CheckpointWriter, list_checkpoints, load_object, read_metadata,
                                       resolve_checkpoint)
 from strategies.errors import CheckpointError, ConfigurationError
@@ -63,11 +64,21 @@ def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
     return load_object(path, f"rng_rank{source}"), load_object(path, f"dataloader_rank{0 if old_world != strategy.world_size else source}")
 
 
+# ---- asynchronous saves (strategies/async_save.py) -------------------------------------------------
+def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool) -> Any:
+    """A CheckpointWriter, or its staging stand-in for an asynchronous save; either way only after
+    the save in flight (if any) is committed: one save at a time."""
+    if async_save:
+        return acc.async_checkpointer.open(path)
+    acc.wait_for_checkpoint()
+    strategy = acc.strategy
+    return CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier)
+
+
 # ---- Trainer ------------------------------------------------------------------------------------
-def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str) -> Path:
+def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str, async_save: bool = False) -> Path:
     strategy = trainer.strategy
-    writer = CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size,
-                              barrier=strategy.barrier)
+    writer = _open_writer(trainer.accelerator, path, async_save)
     state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": {}}
     trainer._fire(Event.SAVE_CHECKPOINT, state)  # callbacks and the module may add to state["extra"]
     strategy.save_checkpoint(writer, trainer.model, trainer.optimizers)
@@ -134,13 +145,12 @@ def restore_pending_rng(owner: Any) -> None:
 
 
 # ---- Accelerator ----------------------------------------------------------------------------------
-def save_accelerator_state(acc: "Accelerator", output_dir: os.PathLike | str) -> Path:
+def save_accelerator_state(acc: "Accelerator", output_dir: os.PathLike | str, async_save: bool = False) -> Path:
     strategy = acc.strategy
     if len(acc._models) > 1:
         raise ConfigurationError(f"save_state got {len(acc._models)} prepared models; it saves one trained model "
                                  "(save others with save_model)")
-    writer = CheckpointWriter(output_dir, rank=strategy.global_rank, world_size=strategy.world_size,
-                              barrier=strategy.barrier)
+    writer = _open_writer(acc, output_dir, resolve_async_save(async_save, strategy.root_device))
     model = acc._models[0] if acc._models else None
     optimizers = [o.optimizer for o in acc._optimizers]
     if model is not None:
@@ -186,18 +196,25 @@ def _project_root(acc: "Accelerator") -> Path:
     return Path(acc.project_dir) / "checkpoints"
 
 
-def save_project_checkpoint(acc: "Accelerator") -> Path:
+def save_project_checkpoint(acc: "Accelerator", async_save: bool = False) -> Path:
     """Accelerate's automatic naming: ``checkpoints/checkpoint_<i>``, i one more than the newest;
-    the oldest beyond ``total_limit`` deleted (by rank 0, after the save)."""
+    the oldest beyond ``total_limit`` deleted by rank 0 once the new one is committed."""
     from strategies.checkpoint_io import delete_checkpoint
 
     root = _project_root(acc)
     existing = _numbered(root)
-    path = save_accelerator_state(acc, root / f"checkpoint_{existing[-1][0] + 1 if existing else 0}")
+    is_async = resolve_async_save(async_save, acc.strategy.root_device)
+    path = save_accelerator_state(acc, root / f"checkpoint_{existing[-1][0] + 1 if existing else 0}", is_async)
     if acc.total_limit is not None and acc.is_main_process:
-        for _, old in _numbered(root)[:-acc.total_limit]:
-            delete_checkpoint(old)
-    acc.wait_for_everyone()
+        # the new directory may not be committed yet: keep total_limit - 1 committed ones beside it
+        old = [p for _, p in _numbered(root) if p != path]
+        for stale in old[:max(0, len(old) - (acc.total_limit - 1))]:
+            if is_async:
+                acc.async_checkpointer.after_commit(lambda stale=stale: delete_checkpoint(stale))
+            else:
+                delete_checkpoint(stale)
+    if not is_async:
+        acc.wait_for_everyone()
     return path
 
 

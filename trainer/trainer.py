@@ -12,6 +12,8 @@ import torch
 
 from callbacks.base import Callback
 from strategies import Strategy
+from strategies.async_save import resolve_async_save
+from strategies.data_utils import batch_size_of
 from strategies.errors import ConfigurationError, TrainforgeError
 from trainer.accelerator import Accelerator
 from trainer.checkpointing import load_trainer_checkpoint, restore_pending_rng
@@ -148,8 +150,10 @@ class Trainer(MetricLogging, Evaluation):
             self._fit_loop()
             self._fire(Event.TRAIN_END)
             self._fire(Event.FIT_END)
+            self.accelerator.wait_for_checkpoint()  # fit returns once the last async save is committed
             self._fire(Event.TEARDOWN, "fit")
         except BaseException as exc:
+            self._wait_for_checkpoint_quietly()
             self._fire(Event.EXCEPTION, exc)
             self._fire(Event.TEARDOWN, "fit")
             raise
@@ -230,6 +234,8 @@ class Trainer(MetricLogging, Evaluation):
 
     def _train_batch(self, batch: Any, batch_idx: int) -> None:
         acc, p = self.accelerator, self.progress
+        if acc._async_checkpointer is not None:
+            acc._async_checkpointer.check()  # a failed asynchronous save is raised at the next step
         self._batch, self._running = batch, "train"
         self._fire(Event.BATCH_START, batch, batch_idx)
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches
@@ -339,16 +345,26 @@ class Trainer(MetricLogging, Evaluation):
             log.warning("trainforge: %d batch(es) with a non-finite loss were skipped", self.progress.skipped_nonfinite)
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self, path: str) -> Any:
-        """Everything needed to resume exactly, as one checkpoint directory (every rank calls it)."""
+    def save_checkpoint(self, path: str, async_save: bool = False) -> Any:
+        """Everything needed to resume exactly, as one checkpoint directory (every rank calls it).
+        ``async_save=True``: returns once the state is staged; the write and commit run in the
+        background (``fit`` waits for it before returning; see strategies/async_save.py)."""
         from trainer.checkpointing import save_trainer_checkpoint
 
-        return save_trainer_checkpoint(self, path)
+        return save_trainer_checkpoint(self, path, async_save=resolve_async_save(async_save, self.device))
+
+    def _wait_for_checkpoint_quietly(self) -> None:
+        """On an error in fit: let the save in flight commit, without hiding the original error."""
+        try:
+            self.accelerator.wait_for_checkpoint()
+        except Exception as e:
+            log.error("trainforge: %s", e)
 
     def save_weights(self, path: str, max_shard_size: Optional[int] = None) -> Any:
         """Consolidated safetensors weights of the module (loadable by safetensors and transformers)."""
         from trainer.checkpointing import save_weights
 
+        self.accelerator.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, self.model, path, max_shard_size=max_shard_size)
 
     # ---- helpers ---------------------------------------------------------------------------------

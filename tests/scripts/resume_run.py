@@ -3,6 +3,8 @@
   --kill-at S        SIGKILL this process (rank --kill-rank) right after the checkpoint of step S
   --kill-marker F    ... only if F does not exist yet (created first): for elastic restarts
   --resume           Trainer(resume="auto"): continue from the newest valid checkpoint
+  --strategy S       Trainer(strategy=S), e.g. ddp or fsdp (default: auto)
+  --async-save       ModelCheckpoint(async_save=True): a kill may land while a save is being written
 The per-process batch is --global-batch // world size, so the global batch is preserved on any
 number of processes. Rank 0 writes the final weights to ROOT/final.safetensors.
 """
@@ -93,22 +95,26 @@ def main():
     p.add_argument("--resume", action="store_true")
     p.add_argument("--precision", default=None)
     p.add_argument("--print-device", action="store_true")
+    p.add_argument("--strategy", default=None)
+    p.add_argument("--async-save", action="store_true", help="ModelCheckpoint(async_save=True)")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     seed_everything(0)
     model = Model()
-    callbacks = [ModelCheckpoint(every_n_steps=a.ckpt_every), Record(a.record)]
+    callbacks = [ModelCheckpoint(every_n_steps=a.ckpt_every, async_save=a.async_save or None), Record(a.record)]
     if a.kill_at is not None:
         callbacks.append(KillSwitch(a.kill_at, a.kill_rank, a.kill_marker))
     trainer = Trainer(max_steps=a.max_steps, max_epochs=a.max_epochs, log_every_n_steps=1, callbacks=callbacks,
                       default_root_dir=a.root, enable_progress_bar=False, resume="auto" if a.resume else None,
-                      precision=a.precision)
+                      precision=a.precision, strategy=a.strategy)
     if a.print_device:
         print(f"device: {trainer.device}")
     loader = DataLoader(Indexed(a.n), batch_size=a.global_batch // world, shuffle=True, num_workers=a.workers)
     trainer.fit(model, loader)
+    # every rank calls it (FSDP gathers the shards); for the other strategies it is model.state_dict()
+    state = trainer.strategy.module_state_dict(trainer.model)
     if trainer.is_global_zero:
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(a.root, "final.safetensors"))
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(a.root, "final.safetensors"))
 
 
 if __name__ == "__main__":
