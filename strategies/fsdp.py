@@ -32,6 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from strategies.base import Strategy
+from strategies.dcp_safe import DCP_ERRORS, safe_load
 from strategies.ddp import ProcessGroupMixin
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
@@ -240,8 +241,10 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
             return super().load_checkpoint(path, module, optimizers)
         state = self._sharded_state(module, optimizers)
         try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:  # DCP raises CheckpointException/RuntimeError for missing keys, bad files
+            safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
+        except CheckpointError:
+            raise
+        except DCP_ERRORS as e:  # CheckpointException (a BaseException) / RuntimeError: missing keys, bad files
             raise CheckpointError(f"{folder}: cannot load the sharded checkpoint into {type(module).__name__} "
                                   f"({type(e).__name__}: {str(e).strip()[:500]}); was it saved from the same "
                                   "model and optimizers?") from None
