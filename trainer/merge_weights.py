@@ -105,7 +105,7 @@ def merge_weights(checkpoint: Union[str, os.PathLike], output: Union[str, os.Pat
     weights = read_model_weights(dcp_dir, prefix)
     source = dcp_dir.parent if dcp_dir.name == "dcp" else dcp_dir
     step = read_metadata(source).get("step", 0) if (source / METADATA_FILE).is_file() else 0
-    writer = CheckpointWriter(out)
+    writer = CheckpointWriter(out, kind="weights")
     writer.save_tensors("model", weights, max_shard_size=limit)
     return writer.finalize({"step": int(step or 0), "strategy": "fsdp", "kind": "weights",
                             "merged_from": str(Path(checkpoint).absolute())}, update_latest=False)

@@ -14,7 +14,7 @@ from strategies import Strategy
 from strategies.data_utils import batch_size_of
 from strategies.errors import ConfigurationError, TrainforgeError
 from trainer.accelerator import Accelerator
-from trainer.checkpointing import load_trainer_checkpoint, restore_pending_rng
+from trainer.checkpointing import restore_pending_rng, start_run
 from trainer.config import LoopConfig, Progress, limited, parse_optimizers, resolve_root_dir
 from trainer.events import Event
 from trainer.metrics import MetricStore
@@ -142,8 +142,7 @@ class Trainer:
             self._setup_fit(module, train_dataloaders, val_dataloaders)
             self._fire(Event.SETUP, "fit")
             path = ckpt_path if ckpt_path is not None else ("last" if self.resume == "auto" else None)
-            if path is not None:
-                load_trainer_checkpoint(self, path, required=ckpt_path is not None)
+            start_run(self, path, required=ckpt_path is not None)  # run id; resume; warns of an earlier run
             self._fire(Event.FIT_START)
             restore_pending_rng(self)  # last thing before the loop: keeps resumed random streams exact
             self._fit_loop()
