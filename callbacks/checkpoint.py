@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from callbacks.base import Callback
 from strategies.checkpoint_io import delete_checkpoint, read_metadata
-from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
+from strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer import Trainer, TrainingModule
@@ -46,6 +46,8 @@ class ModelCheckpoint(Callback):
                  keep_last_k: Optional[int] = None) -> None:
         if mode not in MODES:
             raise invalid_choice("mode", mode, MODES)
+        if monitor is not None:
+            check_metric_name(monitor, "ModelCheckpoint(monitor)")
         for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs),
                             ("keep_last_k", keep_last_k)):
             if value is not None and (not isinstance(value, int) or value < 1):

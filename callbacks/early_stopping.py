@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 
 from callbacks.base import Callback
-from strategies.errors import ConfigurationError, invalid_choice
+from strategies.errors import ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer import Trainer, TrainingModule
@@ -34,8 +34,10 @@ class EarlyStopping(Callback):
         if mode not in MODES:
             raise invalid_choice("EarlyStopping(mode)", mode, MODES,
                                  "use 'min' for losses and errors, 'max' for accuracies and scores")
-        if int(patience) < 1:
-            raise ConfigurationError(f"EarlyStopping(patience={patience!r}) must be an integer >= 1")
+        check_metric_name(monitor, "EarlyStopping(monitor)")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ConfigurationError(f"EarlyStopping(patience={patience!r}) must be an int >= 1 (validation checks "
+                                     "without improvement before stopping)")
         if min_delta < 0:
             raise ConfigurationError(f"EarlyStopping(min_delta={min_delta!r}) must be >= 0; "
                                      "the direction comes from mode")

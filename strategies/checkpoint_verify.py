@@ -269,6 +269,11 @@ def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_
         if found is None:
             raise CheckpointError(f"ckpt_path={str(ckpt_path)!r}: no such checkpoint directory (looked at {path}); "
                                   f"pass 'last' or an existing checkpoint directory")
+        if not (found / METADATA_FILE).exists() and ((found / LATEST_FILE).is_file() or list_checkpoints(found)):
+            inside = [p.name for p in list_checkpoints(found)][-3:]
+            raise CheckpointError(f"ckpt_path={str(ckpt_path)!r} is a directory of checkpoints, not one checkpoint; "
+                                  f"pass one of them (newest: {inside}), or ckpt_path='last' with that directory as "
+                                  "ModelCheckpoint(dirpath=...) to take the newest that verifies")
         if verify:
             verify_checkpoint(found)
         return found

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from strategies.base import Strategy
 from strategies.dcp_safe import DCP_ERRORS, safe_load
-from strategies.ddp import ProcessGroupMixin
+from strategies.ddp import ProcessGroupMixin, check_timeout
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 
@@ -95,7 +95,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
         self.cpu_offload, self.mixed_precision = bool(cpu_offload), mixed_precision
         self.reshard_after_forward = reshard_after_forward
-        self.backend, self.timeout = process_group_backend, timeout
+        self.backend, self.timeout = process_group_backend, check_timeout(timeout, "FSDPStrategy")
         self.mesh: Optional[DeviceMesh] = None
         self.wrapped_modules: List[str] = []       # names of the units sharded before the root
         self.checkpointed_modules: List[str] = []  # names wrapped with activation checkpointing

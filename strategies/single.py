@@ -1,11 +1,13 @@
 """One process, one device: cpu, cuda or mps."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
 from strategies.base import Strategy
+from strategies.errors import ConfigurationError
 
 
 def default_device() -> torch.device:
@@ -25,5 +27,10 @@ class SingleDeviceStrategy(Strategy):
         super().__init__(device if device is not None else default_device())
 
     def setup_environment(self) -> None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.isdigit() and int(world) > 1:  # each process would train alone and write the same files
+            raise ConfigurationError(f"strategy='single' runs one process, but this one was launched as one of "
+                                     f"WORLD_SIZE={world} processes (rank {os.environ.get('RANK', '?')}); use "
+                                     "strategy='ddp' (or 'auto', 'fsdp', 'deepspeed'), or launch one process")
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)

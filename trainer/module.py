@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from callbacks.base import Callback
-from strategies.errors import TrainforgeError
+from strategies.errors import TrainforgeError, check_metric_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer.trainer import Trainer
@@ -81,6 +81,8 @@ class TrainingModule(nn.Module, Callback):
             prog_bar: bool = False, sync_dist: bool = False, batch_size: Optional[int] = None) -> None:
         """Record a scalar. In training the default is per step; in validation/test per epoch, where
         the epoch value is the mean over batches weighted by batch size (``sync_dist``: over all ranks)."""
+        if type(name) is not str or not name.strip():
+            check_metric_name(name, "self.log(name)")
         self.trainer._log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
                           sync_dist=sync_dist, batch_size=batch_size)
 
