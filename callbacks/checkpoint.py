@@ -1,9 +1,15 @@
 """``ModelCheckpoint``: when to save and which checkpoints to keep (Lightning's behaviour:
 every-n-steps, every-n-epochs, last, monitored top-k). The Trainer writes the directory; this
 callback only decides. Every rank calls the save (sharded strategies need all of them); only
-rank 0 deletes, and decisions are broadcast from rank 0 so all ranks agree."""
+rank 0 deletes, and decisions are broadcast from rank 0 so all ranks agree.
+
+Never overwritten: a checkpoint of another run (its metadata's ``run_id`` differs) whose name this
+run would use; this run's checkpoint gets ``-v1``, ``-v2``... instead (logged once). Pruning deletes
+only trainforge checkpoints directly inside this callback's directory; paths restored from a
+checkpoint's saved state are checked the same way before anything is deleted."""
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -14,14 +20,15 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from callbacks.base import Callback
 from strategies.async_save import check_async_save, resolve_async_save
-from strategies.checkpoint_io import delete_checkpoint
-from strategies.errors import ConfigurationError, invalid_choice
+from strategies.checkpoint_io import delete_checkpoint, read_metadata
+from strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer import Trainer, TrainingModule
 
 MODES = ("min", "max")
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")  # {name} or {name:format} in a filename template
+log = logging.getLogger("trainforge")
 
 
 class ModelCheckpoint(Callback):
@@ -58,6 +65,8 @@ class ModelCheckpoint(Callback):
         self.async_save = check_async_save(async_save, "ModelCheckpoint")
         if mode not in MODES:
             raise invalid_choice("mode", mode, MODES)
+        if monitor is not None:
+            check_metric_name(monitor, "ModelCheckpoint(monitor)")
         if every_n_train_steps is not None:
             if every_n_steps is not None and every_n_steps != every_n_train_steps:
                 raise ConfigurationError(f"every_n_steps={every_n_steps!r} and every_n_train_steps="
@@ -228,12 +237,22 @@ class ModelCheckpoint(Callback):
     def _save_last(self, trainer: "Trainer") -> None:
         if not self.save_last or trainer.global_step == self._last_written_step:
             return
-        path = str(self.directory(trainer) / "last")
+        path = self._path(trainer, "last")
         self.last_model_path, self._last_written_step = path, trainer.global_step
         self._write(trainer, path)
 
-    def _path(self, trainer: "Trainer") -> str:
-        return str(self.directory(trainer) / self._format_name(trainer))
+    def _path(self, trainer: "Trainer", name: Optional[str] = None) -> str:
+        directory, name = self.directory(trainer), name or self._format_name(trainer)
+        free, version = name, 0
+        if trainer.is_global_zero:  # the first name not held by another run's checkpoint (or anything else)
+            while (directory / free).exists() and not _same_run(directory / free, getattr(trainer, "run_id", None)):
+                version += 1
+                free = f"{name}-v{version}"
+            if version and not getattr(self, "_versioned_logged", False):
+                self._versioned_logged = True
+                log.warning("ModelCheckpoint: %s is taken by another run; saving as %s (nothing is overwritten; "
+                            "to continue that run use Trainer(resume='auto'))", directory / name, free)
+        return str(directory / trainer.strategy.broadcast(free, 0))
 
     def _write(self, trainer: "Trainer", path: str) -> None:
         self.last_saved_step, self.last_path = trainer.global_step, path
@@ -262,10 +281,26 @@ class ModelCheckpoint(Callback):
         return name.replace("/", "_").replace(" ", "_")
 
     def _delete(self, trainer: "Trainer", path: str) -> None:
+        root = self.directory(trainer)
+
+        def prune() -> None:
+            try:  # only a trainforge checkpoint directly inside our directory, whatever the saved state says
+                delete_checkpoint(path, root=root)
+            except CheckpointError as e:
+                log.warning("ModelCheckpoint: not pruning %s: %s", path, e)
+
         if self._async(trainer):  # only once the checkpoint just saved is committed (issue 12)
             if trainer.is_global_zero:
-                trainer.accelerator.async_checkpointer.after_commit(lambda: delete_checkpoint(path))
+                trainer.accelerator.async_checkpointer.after_commit(prune)
             return
         if trainer.is_global_zero:
-            delete_checkpoint(path)
+            prune()
         trainer.strategy.barrier()
+
+
+def _same_run(path: Path, run_id: Optional[str]) -> bool:
+    """Whether ``path`` is a checkpoint this run wrote (so saving under its name again may replace it)."""
+    try:
+        return run_id is not None and read_metadata(path).get("run_id") == run_id
+    except CheckpointError:
+        return False

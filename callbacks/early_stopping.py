@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 
 from callbacks.base import Callback
-from strategies.errors import ConfigurationError, invalid_choice
+from strategies.errors import ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainer import Trainer, TrainingModule
@@ -37,6 +37,7 @@ class EarlyStopping(Callback):
         if mode not in MODES:
             raise invalid_choice("EarlyStopping(mode)", mode, MODES,
                                  "use 'min' for losses and errors, 'max' for accuracies and scores")
+        check_metric_name(monitor, "EarlyStopping(monitor)")
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
             raise ConfigurationError(f"EarlyStopping(patience={patience!r}) must be an integer >= 0 "
                                      "(0: stop at the first check without improvement)")

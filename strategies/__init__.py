@@ -38,6 +38,13 @@ def resolve_strategy(strategy: Union[str, Strategy, None] = "auto", environ: Opt
     """``"auto"``: several processes in the environment -> DDP, one -> single device."""
     if isinstance(strategy, Strategy):
         return strategy
+    if isinstance(strategy, type):
+        names = [n for n in STRATEGY_NAMES if n != "auto" and strategy_class(n) is strategy]
+        raise ConfigurationError(f"strategy={strategy.__name__} is a class; pass an instance, "
+                                 f"strategy={strategy.__name__}(...)" + (f", or its name {names[0]!r}" if names else ""))
+    if strategy is not None and not isinstance(strategy, str):
+        raise ConfigurationError(f"strategy={strategy!r} is neither a name ({', '.join(STRATEGY_NAMES)}) nor a "
+                                 "Strategy instance")
     name = "auto" if strategy is None else str(strategy).lower()
     if name == "auto":
         from strategies.environment import detect_environment

@@ -89,7 +89,7 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
 
     # ---- main thread -------------------------------------------------------------------------
-    def open(self, final_dir: Any) -> "StagingWriter":
+    def open(self, final_dir: Any, kind: Optional[str] = None) -> "StagingWriter":
         if self._future is not None and not self._future.done() and not self._logged_wait:
             if self.strategy.is_global_zero:
                 log.info("trainforge: the asynchronous save of %s is still being written; the save of %s waits for "
@@ -101,7 +101,7 @@ class AsyncCheckpointer:
         if dist.is_available() and dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")  # collective: every rank saves, in the same order
         writer = CheckpointWriter(final_dir, rank=s.global_rank, world_size=s.world_size,
-                                  barrier=self.barrier if s.world_size > 1 else None)
+                                  barrier=self.barrier if s.world_size > 1 else None, kind=kind)
         return StagingWriter(writer, self, started)
 
     def in_flight(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from strategies.errors import invalid_choice
+from strategies.errors import CheckpointError, invalid_choice
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 #: What ``Strategy.setup`` takes: built optimizers, or a callable that builds them after placement.
@@ -176,11 +176,49 @@ class Strategy:
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         from strategies.checkpoint_io import load_object, load_tensors
 
-        self.load_module_state_dict(module, load_tensors(path, "model", device="cpu"))
+        weights = load_tensors(path, "model", device="cpu")
+        check_model_state(path, self.unwrap(module).state_dict(), weights)
+        self.load_module_state_dict(module, weights)
         if optimizers:
             states = load_object(path, "optimizers")
+            check_optimizer_states(path, optimizers, states)
             for opt, state in zip(optimizers, states):
                 self.load_optimizer_state_dict(module, opt, state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.root_device}, world_size={self.world_size})"
+
+
+def check_model_state(path: Any, expected: Dict[str, Any], loaded: Dict[str, torch.Tensor]) -> None:
+    """CheckpointError naming ``path`` and the first mismatching keys when ``loaded`` does not fit the model."""
+    missing = [k for k in expected if k not in loaded]
+    unexpected = [k for k in loaded if k not in expected]
+    shapes = [f"{k}: checkpoint {tuple(loaded[k].shape)} vs model {tuple(expected[k].shape)}" for k in expected
+              if k in loaded and hasattr(expected[k], "shape") and tuple(loaded[k].shape) != tuple(expected[k].shape)]
+    if missing or unexpected or shapes:
+        parts = [f"{what} {items[:3]}{' ...' if len(items) > 3 else ''}" for what, items in
+                 (("missing from the checkpoint:", missing), ("not in the model:", unexpected),
+                  ("different shapes:", shapes)) if items]
+        raise CheckpointError(f"{path} does not fit this model ({'; '.join(parts)}); resume with the model it was "
+                              "saved from, or start a new run (load only matching weights yourself)")
+
+
+def check_optimizer_states(path: Any, optimizers: Sequence[torch.optim.Optimizer], states: Any) -> None:
+    """CheckpointError naming ``path`` when the saved optimizer states do not fit ``optimizers``."""
+    if not isinstance(states, (list, tuple)) or len(states) != len(optimizers):
+        count = len(states) if isinstance(states, (list, tuple)) else "no list of"
+        raise CheckpointError(f"{path} holds {count} optimizer state(s) but the module has {len(optimizers)} "
+                              "optimizer(s); resume with the same configure_optimizers")
+    for i, (opt, state) in enumerate(zip(optimizers, states)):
+        groups = state.get("param_groups", []) if isinstance(state, dict) else []
+        if len(groups) != len(opt.param_groups):
+            raise CheckpointError(f"{path}: optimizer {i} has {len(groups)} parameter group(s) in the checkpoint, "
+                                  f"{len(opt.param_groups)} now ({type(opt).__name__}); resume with the same optimizer")
+        for g, (saved, now) in enumerate(zip(groups, opt.param_groups)):
+            # keys on both sides differ: another optimizer class (one side only: another torch version)
+            keys = sorted(set(saved) ^ set(now)) if set(saved) - set(now) and set(now) - set(saved) else []
+            if keys or len(saved.get("params", [])) != len(now["params"]):
+                detail = (f"settings differ: {keys[:5]} (a different optimizer class?)" if keys else
+                          f"{len(saved.get('params', []))} parameters saved, {len(now['params'])} now")
+                raise CheckpointError(f"{path}: optimizer {i} ({type(opt).__name__}) group {g} does not match the "
+                                      f"checkpoint: {detail}; resume with the optimizer it was saved with")

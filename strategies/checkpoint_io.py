@@ -49,7 +49,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from strategies.checkpoint_verify import (  # noqa: F401  (re-exported API)
-    ASIDE, FORMAT_VERSION, METADATA_FILE, PARTIAL, RESERVED_KEYS, PathLike, check_name, delete_checkpoint,
+    ASIDE, FORMAT_VERSION, METADATA_FILE, PARTIAL, RESERVED_KEYS, PathLike, check_name, check_replaceable,
+    delete_checkpoint,
     file_crc32, find_latest_valid, fsync_dir, list_checkpoints, metadata_checksum, read_latest_pointer,
     read_metadata, remove_stale, resolve_checkpoint, verify_checkpoint, write_latest_pointer)
 from strategies.errors import CheckpointError, ConfigurationError
@@ -125,10 +126,12 @@ class CheckpointWriter:
 
     Everything is written under ``tmp_dir`` (``<parent>/.<name>.partial``); ``finalize`` makes it
     durable and renames it into place. ``barrier`` is the strategy's barrier (required when
-    ``world_size > 1``). A leftover ``tmp_dir`` from a killed save is removed here by rank 0."""
+    ``world_size > 1``). A leftover ``tmp_dir`` from a killed save is removed here by rank 0.
+    An existing ``final_dir`` is replaced only if it is a trainforge checkpoint of the same ``kind``
+    (None: any kind) or empty; anything else is refused here, before any work (``check_replaceable``)."""
 
     def __init__(self, final_dir: PathLike, *, rank: int = 0, world_size: int = 1,
-                 barrier: Optional[Callable[[], Any]] = None) -> None:
+                 barrier: Optional[Callable[[], Any]] = None, kind: Optional[str] = None) -> None:
         if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
             raise ConfigurationError(f"rank={rank!r}, world_size={world_size!r}: need 0 <= rank < world_size")
         if world_size > 1 and barrier is None:
@@ -136,6 +139,7 @@ class CheckpointWriter:
                                      f"commits only after every rank has written its files")
         self.final_dir = Path(final_dir).absolute()
         check_name(self.final_dir.name)
+        check_replaceable(self.final_dir, kind)  # every rank: the same shared files, the same answer
         self.root = self.final_dir.parent
         self.tmp_dir = self.root / f".{self.final_dir.name}{PARTIAL}"
         self.rank, self.world_size, self._barrier_fn = rank, world_size, barrier

@@ -269,6 +269,11 @@ def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_
         if found is None:
             raise CheckpointError(f"ckpt_path={str(ckpt_path)!r}: no such checkpoint directory (looked at {path}); "
                                   f"pass 'last' or an existing checkpoint directory")
+        if not (found / METADATA_FILE).exists() and ((found / LATEST_FILE).is_file() or list_checkpoints(found)):
+            inside = [p.name for p in list_checkpoints(found)][-3:]
+            raise CheckpointError(f"ckpt_path={str(ckpt_path)!r} is a directory of checkpoints, not one checkpoint; "
+                                  f"pass one of them (newest: {inside}), or ckpt_path='last' with that directory as "
+                                  "ModelCheckpoint(dirpath=...) to take the newest that verifies")
         if verify:
             verify_checkpoint(found)
         return found
@@ -296,19 +301,53 @@ def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_
     return best
 
 
+# ----------------------------------------------------------------------------- replacing
+def check_replaceable(path: PathLike, kind: Optional[str] = None) -> None:
+    """Raise ConfigurationError unless a save may replace ``path``: it does not exist, is an empty
+    directory, or is a trainforge checkpoint (readable metadata) of the same ``kind`` (None: any).
+    Replacing a directory deletes what was in it, so nothing trainforge did not write is replaced."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise ConfigurationError(f"{str(path)!r} exists and is not a directory; save to a new directory name")
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return
+    try:
+        found = read_metadata(path).get("kind", "trainer")
+    except CheckpointError:
+        found = None
+    if found is not None and (kind is None or found == kind):
+        return
+    what = (f"a trainforge {found!r} checkpoint, not {kind!r}" if found is not None else
+            "not a trainforge checkpoint" + (" (it is a checkpoint root: it holds 'latest')"
+                                             if LATEST_FILE in entries else ""))
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    raise ConfigurationError(f"refusing to save into {str(path)!r}: it exists and is {what}, holding {shown}; "
+                             f"saving replaces the directory and would delete them. Give a new directory (e.g. a "
+                             f"sub-directory such as {str(path / 'checkpoint')!r}), or remove it yourself")
+
+
 # ----------------------------------------------------------------------------- deletion
-def delete_checkpoint(path: PathLike) -> bool:
+def delete_checkpoint(path: PathLike, root: Optional[PathLike] = None) -> bool:
     """Delete a checkpoint (for keep-last-k / top-k pruning; call on one rank only).
 
     Renamed to ``.<name>.deleting`` first so no half-deleted directory is ever visible. Refuses
     (warning, returns False) to delete the one ``latest`` names; refuses (CheckpointError) a
-    directory that is not a trainforge checkpoint or work directory."""
+    directory that is not a trainforge checkpoint (readable metadata) or work directory, and with
+    ``root``, one that is not directly inside ``root`` (paths from saved state are never trusted)."""
     path = Path(path)
-    if not path.is_dir():
+    if root is not None and Path(os.path.realpath(path)).parent != Path(os.path.realpath(root)):
+        raise CheckpointError(f"{path}: not inside the checkpoint directory {root}; refusing to delete it")
+    if not path.is_dir() or path.is_symlink():
         return False
     hidden = path.name.startswith(".") and path.name.endswith((PARTIAL, ASIDE, DELETING))
-    if not hidden and not (path / METADATA_FILE).is_file():
-        raise CheckpointError(f"{path}: not a trainforge checkpoint (no {METADATA_FILE}); refusing to delete it")
+    if not hidden:
+        try:
+            read_metadata(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: not a trainforge checkpoint ({e}); refusing to delete it") from None
     if not hidden and read_latest_pointer(path.parent) == path.name:
         warnings.warn(f"not deleting {path}: {path.parent / LATEST_FILE} names it (it is the resume point)",
                       stacklevel=2)

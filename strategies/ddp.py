@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import logging
 import os
 from datetime import timedelta
@@ -17,9 +18,23 @@ from strategies.base import REDUCE_OPS, Strategy
 from strategies.errors import ConfigurationError, invalid_choice
 
 log = logging.getLogger("trainforge")
+# What DistributedDataParallel accepts besides what DDPStrategy sets itself (module, device_ids).
+_DDP_ARGS = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "device_ids"}
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 COMM_HOOKS = ("fp16", "bf16")
+
+
+def check_timeout(timeout: Any, owner: str) -> timedelta:
+    """The process-group timeout, checked at construction (torch would fail only at setup)."""
+    if not isinstance(timeout, timedelta):
+        raise ConfigurationError(f"{owner}(timeout={timeout!r}) must be a datetime.timedelta, e.g. "
+                                 f"timeout=timedelta(seconds={timeout!r}) or timedelta(minutes=30)"
+                                 if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else
+                                 f"{owner}(timeout={timeout!r}) must be a datetime.timedelta, e.g. timedelta(minutes=30)")
+    if timeout.total_seconds() <= 0:
+        raise ConfigurationError(f"{owner}(timeout={timeout!r}) must be positive")
+    return timeout
 
 
 def _elastic_store(env: Any, timeout: timedelta) -> dict:
@@ -148,6 +163,11 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
         super().__init__(device)
         if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
             raise invalid_choice("comm_hook", comm_hook, COMM_HOOKS, "or pass a DDP communication hook callable")
+        unknown = sorted(set(ddp_kwargs) - _DDP_ARGS)
+        if unknown:
+            raise ConfigurationError(f"DDPStrategy got unknown keyword argument(s) {unknown}: they are passed to "
+                                     f"DistributedDataParallel, which accepts: {', '.join(sorted(_DDP_ARGS))}")
+        check_timeout(timeout, "DDPStrategy")
         self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                                gradient_as_bucket_view=gradient_as_bucket_view, **ddp_kwargs)
         self.comm_hook, self.comm_hook_state = comm_hook, comm_hook_state

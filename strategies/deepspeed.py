@@ -42,7 +42,7 @@ from torch import nn
 
 from strategies.base import Optimizers, Strategy, build_optimizers
 from strategies.checkpoint_verify import file_crc32, read_metadata
-from strategies.ddp import ProcessGroupMixin
+from strategies.ddp import ProcessGroupMixin, check_timeout
 from strategies.deepspeed_config import (OFFLOAD_DEVICES, TrainingSettings, ZeroSettings, explicit_settings,
                                          generate_config, load_user_config, merge_config)
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
@@ -154,7 +154,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         self._zero_given = tuple(given)
         self.user_config = load_user_config(config)  # bad paths/JSON fail here, before any work
         self.logging_level = logging_level
-        self.backend, self.timeout = process_group_backend, timeout
+        self.backend, self.timeout = process_group_backend, check_timeout(timeout, "DeepSpeedStrategy")
         self.config: Optional[Dict[str, Any]] = None  # the merged config handed to deepspeed.initialize
         self.auto_report: Optional[str] = None        # stage="auto": the reasoning table
         self._engines: List[Any] = []

@@ -30,3 +30,10 @@ def invalid_choice(name: str, value: object, choices: Iterable[object], hint: st
     listed = ", ".join(str(c) for c in choices)
     message = f"{name}={value!r} is not one of: {listed}"
     return ConfigurationError(message + (f". {hint}" if hint else ""))
+
+
+def check_metric_name(name: object, where: str) -> str:
+    """A metric name: a non-empty string (what self.log records and monitors look up)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigurationError(f"{where}={name!r}: a metric name must be a non-empty string, e.g. 'val/loss'")
+    return name

@@ -32,7 +32,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from strategies.base import Optimizers, Strategy, build_optimizers
-from strategies.ddp import ProcessGroupMixin
+from strategies.dcp_safe import DCP_ERRORS, safe_load
+from strategies.ddp import ProcessGroupMixin, check_timeout
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 
@@ -93,7 +94,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
         self.cpu_offload, self.mixed_precision = bool(cpu_offload), mixed_precision
         self.reshard_after_forward = reshard_after_forward
-        self.backend, self.timeout = process_group_backend, timeout
+        self.backend, self.timeout = process_group_backend, check_timeout(timeout, "FSDPStrategy")
         self.mesh: Optional[DeviceMesh] = None
         self.wrapped_modules: List[str] = []       # names of the units sharded before the root
         self.checkpointed_modules: List[str] = []  # names wrapped with activation checkpointing
@@ -242,8 +243,10 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
             return super().load_checkpoint(path, module, optimizers)
         state = self._sharded_state(module, optimizers)
         try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:  # DCP raises CheckpointException/RuntimeError for missing keys, bad files
+            safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
+        except CheckpointError:
+            raise
+        except DCP_ERRORS as e:  # CheckpointException (a BaseException) / RuntimeError: missing keys, bad files
             raise CheckpointError(f"{folder}: cannot load the sharded checkpoint into {type(module).__name__} "
                                   f"({type(e).__name__}: {str(e).strip()[:500]}); was it saved from the same "
                                   "model and optimizers?") from None

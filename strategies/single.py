@@ -1,12 +1,14 @@
 """One process, one device: cpu, cuda or mps."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
 from strategies.base import Strategy
 from strategies.devices import default_device
+from strategies.errors import ConfigurationError
 
 
 class SingleDeviceStrategy(Strategy):
@@ -16,6 +18,11 @@ class SingleDeviceStrategy(Strategy):
         super().__init__(device)
 
     def setup_environment(self) -> None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.isdigit() and int(world) > 1:  # each process would train alone and write the same files
+            raise ConfigurationError(f"strategy='single' runs one process, but this one was launched as one of "
+                                     f"WORLD_SIZE={world} processes (rank {os.environ.get('RANK', '?')}); use "
+                                     "strategy='ddp' (or 'auto', 'fsdp', 'deepspeed'), or launch one process")
         if self._device is None:  # chosen now: the Accelerator sets ``accelerator`` before this call
             self._device = default_device(self.accelerator)
         if self.root_device.type == "cuda":

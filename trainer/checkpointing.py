@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -44,6 +45,26 @@ def checkpoint_root(trainer: "Trainer") -> Path:
     return Path(trainer.default_root_dir) / "checkpoints"
 
 
+def start_run(trainer: "Trainer", ckpt_path: Optional[str], required: bool) -> Optional[Path]:
+    """Give this fit a run id (every rank the same), then resume from ``ckpt_path`` if given: a
+    resumed run keeps the id of the run it continues. A fresh run whose checkpoint directory
+    already holds checkpoints writes beside them (ModelCheckpoint adds ``-v1``, ``-v2``... where
+    names collide; nothing of another run is replaced) and says so once, with how to resume."""
+    trainer.run_id = trainer.strategy.broadcast(uuid.uuid4().hex, 0)
+    path = load_trainer_checkpoint(trainer, ckpt_path, required=required) if ckpt_path is not None else None
+    if path is not None:
+        trainer.run_id = read_metadata(path).get("run_id") or trainer.run_id
+    elif trainer.is_global_zero:
+        root = checkpoint_root(trainer)
+        earlier = list_checkpoints(root)
+        if earlier:
+            log.warning("trainforge: %s already holds %d checkpoint(s) of an earlier run (newest: %s). This run "
+                        "starts fresh and writes beside them; a name that is taken gets a -v1, -v2... suffix, so "
+                        "nothing is overwritten. To continue that run instead, pass Trainer(resume='auto') or "
+                        "fit(ckpt_path='last')", root, len(earlier), earlier[-1].name)
+    return path
+
+
 def _write_rank_state(writer: CheckpointWriter, rank: int, loaders: List[Any]) -> None:
     writer.save_object(f"rng_rank{rank}", rng_state())
     writer.save_object(f"dataloader_rank{rank}", [dl.state_dict() for dl in loaders])
@@ -65,20 +86,21 @@ def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
 
 
 # ---- asynchronous saves (strategies/async_save.py) -------------------------------------------------
-def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool) -> Any:
+def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, kind: str) -> Any:
     """A CheckpointWriter, or its staging stand-in for an asynchronous save; either way only after
     the save in flight (if any) is committed: one save at a time."""
     if async_save:
-        return acc.async_checkpointer.open(path)
+        return acc.async_checkpointer.open(path, kind=kind)
     acc.wait_for_checkpoint()
     strategy = acc.strategy
-    return CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier)
+    return CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier,
+                            kind=kind)
 
 
 # ---- Trainer ------------------------------------------------------------------------------------
 def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str, async_save: bool = False) -> Path:
     strategy = trainer.strategy
-    writer = _open_writer(trainer.accelerator, path, async_save)
+    writer = _open_writer(trainer.accelerator, path, async_save, kind="trainer")
     state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": {}}
     trainer._fire(Event.SAVE_CHECKPOINT, state)  # callbacks and the module may add to state["extra"]
     strategy.save_checkpoint(writer, trainer.model, trainer.optimizers)
@@ -97,7 +119,8 @@ def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str, async_s
     p = trainer.progress
     return writer.finalize({"step": p.global_step, "epoch": p.epoch, "batch_idx": p.batch_idx,
                             "strategy": strategy.name,
-                            "precision": trainer.precision, "kind": "trainer"})
+                            "precision": trainer.precision, "kind": "trainer",
+                            "run_id": getattr(trainer, "run_id", None)})
 
 
 def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool = True) -> Optional[Path]:
@@ -150,7 +173,7 @@ def save_accelerator_state(acc: "Accelerator", output_dir: os.PathLike | str, as
     if len(acc._models) > 1:
         raise ConfigurationError(f"save_state got {len(acc._models)} prepared models; it saves one trained model "
                                  "(save others with save_model)")
-    writer = _open_writer(acc, output_dir, resolve_async_save(async_save, strategy.root_device))
+    writer = _open_writer(acc, output_dir, resolve_async_save(async_save, strategy.root_device), kind="accelerator")
     model = acc._models[0] if acc._models else None
     optimizers = [o.optimizer for o in acc._optimizers]
     if model is not None:
@@ -240,7 +263,7 @@ def save_weights(strategy: Any, model: Any, path: os.PathLike | str, max_shard_s
     """One safetensors file (or shards + HF index) of the full model, plus ``config.json`` when the
     model carries a Hugging Face config, so ``transformers`` can load the directory."""
     writer = CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size,
-                              barrier=strategy.barrier)
+                              barrier=strategy.barrier, kind="weights")
     weights = strategy.module_state_dict(model)
     if strategy.is_global_zero:
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}

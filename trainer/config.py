@@ -29,6 +29,9 @@ class LoopConfig:
     nonfinite_loss: str = "raise"
 
     def validate(self) -> None:
+        for name in ("max_epochs", "max_steps", "check_val_every_n_epoch", "log_every_n_steps",
+                     "gradient_clip_val", "val_check_interval", "limit_train_batches", "limit_val_batches"):
+            _check_number(name, getattr(self, name))
         if self.max_epochs is None and self.max_steps in (-1, None):
             raise ConfigurationError("neither max_epochs nor max_steps is set, so the run would never end; "
                                      "pass max_epochs=N or max_steps=N (with both, training stops at the first "
@@ -49,11 +52,28 @@ class LoopConfig:
             raise invalid_choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
         for name in ("limit_train_batches", "limit_val_batches", "val_check_interval"):
             _check_fraction_or_count(name, getattr(self, name))
+        if self.val_check_interval == 0:
+            raise ConfigurationError("val_check_interval=0 would validate after every 0 batches; pass an int >= 1 "
+                                     "(batches) or a fraction in (0, 1] of the epoch (1.0: at its end), and "
+                                     "check_val_every_n_epoch=None with limit_val_batches=0 to turn validation off")
+        every = self.check_val_every_n_epoch
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise ConfigurationError(f"check_val_every_n_epoch={every!r} must be an int >= 1 (validate every N "
+                                     "epochs) or None (validate only by val_check_interval)")
         if not isinstance(self.log_every_n_steps, int) or self.log_every_n_steps < 1:
             raise ConfigurationError(f"log_every_n_steps={self.log_every_n_steps!r} must be an int >= 1")
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+def _check_number(name: str, value: Any) -> None:
+    """Numbers only: a bool (``max_epochs=True``) or a string (``"1.0"`` from a config file) is a mistake."""
+    if isinstance(value, bool):
+        raise ConfigurationError(f"{name}={value!r} is a bool; pass a number (e.g. {name}=1)")
+    if isinstance(value, str):
+        raise ConfigurationError(f"{name}={value!r} is a string; pass a number: {name}={value.strip()} (convert "
+                                 "values read from a config file or the command line with int() or float())")
 
 
 def _check_fraction_or_count(name: str, value: Any) -> None:
@@ -100,6 +120,7 @@ class OptimizerConfig:
 
 
 SCHEDULER_INTERVALS = ("step", "epoch")
+SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "name")
 
 
 def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> OptimizerConfig:
@@ -144,6 +165,10 @@ def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> Opt
     schedulers = []
     if scheduler is not None:
         entry = dict(scheduler) if isinstance(scheduler, dict) else {"scheduler": scheduler}
+        unknown = sorted(set(entry) - set(SCHEDULER_KEYS), key=str)
+        if unknown:
+            raise ConfigurationError(f"{module_name}.configure_optimizers: lr_scheduler dict has unknown key(s) "
+                                     f"{unknown}; valid keys: {', '.join(SCHEDULER_KEYS)}")
         entry.setdefault("interval", "epoch")
         entry.setdefault("frequency", 1)
         entry.setdefault("name", None)
@@ -152,7 +177,13 @@ def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> Opt
         if not hasattr(entry.get("scheduler"), "step"):
             raise ConfigurationError(f"{module_name}.configure_optimizers: lr_scheduler {entry.get('scheduler')!r} "
                                      f"has no step(); {hint}")
-        if not isinstance(entry["frequency"], int) or entry["frequency"] < 1:
+        owner = getattr(entry["scheduler"], "optimizer", None)
+        if isinstance(owner, torch.optim.Optimizer) and owner is not optimizer:
+            raise ConfigurationError(f"{module_name}.configure_optimizers: the lr_scheduler "
+                                     f"{type(entry['scheduler']).__name__} was built on another optimizer than the one "
+                                     f"returned ({type(owner).__name__} vs {type(optimizer).__name__}), so it would "
+                                     "never change the learning rate used; build it on the returned optimizer")
+        if isinstance(entry["frequency"], bool) or not isinstance(entry["frequency"], int) or entry["frequency"] < 1:
             raise ConfigurationError(f"lr_scheduler frequency={entry['frequency']!r} must be an int >= 1")
         schedulers.append(entry)
     return OptimizerConfig(optimizer, schedulers, [optimizer])
@@ -176,6 +207,38 @@ def _several(result: Any) -> Optional[List[Any]]:
 
 
 def resolve_root_dir(path: Optional[str]) -> str:
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigurationError(f"default_root_dir={path!r} must be a directory path (str or pathlib.Path)")
     root = os.path.abspath(path if path is not None else os.path.join(os.getcwd(), "runs"))
+    existing = next((p for p in _parents(root) if os.path.exists(p)), None)
+    if existing is not None and not os.path.isdir(existing):
+        raise ConfigurationError(f"default_root_dir={str(path if path is not None else root)!r}: {existing} is a file, "
+                                 "not a directory; give a directory path (checkpoints and logs go under it)")
     os.makedirs(root, exist_ok=True)
     return root
+
+
+def _parents(path: str) -> List[str]:
+    """``path`` and its ancestors, nearest first."""
+    out = [path]
+    while os.path.dirname(out[-1]) != out[-1]:
+        out.append(os.path.dirname(out[-1]))
+    return out
+
+
+def check_callbacks(callbacks: Any, base: type) -> List[Any]:
+    """``callbacks`` as a list of instances of ``base``, or a ConfigurationError naming the mistake."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, base) or isinstance(callbacks, type) or not isinstance(callbacks, (list, tuple)):
+        shown = callbacks.__name__ if isinstance(callbacks, type) else type(callbacks).__name__
+        raise ConfigurationError(f"callbacks={shown}{'' if isinstance(callbacks, type) else '(...)'} is not a list; "
+                                 f"pass a list: callbacks=[{shown}(...)]")
+    for i, cb in enumerate(callbacks):
+        if isinstance(cb, type):
+            raise ConfigurationError(f"callbacks[{i}] is the class {cb.__name__}, not an instance; write "
+                                     f"{cb.__name__}(...) (with its arguments)")
+        if not isinstance(cb, base):
+            raise ConfigurationError(f"callbacks[{i}]={cb!r} is a {type(cb).__name__}, not a Callback; subclass "
+                                     "callbacks.Callback")
+    return list(callbacks)

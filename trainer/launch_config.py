@@ -181,6 +181,17 @@ def validate(settings: Mapping[str, Any], source: str = "") -> Dict[str, Any]:
     if offload_param != "none" and settings.get("deepspeed.zero_stage") != 3:
         raise ConfigurationError(f"deepspeed offload_param_device={offload_param!r} needs zero_stage=3, "
                                  f"got zero_stage={settings.get('deepspeed.zero_stage')!r}{where}")
+    # What the workers would refuse at start, refused here: `config` never writes what `launch` rejects.
+    nproc = settings.get("nproc_per_node")
+    if settings.get("strategy") == "single" and ((isinstance(nproc, int) and nproc > 1) or
+                                                 str(nnodes or 1) not in ("1", "1:1")):
+        raise ConfigurationError(f"strategy='single' runs one process, but nproc_per_node={nproc!r}, "
+                                 f"nnodes={nnodes or 1!r}{where}; choose strategy ddp (or auto, fsdp, deepspeed), "
+                                 "or one process")
+    precision = settings.get("precision")
+    if settings.get("accelerator") == "cpu" and precision in ("16-mixed", "fp8"):
+        raise ConfigurationError(f"precision={precision!r} needs a GPU, but accelerator='cpu'{where}; "
+                                 "use precision bf16-mixed (or 32) on CPU")
     return dict(settings)
 
 

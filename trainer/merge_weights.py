@@ -24,8 +24,8 @@ from strategies.checkpoint_io import (METADATA_FILE, CheckpointWriter, parse_siz
                                       resolve_checkpoint, verify_checkpoint)
 from strategies.errors import CheckpointError, ConfigurationError
 
-HELP = "consolidate a sharded FSDP checkpoint into safetensors weights (no processes needed)"
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes next to its shards
+HELP = "consolidate a sharded FSDP checkpoint into safetensors weights (no processes needed)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,11 +70,9 @@ def read_model_weights(dcp_dir: Path, prefix: str = "model") -> Dict[str, torch.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(dcp_dir))
-    try:
-        meta = reader.read_metadata()
-    except Exception as e:  # unpickling errors, truncated files
-        raise CheckpointError(f"{dcp_dir / DCP_METADATA}: unreadable ({type(e).__name__}: {e})") from None
+    from strategies.dcp_safe import load_metadata, safe_load  # never torch's bare pickle.load
+
+    meta = load_metadata(dcp_dir / DCP_METADATA)  # restricted unpickling: a crafted file executes nothing
     paths = meta.planner_data or {}
     state: Dict[str, torch.Tensor] = {}
     tops = set()
@@ -93,7 +91,7 @@ def read_model_weights(dcp_dir: Path, prefix: str = "model") -> Dict[str, torch.
     no_dist = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({prefix: state} if prefix else state, storage_reader=reader, **no_dist)
+        safe_load({prefix: state} if prefix else state, dcp_dir, **no_dist)
     return state
 
 
@@ -107,7 +105,7 @@ def merge_weights(checkpoint: Union[str, os.PathLike], output: Union[str, os.Pat
     weights = read_model_weights(dcp_dir, prefix)
     source = dcp_dir.parent if dcp_dir.name == "dcp" else dcp_dir
     step = read_metadata(source).get("step", 0) if (source / METADATA_FILE).is_file() else 0
-    writer = CheckpointWriter(out)
+    writer = CheckpointWriter(out, kind="weights")
     writer.save_tensors("model", weights, max_shard_size=limit)
     return writer.finalize({"step": int(step or 0), "strategy": "fsdp", "kind": "weights",
                             "merged_from": str(Path(checkpoint).absolute())}, update_latest=False)

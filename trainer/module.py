@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from strategies.errors import TrainforgeError
+from callbacks.base import Callback
+from strategies.errors import TrainforgeError, check_metric_name
 from trainer.hooks import ModuleHooks
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,6 +86,8 @@ class TrainingModule(ModuleHooks, nn.Module):
         "min"), with ``sync_dist`` over all ranks too. ``rank_zero_only``: logged from rank 0 only, never
         synced; ``logger=False``: in ``trainer.callback_metrics`` but not sent to the trackers. In an
         epoch-end hook the value is logged for that epoch (see ``trainer/metric_logging.py``)."""
+        if type(name) is not str or not name.strip():
+            check_metric_name(name, "self.log(name)")
         self.trainer._log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
                           sync_dist=sync_dist, batch_size=batch_size, reduce_fx=reduce_fx,
                           rank_zero_only=rank_zero_only, logger=logger)

@@ -16,8 +16,8 @@ from strategies.async_save import resolve_async_save
 from strategies.data_utils import batch_size_of
 from strategies.errors import ConfigurationError, TrainforgeError
 from trainer.accelerator import Accelerator
-from trainer.checkpointing import load_trainer_checkpoint, restore_pending_rng
-from trainer.config import LoopConfig, Progress, limited, parse_optimizers, resolve_root_dir
+from trainer.checkpointing import restore_pending_rng, start_run
+from trainer.config import LoopConfig, Progress, check_callbacks, limited, parse_optimizers, resolve_root_dir
 from trainer.events import Event
 from trainer.evaluation import Evaluation, module_modes, restore_modes
 from trainer.hooks import bind_module_hook, warn_unknown_hooks
@@ -41,6 +41,7 @@ class Trainer(MetricLogging, Evaluation):
                  default_root_dir: Optional[str] = None, enable_progress_bar: bool = True,
                  enable_checkpointing: bool = True, compile: bool = False, seed: Optional[int] = None,
                  nonfinite_loss: str = "raise", resume: Optional[str] = None, num_sanity_val_steps: int = 2) -> None:
+        callbacks = check_callbacks(callbacks, Callback)  # before anything is built
         self.config = LoopConfig(max_epochs=max_epochs, max_steps=max_steps,
                                  accumulate_grad_batches=1 if accumulate_grad_batches is None else accumulate_grad_batches,
                                  gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
@@ -89,6 +90,7 @@ class Trainer(MetricLogging, Evaluation):
         self._nonfinite_flag: Optional[torch.Tensor] = None  # see _check_loss_async
         self._last_flag_check = 0
         self._last_output: Any = None
+        self._none_steps, self._warned_none = 0, False  # training_step returning None (see _warn_none_epoch)
 
     # ---- read-only views callbacks rely on -------------------------------------------------------
     global_step = property(lambda self: self.progress.global_step)
@@ -141,8 +143,7 @@ class Trainer(MetricLogging, Evaluation):
             self._setup_fit(module, train_dataloaders, val_dataloaders)
             self._fire(Event.SETUP, "fit")
             path = ckpt_path if ckpt_path is not None else ("last" if self.resume == "auto" else None)
-            if path is not None:
-                load_trainer_checkpoint(self, path, required=ckpt_path is not None)
+            start_run(self, path, required=ckpt_path is not None)  # run id; resume; warns of an earlier run
             self._fire(Event.FIT_START)
             self._sanity_check()
             self._fire(Event.TRAIN_START)
@@ -159,6 +160,7 @@ class Trainer(MetricLogging, Evaluation):
             raise
 
     def _setup_fit(self, module: TrainingModule, train_loader: Any, val_loaders: Any) -> None:
+        self._none_steps, self._warned_none = 0, False
         acc = self.accelerator
         # Settings a backend may need at setup (DeepSpeed writes them into its generated config).
         self.strategy.gradient_clip_val = self.config.gradient_clip_val
@@ -203,6 +205,7 @@ class Trainer(MetricLogging, Evaluation):
             restore_modes(train_modes)
             loader.set_epoch(p.epoch)
             self._fire(Event.EPOCH_START)
+            first_batch = p.batch_idx
             for batch in loader:
                 self._train_batch(batch, p.batch_idx)
                 p.batch_idx += 1
@@ -213,6 +216,7 @@ class Trainer(MetricLogging, Evaluation):
                 self._batch = self._last_output = batch = None  # free them before the next batch arrives
                 if self._finished() or p.batch_idx >= self.num_training_batches:
                     break
+            self._warn_none_epoch(p.batch_idx - first_batch)
             if p.batch_idx >= self.num_training_batches:  # a complete epoch (not a max_steps/should_stop cut)
                 self._end_epoch()
             else:
@@ -244,7 +248,7 @@ class Trainer(MetricLogging, Evaluation):
         with acc.accumulate(self.model):
             with acc.autocast():
                 output = self._training_step(batch, batch_idx)
-            loss = output["loss"] if isinstance(output, dict) else output
+            loss = self._loss_of(output, batch_idx)
             self._last_output = output
             if loss is not None and self._check_loss(loss, batch_idx):
                 self._fire(Event.BEFORE_BACKWARD, loss)
@@ -253,6 +257,38 @@ class Trainer(MetricLogging, Evaluation):
             if acc.sync_gradients:
                 self._optimizer_step()
         p.accumulation_step = acc.step
+
+    def _loss_of(self, output: Any, batch_idx: int) -> Optional[torch.Tensor]:
+        """The loss in what training_step returned, or a ConfigurationError at the first bad batch."""
+        where = f"{type(self.module).__name__}.training_step (batch {batch_idx})"
+        if isinstance(output, dict):
+            if "loss" not in output:
+                raise ConfigurationError(f"{where} returned a dict without a 'loss' key (keys: {sorted(output)[:10]}); "
+                                         "return {'loss': loss, ...} or the loss tensor itself")
+            output = output["loss"]
+        if output is None:  # a documented way to skip a batch; a whole epoch of them is reported
+            self._none_steps += 1
+            return None
+        if not isinstance(output, torch.Tensor):
+            raise ConfigurationError(f"{where} returned a {type(output).__name__} ({output!r:.80}); return the loss "
+                                     "as a tensor (not loss.item()), a dict with 'loss', or None to skip the batch")
+        if output.numel() != 1:
+            raise ConfigurationError(f"{where} returned a loss of shape {tuple(output.shape)}; reduce it to one "
+                                     "value (e.g. loss.mean()) before returning it")
+        if not output.requires_grad and getattr(self.module, "automatic_optimization", True) and torch.is_grad_enabled():
+            raise ConfigurationError(f"{where} returned a loss that does not require grad (detached, computed under "
+                                     "torch.no_grad(), or from parameters with requires_grad=False): nothing would be "
+                                     "trained; return the loss tensor the model computed")
+        return output
+
+    def _warn_none_epoch(self, batches: int) -> None:
+        """Once per fit: a whole epoch of training_step returning None trained nothing."""
+        if batches and self._none_steps >= batches and not self._warned_none and self.is_global_zero:
+            self._warned_none = True
+            log.warning("trainforge: %s.training_step returned None for all %d batches of epoch %d, so nothing was "
+                        "trained (None skips a batch); return the loss", type(self.module).__name__, batches,
+                        self.progress.epoch)
+        self._none_steps = 0
 
     def _optimizer_step(self) -> None:
         acc, cfg, optimizer = self.accelerator, self.config, self.optimizer.optimizer

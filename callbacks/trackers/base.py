@@ -18,8 +18,11 @@ Failure policy (``FailurePolicy``), the same for every tracker:
   capped at 60 s, reset by a success). A failed call is dropped, never retried inline or slept on;
   metric values that arrive during the back-off are dropped too, and all dropped values are counted;
 - hyperparameters are kept and retried with the next attempt (three attempts at most);
-- when the run finishes, pending writes get ``flush_timeout_s`` at most; then one ``TrackerWarning``
-  reports how many metric values were dropped and whether the tracker recovered.
+- when the run finishes, pending writes get ``flush_timeout_s`` at most (5 s by default); then one
+  ``TrackerWarning`` reports how many metric values were dropped and whether the tracker recovered;
+- a checkpoint save never waits for the queue. It waits at most ``open_wait_s`` (2 s; 0: never), once
+  per run, for the tracker's run to be opened so the checkpoint can name it for a resumed fit; a run
+  that never opened (a dead server) is not "closed" at the end either.
 
 Subclasses implement the backend calls (run on the writer thread): ``_open``, ``_write_params``,
 ``_write_metrics``, ``_close`` and optionally ``_write_artifacts``; ``_prepare`` runs on the training
@@ -54,7 +57,8 @@ class FailurePolicy:
 
     initial_backoff_s: float = 1.0
     max_backoff_s: float = 60.0
-    flush_timeout_s: float = 30.0
+    flush_timeout_s: float = 5.0
+    open_wait_s: float = 2.0  # once per run, at the first checkpoint save: see the module docstring
     max_pending: int = 10_000  # records queued; beyond this new metric records are dropped
     clock: Callable[[], float] = time.monotonic
 
@@ -63,6 +67,8 @@ class FailurePolicy:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigurationError(f"FailurePolicy({name}={value!r}) must be a positive number")
+        if not isinstance(self.open_wait_s, (int, float)) or isinstance(self.open_wait_s, bool) or self.open_wait_s < 0:
+            raise ConfigurationError(f"FailurePolicy(open_wait_s={self.open_wait_s!r}) must be a number >= 0")
         if self.max_backoff_s < self.initial_backoff_s:
             raise ConfigurationError(
                 f"FailurePolicy(max_backoff_s={self.max_backoff_s!r}) must be >= "
@@ -185,6 +191,8 @@ class _Writer:
     def _handle(self, kind: str, payload: Any, n_values: int) -> None:
         if kind == "params":
             self.params = {**(self.params or {}), **payload}
+        if kind == "close" and self.failing and not self.opened.is_set():
+            return  # never opened (a dead server): nothing to close, and no new connection attempt
         if kind != "close" and self.failing and self.policy.clock() < self.retry_at:
             with self.cond:  # backing off: drop without calling the backend (params stay pending)
                 self._record_failure(None, kind, n_values)
@@ -360,10 +368,17 @@ class TrackerCallback(Callback):
         self._writer = _Writer(self, self.failure_policy)
         self._writer.put("params", flatten_params(dict(getattr(trainer, "hparams", None) or {})))
 
-    def _wait_opened(self) -> None:
-        """Let ``state_dict`` see the run id of a run being opened (bounded; no wait once tried)."""
-        if self._writer is not None and self._writer.thread.is_alive():
-            self._writer.attempted.wait(self.failure_policy.flush_timeout_s)
+    def _wait_opened(self, timeout: Optional[float] = None) -> None:
+        """Let ``state_dict`` see the run id of a run being opened: at most ``open_wait_s``, and only
+        until one such wait ran out (a dead tracker then costs the saves nothing). ``timeout``: an
+        explicit bound for a user asking (``run_id``), not limited to once."""
+        writer = self._writer
+        if writer is None or not writer.thread.is_alive() or writer.attempted.is_set():
+            return
+        if timeout is not None:
+            writer.attempted.wait(timeout)
+        elif not getattr(writer, "open_wait_spent", False):
+            writer.open_wait_spent = not writer.attempted.wait(self.failure_policy.open_wait_s)
 
     def _queue_artifacts(self, path: str) -> None:
         if self._writer is not None:

@@ -76,7 +76,7 @@ class CometLogger(TrackerCallback):
 
     @property
     def experiment_key(self) -> Optional[str]:
-        self._wait_opened()
+        self._wait_opened(self.failure_policy.flush_timeout_s)
         return self._experiment_key
 
     @property

@@ -10,7 +10,9 @@ an embedded SQLite database ``<default_root_dir>/mlflow.db`` with artifacts unde
 Remote servers: MLflow's HTTP client retries a failed request itself (environment variables
 ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, default 7 with back-off factor 2, i.e. about 4 minutes, and
 ``MLFLOW_HTTP_REQUEST_TIMEOUT``). Those retries happen on the tracker's writer thread, never in the
-training loop; lower them if the end of a run should not wait ``flush_timeout_s`` for a dead server.
+training loop. Before opening a run on an ``http(s)://`` server, one TCP connection is tried
+(``connect_timeout_s``): a server that is down fails at once instead of after minutes of retries,
+so the failure policy takes over (nothing waits on it; the end of the run reports what was dropped).
 
 Checkpoints (``log_checkpoints=True``): a checkpoint directory is uploaded as artifacts under
 ``checkpoints/<name>`` once it is complete. Two ways in, both asynchronous: ``ModelCheckpoint`` (or
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
+from urllib.parse import urlsplit
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
@@ -56,6 +60,18 @@ def _identity(path: str) -> Optional[Tuple[int, int]]:
     return (st.st_ino, st.st_mtime_ns) if os.path.isdir(path) else None
 
 
+def _check_reachable(uri: str, timeout: float) -> None:
+    """One TCP connection to an http(s) tracking server; raises ConnectionError at once if it is down."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        raise ConnectionError(f"cannot connect to the MLflow server {parts.hostname}:{port} ({e})") from None
+
+
 class MLflowLogger(TrackerCallback):
     """Log to MLflow on the main process. See the module docstring."""
 
@@ -71,9 +87,14 @@ class MLflowLogger(TrackerCallback):
         log_checkpoints: bool = False,
         artifact_location: Optional[str] = None,
         failure_policy: Optional[FailurePolicy] = None,
+        connect_timeout_s: float = 3.0,
     ) -> None:
         super().__init__(failure_policy)
         require("mlflow", "mlflow", "MLflowLogger")
+        if not isinstance(connect_timeout_s, (int, float)) or isinstance(connect_timeout_s, bool) or connect_timeout_s <= 0:
+            raise ConfigurationError(f"MLflowLogger(connect_timeout_s={connect_timeout_s!r}) must be a positive "
+                                     "number of seconds")
+        self.connect_timeout_s = float(connect_timeout_s)
         if not isinstance(experiment_name, str) or not experiment_name.strip():
             raise ConfigurationError(f"MLflowLogger(experiment_name={experiment_name!r}) must be a non-empty string")
         if tags is not None and not isinstance(tags, dict):
@@ -100,7 +121,7 @@ class MLflowLogger(TrackerCallback):
     @property
     def run_id(self) -> Optional[str]:
         """The MLflow run id (known once the run was opened on the writer thread)."""
-        self._wait_opened()
+        self._wait_opened(self.failure_policy.flush_timeout_s)
         return self._run_id
 
     @property
@@ -159,6 +180,7 @@ class MLflowLogger(TrackerCallback):
             self._default_artifacts = Path(root, "mlruns").as_uri()
 
     def _open(self) -> None:
+        _check_reachable(self._uri, self.connect_timeout_s)
         from mlflow.tracking import MlflowClient
 
         if self._uri.startswith("sqlite:///"):

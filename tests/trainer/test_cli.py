@@ -99,18 +99,19 @@ def test_config_non_interactive_writes_flags_and_defaults(tmp_path):
 
 def test_config_interactive_reasks_bad_answers_and_writes_default_location(tmp_path):
     answers = ["multi_node", "3", "3", "1", "head-node", "", "c10d", "cpu", "0", "4", "zero", "fsdp",
-               "SHARD_GRAD_OP", "fp17", "fp16", "8"]  # "" takes the default; bad answers are re-asked
+               "SHARD_GRAD_OP", "fp17", "fp16", "bf16", "8"]  # "" takes the default; bad answers are re-asked
     result = run_cli(["config", "--interactive"], tmp_path, stdin="\n".join(answers) + "\n")
     assert result.returncode == 0, result.stderr
     assert "node_rank=3 must be < nnodes=3" in result.stdout
     assert "nproc_per_node='0' must be an integer >= 1" in result.stdout
     assert "strategy='zero' is not one of: auto, single, ddp" in result.stdout
     assert "precision='fp17' is not one of" in result.stdout
+    assert "precision='16-mixed' needs a GPU, but accelerator='cpu'" in result.stdout  # launch would refuse it
     written = yaml.safe_load((tmp_path / "xdg" / "trainforge" / "default_config.yaml").read_text())
     assert written == {"compute_environment": "multi_node", "nnodes": 3, "node_rank": 1,
                        "master_addr": "head-node", "master_port": 29500, "rdzv_backend": "c10d",
                        "accelerator": "cpu", "nproc_per_node": 4, "strategy": "fsdp",
-                       "fsdp": {"sharding_strategy": "SHARD_GRAD_OP"}, "precision": "16-mixed",
+                       "fsdp": {"sharding_strategy": "SHARD_GRAD_OP"}, "precision": "bf16-mixed",
                        "gradient_accumulation_steps": 8}
 
 
