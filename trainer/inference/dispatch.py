@@ -92,6 +92,9 @@ def remove_dispatch(model: nn.Module) -> nn.Module:
 def attach(model: nn.Module, device_map: Dict[str, Device], per_tensor: Dict[str, Device],
            execution_device=None, prefetch: bool = True) -> nn.Module:
     """Hooks for the blocks of ``device_map`` whose weights are not on the execution device."""
+    if not isinstance(prefetch, bool):
+        raise ConfigurationError(f"prefetch={prefetch!r} must be True or False (True: on CUDA, copy the next block "
+                                 f"while this one runs)")
     remove_dispatch(model)
     exec_dev = _exec_device(per_tensor, execution_device)
     runner = Runner(exec_dev, prefetch=prefetch)
