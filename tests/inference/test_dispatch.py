@@ -162,3 +162,15 @@ def test_materialize_restores_ties():
         model = GPT2LMHeadModel(gpt2_config())
     materialize(model, "cpu")
     assert model.lm_head.weight is model.transformer.wte.weight and not model.lm_head.weight.is_meta
+
+
+def test_accelerator_exposes_big_model_inference(tmp_path):
+    from trainer.accelerator import Accelerator
+    ref_model = _trained_plain()
+    ref = ref_model(X)
+    save_file(ref_model.state_dict(), str(tmp_path / "model.safetensors"))
+    with Accelerator.init_empty_weights():
+        model = plain()
+    dm = Accelerator.infer_auto_device_map(model, max_memory={"cpu": 10_000})
+    model = Accelerator.load_checkpoint_and_dispatch(model, tmp_path / "model.safetensors", device_map=dm)
+    assert set(dm.values()) == {"cpu", "disk"} and torch.equal(model(X), ref)
