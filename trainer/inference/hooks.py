@@ -45,7 +45,13 @@ class Block:
         for _, _, t in slots:
             uniq.setdefault(id(t), t)
         self.uniq = list(uniq.values())
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.uniq)
+        # byte offsets in the staging/device buffer, each aligned to 64 bytes so every dtype view is valid
+        self.offsets: List[int] = []
+        end = 0
+        for t in self.uniq:
+            self.offsets.append(end)
+            end = -(-(end + t.numel() * t.element_size()) // 64) * 64
+        self.nbytes = max(end, 1)
         self.ready: Optional[Tuple[Dict[int, torch.Tensor], Any]] = None  # (on-device tensors, cuda event)
 
     def fetch(self, stream: Optional["torch.cuda.Stream"]) -> Tuple[Dict[int, torch.Tensor], Any]:
@@ -55,13 +61,11 @@ class Block:
         staging, done = r.staging()
         if done is not None:
             done.synchronize()  # that buffer's previous copy has left it
-        off = 0
         views = []
-        for t in self.uniq:
+        for t, off in zip(self.uniq, self.offsets):
             n = t.numel() * t.element_size()
             staging[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
             views.append((t, off, n))
-            off += n
         ctx = torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(torch.cuda.current_stream(dev))
         with ctx:
             flat = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
