@@ -1,7 +1,6 @@
 """infer_auto_device_map: fill order, no-split classes, buffers, tie groups, modes, budgets."""
 import pytest
 import torch
-from torch import nn
 
 from strategies.errors import ConfigurationError
 from tests.inference.common import gpt2_config, plain, quiet_transformers

@@ -7,7 +7,6 @@ names are pulled onto the same device. Devices are filled in the order GPUs, ``"
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch

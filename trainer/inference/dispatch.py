@@ -8,7 +8,6 @@ sent to disk are written once as safetensors in the offload folder and mapped fr
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
