@@ -162,7 +162,9 @@ def dispatch_model(model: nn.Module, device_map: Dict[str, Device], offload_dir=
             if dev == "cpu" and t.device.type != "cpu":
                 set_tensor(model, n, done.setdefault((id(t), "cpu"), t.detach().to("cpu")))
             continue
-        set_tensor(model, n, done.setdefault((id(t), dev), t.detach().to(_torch_device(dev))))
+        if (id(t), dev) not in done:  # tied names share one copy per device
+            done[(id(t), dev)] = t.detach().to(_torch_device(dev))
+        set_tensor(model, n, done[(id(t), dev)])
     retie(model, [g for g in groups])
     return attach(model, device_map, per_tensor, execution_device, prefetch)
 
@@ -235,8 +237,10 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: Union[str, os.Pat
                 dev = per_tensor[n]
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)  # a cast is a copy: only done when asked
-                if dev not in ("cpu", "disk"):
-                    t = placed.setdefault((c, dev), t.to(_torch_device(dev)))
+                if dev not in ("cpu", "disk"):  # tied names share one copy per device
+                    if (c, dev) not in placed:
+                        placed[(c, dev)] = t.to(_torch_device(dev))
+                    t = placed[(c, dev)]
                 set_tensor(model, n, placed.setdefault((c, "host"), t) if dev in ("cpu", "disk") else t)
         del tensors
     retie(model, groups)
