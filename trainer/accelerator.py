@@ -328,6 +328,38 @@ class Accelerator(ProcessControl):
         self.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
 
+    # Big-model inference (trainer/inference): the same functions, reachable from the Accelerator.
+    @staticmethod
+    def init_empty_weights(include_buffers: bool = True) -> Any:
+        """Context: modules built inside have their weights on meta (see trainer.inference)."""
+        from trainer.inference import init_empty_weights
+        return init_empty_weights(include_buffers)
+
+    @staticmethod
+    def infer_auto_device_map(model: nn.Module, **kwargs: Any) -> Dict[str, Any]:
+        from trainer.inference import infer_auto_device_map
+        return infer_auto_device_map(model, **kwargs)
+
+    @staticmethod
+    def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: Any, **kwargs: Any) -> nn.Module:
+        from trainer.inference import load_checkpoint_and_dispatch
+        return load_checkpoint_and_dispatch(model, checkpoint, **kwargs)
+
+    @staticmethod
+    def dispatch_model(model: nn.Module, device_map: Dict[str, Any], **kwargs: Any) -> nn.Module:
+        from trainer.inference import dispatch_model
+        return dispatch_model(model, device_map, **kwargs)
+
+    @staticmethod
+    def cpu_offload(model: nn.Module, execution_device: Any = None, **kwargs: Any) -> nn.Module:
+        from trainer.inference import cpu_offload
+        return cpu_offload(model, execution_device, **kwargs)
+
+    @staticmethod
+    def disk_offload(model: nn.Module, offload_dir: Any, execution_device: Any = None, **kwargs: Any) -> nn.Module:
+        from trainer.inference import disk_offload
+        return disk_offload(model, offload_dir, execution_device, **kwargs)
+
     def end_training(self) -> None:
         self.wait_for_checkpoint()
         self.strategy.teardown()

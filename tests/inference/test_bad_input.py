@@ -1,0 +1,93 @@
+"""Bad input to dispatch and loading: clear errors naming the value, the choices and the fix."""
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from strategies.errors import CheckpointError, ConfigurationError
+from tests.inference.common import plain
+from trainer.inference import (disk_offload, dispatch_model, init_empty_weights, load_checkpoint_and_dispatch)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    save_file(plain().state_dict(), str(tmp_path / "model.safetensors"))
+    return tmp_path / "model.safetensors"
+
+
+def _meta():
+    with init_empty_weights():
+        return plain()
+
+
+@pytest.mark.parametrize("device_map, err, match", [
+    ({"": "tpu"}, ConfigurationError, r"device_map\[''\]='tpu' is not one of"),
+    ({"": 7}, ConfigurationError, r"device_map\[''\]=7: there is no GPU 7"),
+    ({"": "cuda:7"}, ConfigurationError, r"there is no GPU 7"),
+    ({"0": "cpu", "1": "cpu"}, ConfigurationError, r"leaves \d+ weight\(s\) unplaced, first \['2.0.weight'"),
+    ({"": "cpu", "encoder": "cpu"}, ConfigurationError, r"key 'encoder' is neither a module nor a tensor"),
+    ("fastest", ConfigurationError, r"device_map='fastest' is not one of: auto, balanced"),
+    ([("", "cpu")], ConfigurationError, r"must be a non-empty dict"),
+])
+def test_bad_device_map(ckpt, device_map, err, match):
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a GPU 7")
+    with pytest.raises(err, match=match):
+        load_checkpoint_and_dispatch(_meta(), ckpt, device_map=device_map)
+
+
+def test_checkpoint_mismatch_names_first_differences(tmp_path):
+    sd = plain().state_dict()
+    sd["extra.weight"] = torch.zeros(1)
+    del sd["0.0.bias"]
+    sd["1.0.weight"] = torch.zeros(3, 3)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing \['0.0.bias'\], unexpected \['extra.weight'\], shape "
+                                              r"mismatches \['1.0.weight: checkpoint \(3, 3\) vs model \(32, 32\)'\]"):
+        load_checkpoint_and_dispatch(_meta(), tmp_path / "model.safetensors", device_map={"": "cpu"})
+
+
+def test_bad_checkpoint_paths(tmp_path):
+    with pytest.raises(CheckpointError, match=r"a directory without model.safetensors"):
+        load_checkpoint_and_dispatch(_meta(), tmp_path, device_map={"": "cpu"})
+    (tmp_path / "w.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"is not a .safetensors file, an \*.index.json"):
+        load_checkpoint_and_dispatch(_meta(), tmp_path / "w.pt", device_map={"": "cpu"})
+    (tmp_path / "bad.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(CheckpointError, match=r"not a readable safetensors file"):
+        load_checkpoint_and_dispatch(_meta(), tmp_path / "bad.safetensors", device_map={"": "cpu"})
+
+
+def test_offload_folder_not_writable_or_missing(tmp_path):
+    (tmp_path / "file").write_text("x")
+    model = plain()
+    with pytest.raises(ConfigurationError, match=r"offload_folder='.*file/sub' is not writable"):
+        dispatch_model(model, {"": "disk"}, offload_dir=tmp_path / "file" / "sub")
+    with pytest.raises(ConfigurationError, match=r"offload_folder=None but the device map sends weights to 'disk'"):
+        dispatch_model(plain(), {"": "disk"})
+
+
+def test_foreign_file_in_offload_folder_is_not_overwritten(tmp_path):
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model-offload.safetensors"))
+    before = (tmp_path / "model-offload.safetensors").read_bytes()
+    with pytest.raises(ConfigurationError, match=r"already holds model-offload.safetensors, which trainforge did not"):
+        disk_offload(plain(), tmp_path, execution_device="cpu")
+    assert (tmp_path / "model-offload.safetensors").read_bytes() == before
+
+
+def test_tie_group_split_across_devices_and_other_arguments(ckpt):
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    with pytest.raises(ConfigurationError, match=r"tied weights \['0.weight', '1.weight'\] are mapped to different"):
+        dispatch_model(model, {"0": "cpu", "1": "disk"}, offload_dir=None)
+    with pytest.raises(ConfigurationError, match=r"dtype='half' is not a torch.dtype"):
+        load_checkpoint_and_dispatch(_meta(), ckpt, dtype="half")
+    with pytest.raises(ConfigurationError, match=r"execution_device='gpu' is not one of"):
+        dispatch_model(plain(), {"": "cpu"}, execution_device="gpu")
+    with pytest.raises(ConfigurationError, match=r"prefetch=1 must be True or False"):
+        dispatch_model(plain(), {"": "cpu"}, prefetch=1)
+    with pytest.raises(ConfigurationError, match=r"include_buffers='yes' must be True or False"):
+        with init_empty_weights(include_buffers="yes"):
+            pass
+    with pytest.raises(ConfigurationError, match=r"weights still on meta"):
+        dispatch_model(_meta(), {"": "cpu"})

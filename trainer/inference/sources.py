@@ -1,0 +1,120 @@
+"""Where a checkpoint's tensors are: a safetensors file, a sharded HF index (safetensors or .bin
+shards), or a trainforge checkpoint directory. Only headers are read here; tensors are memory-mapped
+one shard at a time by the caller.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterator, List, Mapping, Tuple, Union
+
+import torch
+from safetensors.torch import save_file
+
+from strategies.errors import CheckpointError, ConfigurationError
+from strategies.safetensors_mmap import _DTYPES, mmap_safetensors, read_header
+
+OFFLOAD_TAG = "trainforge_offload"  # in the header of every file trainforge writes to an offload folder
+
+
+class Source:
+    """``shards``: files in order; ``entries``: {name: (file, dtype, shape)}; ``aliases``: {alias: kept}."""
+
+    def __init__(self, shards: List[Path], entries: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]],
+                 aliases: Dict[str, str]) -> None:
+        self.shards, self.entries, self.aliases = shards, entries, aliases
+
+    @property
+    def is_safetensors(self) -> bool:
+        return all(p.suffix == ".safetensors" for p in self.shards)
+
+    def tensors(self) -> Iterator[Tuple[Path, Dict[str, torch.Tensor]]]:
+        """(shard, {name: tensor}) one shard at a time: safetensors memory-mapped, .bin through
+        ``torch.load(weights_only=True, mmap=True)``."""
+        for shard in self.shards:
+            if shard.suffix == ".safetensors":
+                yield shard, mmap_safetensors(shard)
+            else:
+                yield shard, torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _index_source(index: Path) -> Source:
+    try:
+        idx = json.loads(index.read_text(encoding="utf-8"))
+        weight_map: Dict[str, str] = dict(idx["weight_map"])
+        aliases = dict((idx.get("metadata") or {}).get("trainforge_aliases", {}))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: unparsable index ({e!r})") from None
+    shards = [index.parent / f for f in dict.fromkeys(weight_map.values())]
+    for s in shards:
+        if s.parent != index.parent or not s.is_file():
+            raise CheckpointError(f"{index}: shard {s.name!r} is missing from {index.parent}")
+    entries: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]] = {}
+    for s in shards:
+        if s.suffix == ".safetensors":
+            header, _, _ = read_header(s)
+            for k, e in header.items():
+                entries[k] = (s, _DTYPES[e["dtype"]], tuple(e["shape"]))
+        else:  # .bin: the shapes come from a memory-mapped load (no copy)
+            for k, t in torch.load(s, map_location="cpu", weights_only=True, mmap=True).items():
+                entries[k] = (s, t.dtype, tuple(t.shape))
+    return Source(shards, entries, aliases)
+
+
+def open_source(checkpoint: Union[str, os.PathLike]) -> Source:
+    path = Path(checkpoint)
+    if path.is_dir():
+        for name in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json"):
+            if (path / name).is_file():
+                path = path / name
+                break
+        else:
+            raise CheckpointError(f"checkpoint={str(checkpoint)!r}: a directory without model.safetensors, "
+                                  f"model.safetensors.index.json or pytorch_model.bin.index.json (found "
+                                  f"{sorted(p.name for p in path.iterdir())[:8]}); pass the weights file itself")
+    if path.name.endswith(".index.json"):
+        return _index_source(path)
+    if path.suffix == ".safetensors" and path.is_file():
+        header, meta, _ = read_header(path)
+        try:
+            aliases = json.loads(meta.get("trainforge_aliases", "{}"))
+        except ValueError:
+            raise CheckpointError(f"{path}: unparsable trainforge_aliases in the header") from None
+        return Source([path], {k: (path, _DTYPES[e["dtype"]], tuple(e["shape"])) for k, e in header.items()}, aliases)
+    raise CheckpointError(f"checkpoint={str(checkpoint)!r} is not a .safetensors file, an *.index.json or a directory "
+                          f"holding one; check the path")
+
+
+def check_writable(folder: Union[str, os.PathLike, None], why: str) -> Path:
+    if folder is None:
+        raise ConfigurationError(f"offload_folder=None but {why}; pass offload_folder='some/dir' (it is created)")
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".trainforge-write-test"):
+            pass
+    except OSError as e:
+        raise ConfigurationError(f"offload_folder={str(folder)!r} is not writable ({e.strerror or e}); pass a "
+                                 f"directory you can write to") from None
+    return folder
+
+
+def write_offload(folder: Path, name: str, tensors: Mapping[str, torch.Tensor]) -> Path:
+    """``folder/name.safetensors`` holding ``tensors`` (contiguous copies only where needed); refuses to
+    overwrite a file trainforge did not write there."""
+    path = folder / f"{name}.safetensors"
+    if path.exists():
+        try:
+            ours = OFFLOAD_TAG in read_header(path)[1]
+        except CheckpointError:
+            ours = False
+        if not ours:
+            raise ConfigurationError(f"offload_folder={str(folder)!r} already holds {path.name}, which trainforge did "
+                                     f"not write; use an empty folder")
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(tmp),
+              metadata={"format": "pt", OFFLOAD_TAG: "1"})
+    os.replace(tmp, path)
+    return path
