@@ -129,3 +129,14 @@ def test_tp_size_that_does_not_divide_the_hidden_size_or_heads():
 def test_plan_globs_are_one_path_component():
     plan = resolve_plan(TinyLM(), {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}, 2)
     assert sorted(plan) == [f"blocks.{i}.mlp.{j}" for i in range(3) for j in (0, 2)]
+
+
+def test_megatron_section_of_the_launch_config():
+    from trainer.launch_config import strategy_kwargs
+
+    kwargs = strategy_kwargs("megatron", {"megatron": {"tensor_parallel_size": 2, "schedule": "gpipe"}})
+    assert kwargs == {"tensor_parallel_size": 2, "schedule": "gpipe"}
+    assert MegatronStrategy(**kwargs).sizes["tp"] == 2
+    with pytest.raises(ConfigurationError, match=r"megatron.tp_size is not a MegatronStrategy setting; valid keys: "
+                                                 r"tensor_parallel_size"):
+        strategy_kwargs("megatron", {"megatron": {"tp_size": 2}})
