@@ -140,3 +140,21 @@ def test_megatron_section_of_the_launch_config():
     with pytest.raises(ConfigurationError, match=r"megatron.tp_size is not a MegatronStrategy setting; valid keys: "
                                                  r"tensor_parallel_size"):
         strategy_kwargs("megatron", {"megatron": {"tp_size": 2}})
+
+
+@pytest.mark.slow
+def test_parallel_benchmark_smoke():
+    out = run([sys.executable, str(SCRIPTS.parents[1] / "benchmarks" / "parallel.py"), "--processes", "2", "--dim", "16",
+               "--depth", "2", "--vocab", "32", "--seq", "8", "--steps", "1", "--warmup", "0"], timeout=300).stdout
+    for layout in ("dp2 ", "tp2 "):
+        line = next(line for line in out.splitlines() if line.startswith(layout))
+        assert "per-rank MiB [" in line and "formula" in line and " ms" in line, out[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_parallel_benchmark_on_gpus_reports_tokens_per_second():
+    out = run([sys.executable, str(SCRIPTS.parents[1] / "benchmarks" / "parallel.py"), "--processes", "2", "--steps", "2"],
+              timeout=300).stdout
+    assert "tok/s" in out and "tp2 " in out, out[-2000:]
