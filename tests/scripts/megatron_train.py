@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from callbacks.base import Callback
 from strategies.megatron import MegatronStrategy
-from trainer import TrainingModule
+from trainer import Accelerator, TrainingModule
 
 PLAN = {"net.blocks.*.mix": "colwise_rep", "net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise",
         "net.head": "colwise_rep"}
@@ -51,16 +51,17 @@ class SaveAt(Callback):
             trainer.save_checkpoint(str(self.path))
 
 
-def reference(make: Any, loss_fn: Any, steps: int, batch_size: int) -> Dict[str, Any]:
+def reference(make: Any, loss_fn: Any, steps: int, batch_size: int, clip: Any = 0.5) -> Dict[str, Any]:
     module = make()
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = torch.optim.AdamW(module.net.parameters(), lr=1e-2, weight_decay=0.01)
     losses: List[float] = []
     for i, batch in enumerate(loader(batch_size)):
         if i == steps:
             break
         loss = loss_fn(module.net, batch)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.net.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
@@ -130,6 +131,25 @@ def tp2dp2(out: Path) -> Dict[str, Any]:
             "placements": str(trainer.model.net.blocks[0].mlp[0].weight.placements)}
 
 
+def accelerator_run() -> float:
+    """The thin API: an optimizer built on the unsharded parameters, prepared with the model."""
+    acc = Accelerator(strategy=MegatronStrategy(tensor_parallel_size=2, tp_plan=NET_PLAN))
+    net = seeded_tinylm()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+    net, opt, dl = acc.prepare(net, opt, loader(4))
+    losses = []
+    for i, batch in enumerate(dl):
+        if i == 3:
+            break
+        loss = lm_loss(net, batch)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    ref = reference(lambda: type("M", (), {"net": seeded_tinylm()})(), lm_loss, 3, 4, clip=None)
+    return max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+
+
 def tp2(out: Path) -> Dict[str, Any]:
     res: Dict[str, Any] = {}
     strategy = MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN)
@@ -146,6 +166,7 @@ def tp2(out: Path) -> Dict[str, Any]:
     res["resume_weights_diff"] = max_diff(full_state(trainer2), full) if full else 0.0
     res["gpt_grad_diff"] = grad_diff(seeded_tinylm, lm_loss, NET_PLAN)
 
+    res["accelerator_loss_diff"] = accelerator_run()
     res["llama_grad_diff"] = grad_diff(lambda: LitLlama().net, llama_loss, "auto")
     trainer3, module3 = fit(MegatronStrategy(tensor_parallel_size=2), out / "run_llama", max_steps=3,
                             module=LitLlama())

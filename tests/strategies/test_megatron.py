@@ -45,6 +45,7 @@ def test_tp2_matches_single_process(runs):
     assert 0.5 < tp2["coverage"] < 1
     assert tp2["gpt_steps"] == 6 and tp2["gpt_loss_diff"] < 1e-5
     assert tp2["gpt_grad_diff"] < 1e-5
+    assert tp2["accelerator_loss_diff"] < 1e-5  # Accelerator.prepare(model, optimizer built before)
 
 
 @pytest.mark.slow
