@@ -10,7 +10,7 @@ rowwise layer stay sharded, so a block costs one all-reduce forward and one back
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Tuple, Union
 
 from torch import nn
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch import nn
 
 from strategies import resolve_strategy
 from strategies.errors import ConfigurationError
