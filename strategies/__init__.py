@@ -16,8 +16,9 @@ _REGISTRY = {
     "ddp": "strategies.ddp:DDPStrategy",
     "fsdp": "strategies.fsdp:FSDPStrategy",
     "deepspeed": "strategies.deepspeed:DeepSpeedStrategy",
+    "megatron": "strategies.megatron:MegatronStrategy",
 }
-_NOT_BUILT = {"megatron": "Megatron-style tensor/pipeline parallelism", "xla": "XLA device placement"}
+_NOT_BUILT = {"xla": "XLA device placement"}
 STRATEGY_NAMES = ("auto",) + tuple(_REGISTRY)
 
 

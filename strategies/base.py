@@ -60,6 +60,15 @@ class Strategy:
         return 1
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Which data shard this process reads (model-parallel ranks of one replica share one)."""
+        return self.global_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size
+
+    @property
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 

@@ -152,7 +152,8 @@ def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool =
         trainer.datamodule.load_state_dict(state["datamodule"])
     trainer._fire(Event.LOAD_CHECKPOINT, state)
     rng, (loader_state,) = _read_rank_state(path, meta, strategy)
-    trainer.train_dataloader.load_state_dict(loader_state, world_size=strategy.world_size, rank=strategy.global_rank)
+    trainer.train_dataloader.load_state_dict(loader_state, world_size=strategy.data_parallel_size,
+                                              rank=strategy.data_parallel_rank)
     trainer._pending_rng = rng
     if trainer.is_global_zero:
         log.info("trainforge: resumed from %s (epoch %d, step %d)", path, trainer.progress.epoch,
@@ -207,7 +208,7 @@ def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> 
         obj.load_state_dict(sd)
     rng, loader_states = _read_rank_state(path, meta, strategy)
     for dl, sd in zip(acc._dataloaders, loader_states):
-        dl.load_state_dict(sd, world_size=strategy.world_size, rank=strategy.global_rank)
+        dl.load_state_dict(sd, world_size=strategy.data_parallel_size, rank=strategy.data_parallel_rank)
     set_rng_state(rng)
     return path
 

@@ -21,6 +21,7 @@ File layout (every key optional)::
     gradient_accumulation_steps: 4
     deepspeed: {zero_stage: 3, offload_optimizer_device: cpu, offload_param_device: none}
     fsdp: {sharding_strategy: FULL_SHARD}
+    megatron: {tensor_parallel_size: 2, data_parallel_size: auto}   # MegatronStrategy's own argument names
 """
 from __future__ import annotations
 
@@ -41,7 +42,11 @@ from trainer.precision import PRECISIONS
 
 HELP = "answer a few questions and write the launch config file"
 LAUNCH_CONFIG_ENV = "TRAINFORGE_LAUNCH_CONFIG"
-TRAINING_KEYS = ("accelerator", "strategy", "precision", "gradient_accumulation_steps", "deepspeed", "fsdp")
+TRAINING_KEYS = ("accelerator", "strategy", "precision", "gradient_accumulation_steps", "deepspeed", "fsdp",
+                 "megatron")
+MEGATRON_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel",
+                 "num_microbatches", "schedule", "sequence_parallel", "loss_parallel", "tp_plan", "pp_split",
+                 "activation_checkpointing")
 MAX_ATTEMPTS = 3  # re-asks of one question before `config` gives up
 
 Parser = Callable[[str, Any], Any]
@@ -341,4 +346,10 @@ def strategy_kwargs(strategy: str, defaults: Mapping[str, Any]) -> Dict[str, Any
         if "nvme" in devices:
             kwargs["offload_device"] = "nvme"
         return kwargs
+    if strategy == "megatron":
+        unknown = sorted(set(section) - set(MEGATRON_KEYS))
+        if unknown:
+            raise ConfigurationError(f"megatron.{unknown[0]} is not a MegatronStrategy setting; valid keys: "
+                                     f"{', '.join(MEGATRON_KEYS)}")
+        return dict(section)
     return {}

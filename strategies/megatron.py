@@ -1,0 +1,223 @@
+"""Megatron-style tensor parallelism composed with FSDP2 on one ``DeviceMesh`` (``strategy="megatron"``).
+
+``setup`` applies the steps of ``strategies/parallel`` in their fixed order: precision conversion
+-> ``apply_tp`` on the ``tp`` mesh dimension -> activation checkpointing -> ``fully_shard`` of each
+repeated block, then the root, on the ``dp`` dimension (skipped when dp=1). Parameters end up as
+``DTensor``s: ``Shard`` on tp for the planned layers, ``Shard(0)`` on dp for all (FSDP2 x TP).
+
+Data: each dp rank reads its shard of the loader; the tp ranks of one dp group read the same batch.
+Checkpoints: ``dcp/`` (torch.distributed.checkpoint) in trainforge's checkpoint directory, the same
+layout as ``FSDPStrategy``'s sharded one, so it loads on another (tp, dp) layout, under FSDP, and
+through ``trainforge merge-weights`` on one process.
+
+Not built yet (clear errors): pipeline_parallel_size > 1, sizes "auto", data_parallel="ddp",
+sequence_parallel=True / loss_parallel=True as strategy switches (``"sequence_parallel"`` styles
+in ``tp_plan`` work).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from strategies.base import Optimizers, Strategy, build_optimizers
+from strategies.ddp import ProcessGroupMixin
+from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
+from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_optimizers
+from strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
+from strategies.parallel import ParallelDims, apply_tp
+from strategies.parallel.dims import _positive
+
+log = logging.getLogger("trainforge")
+
+DATA_PARALLEL = ("fsdp",)
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+
+
+class MegatronStrategy(ProcessGroupMixin, Strategy):
+    """``MegatronStrategy(tensor_parallel_size=2, tp_plan="auto")``; ``data_parallel_size="auto"``
+    takes the processes tp x pp leave. ``tp_plan``: None/"auto" (a transformers model's own plan) or
+    ``{module glob: style}`` (see ``strategies/parallel/tp.py``). ``activation_checkpointing``: as
+    ``FSDPStrategy``'s (False, True = the repeated blocks, a set of classes, a callable)."""
+
+    name = "megatron"
+    redirect_forward = True  # training_step through the root's forward, so FSDP's root hooks run
+
+    def __init__(self, device: Optional[Union[torch.device, str]] = None, *, tensor_parallel_size: Any = 1,
+                 pipeline_parallel_size: Any = 1, data_parallel_size: Any = "auto", data_parallel: str = "fsdp",
+                 num_microbatches: Optional[int] = None, schedule: str = "1f1b", sequence_parallel: bool = False,
+                 loss_parallel: bool = False, tp_plan: Any = "auto", pp_split: Optional[List[str]] = None,
+                 activation_checkpointing: Any = False, process_group_backend: Optional[str] = None,
+                 timeout: timedelta = timedelta(minutes=30)) -> None:
+        super().__init__(device)
+        if data_parallel not in DATA_PARALLEL:
+            raise invalid_choice("data_parallel", data_parallel, DATA_PARALLEL,
+                                 "data parallelism over the dp mesh dimension is FSDP2 (ddp is not built yet)")
+        if schedule not in SCHEDULES:
+            raise invalid_choice("schedule", schedule, SCHEDULES)
+        if pipeline_parallel_size not in (1, "1") or pp_split is not None or num_microbatches is not None:
+            raise ConfigurationError(f"pipeline_parallel_size={pipeline_parallel_size!r} (pp_split={pp_split!r}, "
+                                     f"num_microbatches={num_microbatches!r}): pipeline parallelism is not built yet "
+                                     "in MegatronStrategy; use pipeline_parallel_size=1 and scale with "
+                                     "tensor_parallel_size and data_parallel_size")
+        for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if value:
+                raise ConfigurationError(f"{flag}=True is not built yet as a switch; leave it False (a "
+                                         "'sequence_parallel' style in tp_plan shards norms' activations)")
+        # types checked now, before any process starts; against the world size in setup_environment
+        if tensor_parallel_size == "auto":
+            ParallelDims.resolve(tp="auto", pp=1, dp="auto", world_size=1)
+        _positive("tensor_parallel_size", tensor_parallel_size, False)
+        _positive("data_parallel_size", data_parallel_size, True)
+        self.sizes = {"tp": tensor_parallel_size, "pp": 1, "dp": data_parallel_size}
+        self.tp_plan, self.activation_checkpointing, self.schedule = tp_plan, activation_checkpointing, schedule
+        self.backend, self.timeout = process_group_backend, timeout
+        self.dims: Optional[ParallelDims] = None
+        self.mesh: Any = None
+        self.tp_coverage: Dict[str, Any] = {}
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        self._device = self._start_process_group(self.backend, self.timeout)
+        self.dims = ParallelDims.resolve(world_size=self.world_size, **self.sizes)
+        self.mesh = self.dims.build_mesh(self.root_device.type)
+        if self.is_global_zero:
+            log.info("trainforge: megatron layout %s over %d processes", self.dims, self.world_size)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dims.dp if self.dims is not None else 1
+
+    def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
+        from strategies.data import prepare_dataloader
+
+        return prepare_dataloader(dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size, seed=seed)
+
+    def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
+        if getattr(module, "_trainforge_megatron", False):  # parallelized before
+            return module, build_optimizers(optimizers)
+        before = list(module.named_parameters())
+        module = self.setup_module(module)
+        if callable(optimizers):  # built now, on the DTensor parameters (the Trainer's order)
+            return module, build_optimizers(optimizers)
+        if optimizers:  # built by the user on the plain parameters (Accelerate's order)
+            _remap_optimizers(before, module, optimizers)
+        return module, list(optimizers)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if getattr(module, "_trainforge_megatron", False):
+            return module
+        if self.mesh is None:
+            raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
+                                     "Trainer or Accelerator, or call strategy.setup_environment() first")
+        module = module.to(self.root_device)
+        if self.precision is not None:
+            module = self.precision.convert_module(module)
+        if self.dims.tp > 1:  # 1. (pp split: not built) 2. tensor parallelism
+            self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan)
+            if self.is_global_zero:
+                c = self.tp_coverage
+                log.info("trainforge: tensor parallel plan shards %d module(s), %d of %d parameters (%.0f%%): %s",
+                         c["modules"], c["sharded_numel"], c["total_numel"], 100 * c["fraction"],
+                         ", ".join(c["sharded_params"][:8]) + (" ..." if len(c["sharded_params"]) > 8 else ""))
+        units = select_modules(module, None)  # 3. activation checkpointing
+        ac = self.activation_checkpointing
+        if ac is True:
+            ac = {type(m) for _, m in units} or None
+        wrappers = apply_activation_checkpointing(module, select_modules(module, ac)) if ac not in (False, None) else {}
+        if self.dims.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 on the dp dimension
+            kwargs = {"mesh": self.mesh["dp"], "mp_policy": self._mp_policy()}
+            for _, unit in units:
+                fully_shard(wrappers.get(id(unit), unit), **kwargs)
+            fully_shard(module, **kwargs)
+        module._trainforge_megatron = True
+        return module
+
+    def _mp_policy(self) -> MixedPrecisionPolicy:
+        dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))
+        return MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype,
+                                                                                 reduce_dtype=torch.float32)
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module  # everything is applied in place
+
+    def teardown(self) -> None:
+        self.mesh = None
+        self._stop_process_group()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+        if not (enabled and isinstance(module, FSDPModule)):
+            return contextlib.nullcontext()
+        return _no_gradient_sync(module)
+
+    def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
+                       clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+        """Gradients live on different meshes (tp+dp, dp only, none): the norm of each mesh's group is
+        reduced over that mesh, then the groups combine into the norm of the unsharded model."""
+        params = [p for p in parameters if p.grad is not None]
+        if clip_value is not None or max_norm is None:
+            return super().clip_gradients(params, max_norm=max_norm, clip_value=clip_value, norm_type=norm_type)
+        groups: Dict[Any, List[torch.Tensor]] = {}
+        for p in params:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+        norms = []
+        for group in groups.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.nn.utils.get_total_norm(norms, norm_type)
+        for group in groups.values():  # one call per kind: foreach kernels do not mix DTensor and Tensor
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def module_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """The full state dict on CPU on every rank, gathered one tensor at a time in the same
+        order everywhere (torch's ``full_state_dict`` option hung here on a tp x dp mesh under gloo)."""
+        out = {}
+        for name, value in get_model_state_dict(module).items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            out[name] = full.detach().cpu()
+        return out
+
+    def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        dcp.save(_sharded_state(module, optimizers), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
+
+    def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """A ``dcp/`` checkpoint from any (tp, dp) layout or from FSDPStrategy; DCP reshards on read."""
+        folder = Path(path) / DCP_DIR
+        if not folder.is_dir():
+            raise CheckpointError(f"{path}: no {DCP_DIR}/ folder; MegatronStrategy loads sharded checkpoints "
+                                  "(written by MegatronStrategy or FSDPStrategy(state_dict_type='sharded'))")
+        state = _sharded_state(module, optimizers)
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except Exception as e:
+            raise CheckpointError(f"{folder}: cannot load into {type(module).__name__} ({type(e).__name__}: "
+                                  f"{str(e).strip()[:500]}); was it saved from the same model and optimizers?") from None
+        set_model_state_dict(module, state["model"])
+        for i, opt in enumerate(optimizers):
+            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)])
+
+    def __repr__(self) -> str:
+        return f"MegatronStrategy({self.dims or self.sizes}, device={self.root_device})"
+
+
+def _sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, Any]:
+    return {"model": get_model_state_dict(module),
+            "optimizers": {str(i): get_optimizer_state_dict(module, opt) for i, opt in enumerate(optimizers)}}

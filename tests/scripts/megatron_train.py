@@ -1,0 +1,203 @@
+"""MegatronStrategy on real gloo processes, for tests/strategies/test_megatron.py.
+
+    torchrun --nproc-per-node 4 megatron_train.py tp2dp2 OUT   # FSDP2 x TP=2, 20 steps, saves OUT/ckpt_tp2dp2
+    torchrun --nproc-per-node 2 megatron_train.py tp2 OUT      # TP=2 (GPT + Llama), resume, reshard to dp2
+
+Every rank also trains the unsharded reference itself (same seed, same global batches), so the
+parity numbers are computed in-process; rank 0 writes OUT/<mode>.json.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from fsdp_common import LitLM, TinyLM, full_state, lm_loss, loader, make_trainer, write_json
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
+
+from callbacks.base import Callback
+from strategies.megatron import MegatronStrategy
+from trainer import Accelerator, TrainingModule
+
+PLAN = {"net.blocks.*.mix": "colwise_rep", "net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise",
+        "net.head": "colwise_rep"}
+NET_PLAN = {k[len("net."):]: v for k, v in PLAN.items()}
+
+
+def fit(strategy: Any, root: Path, max_steps: int, ckpt_path: Any = None, module: Any = None,
+        **kwargs: Any) -> Any:
+    module = module if module is not None else LitLM()
+    trainer = make_trainer(strategy, root, max_steps, **kwargs)
+    trainer.fit(module, loader(kwargs.pop("batch_size", 4)), ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def seeded_tinylm() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+class SaveAt(Callback):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(str(self.path))
+
+
+def reference(make: Any, loss_fn: Any, steps: int, batch_size: int, clip: Any = 0.5) -> Dict[str, Any]:
+    module = make()
+    opt = torch.optim.AdamW(module.net.parameters(), lr=1e-2, weight_decay=0.01)
+    losses: List[float] = []
+    for i, batch in enumerate(loader(batch_size)):
+        if i == steps:
+            break
+        loss = loss_fn(module.net, batch)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.net.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in module.net.state_dict().items()}}
+
+
+def gathered(obj: Any) -> List[Any]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def grad_diff(make_net: Any, loss_fn: Any, plan: Any) -> float:
+    """First-step gradients of the TP=2 model (gathered) against the unsharded model's."""
+    strategy = MegatronStrategy(tensor_parallel_size=2, tp_plan=plan)
+    strategy.setup_environment()
+    ref, tp = make_net(), strategy.setup_module(make_net())
+    batch = next(iter(loader(4)))
+    loss_fn(ref, batch).backward()
+    loss_fn(tp, batch).backward()
+    grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in tp.named_parameters()}
+    return max_diff(grads, {n: p.grad for n, p in ref.named_parameters()})
+
+
+class LitLlama(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        self.net = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        self.losses: List[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = llama_loss(self.net, batch)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def llama_loss(net: Any, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(net(input_ids=x).logits.flatten(0, 1), y.flatten())
+
+
+def tp2dp2(out: Path) -> Dict[str, Any]:
+    trainer, module = fit(MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN), out / "run_tp2dp2", max_steps=20,
+                          callbacks=[SaveAt(20, out / "ckpt_tp2dp2")])
+    per_rank = gathered(module.losses)
+    dims = trainer.strategy.dims
+    weights = full_state(trainer)
+    if dist.get_rank() == 0:
+        save_file({k[len("net."):]: v.contiguous() for k, v in weights.items()}, str(out / "tp2dp2.safetensors"))
+    ref = reference(LitLM, lm_loss, 20, 8)
+    # ranks 0,1 are dp rank 0 (tp 0,1), ranks 2,3 dp rank 1: the global loss is the mean over dp ranks
+    mean = [(a + b) / 2 for a, b in zip(per_rank[0], per_rank[2])]
+    return {"layout": str(dims), "tp_ranks_equal": per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3],
+            "loss_diff": max(abs(a - b) for a, b in zip(mean, ref["losses"])), "steps": len(mean),
+            "placements": str(trainer.model.net.blocks[0].mlp[0].weight.placements)}
+
+
+def accelerator_run() -> float:
+    """The thin API: an optimizer built on the unsharded parameters, prepared with the model."""
+    acc = Accelerator(strategy=MegatronStrategy(tensor_parallel_size=2, tp_plan=NET_PLAN))
+    net = seeded_tinylm()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+    net, opt, dl = acc.prepare(net, opt, loader(4))
+    losses = []
+    for i, batch in enumerate(dl):
+        if i == 3:
+            break
+        loss = lm_loss(net, batch)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    ref = reference(lambda: type("M", (), {"net": seeded_tinylm()})(), lm_loss, 3, 4, clip=None)
+    return max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+
+
+def tp2(out: Path) -> Dict[str, Any]:
+    res: Dict[str, Any] = {}
+    strategy = MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN)
+    trainer, module = fit(strategy, out / "run_tp2", max_steps=6, callbacks=[SaveAt(3, out / "ckpt_tp2")])
+    ref = reference(LitLM, lm_loss, 6, 4)
+    res["gpt_loss_diff"] = max(abs(a - b) for a, b in zip(module.losses, ref["losses"]))
+    res["gpt_steps"] = len(module.losses)
+    res["coverage"] = strategy.tp_coverage["fraction"]
+    res["placements"] = str(trainer.model.net.blocks[0].mlp[0].weight.placements)
+    full = full_state(trainer)
+    trainer2, module2 = fit(MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN), out / "resumed_tp2",
+                            max_steps=6, ckpt_path=str(out / "ckpt_tp2"))
+    res["resume_losses_equal"] = module2.losses == module.losses[3:]
+    res["resume_weights_diff"] = max_diff(full_state(trainer2), full) if full else 0.0
+    res["gpt_grad_diff"] = grad_diff(seeded_tinylm, lm_loss, NET_PLAN)
+
+    res["accelerator_loss_diff"] = accelerator_run()
+    res["llama_grad_diff"] = grad_diff(lambda: LitLlama().net, llama_loss, "auto")
+    trainer3, module3 = fit(MegatronStrategy(tensor_parallel_size=2), out / "run_llama", max_steps=3,
+                            module=LitLlama())
+    res["llama_loss_diff"] = max(abs(a - b) for a, b in zip(module3.losses,
+                                                            reference(LitLlama, llama_loss, 3, 4)["losses"]))
+
+    # the tp2 x dp2 checkpoint loaded on dp2 (tp=1): weights equal the ones it was saved with
+    ckpt = out / "ckpt_tp2dp2"
+    if ckpt.is_dir():
+        dp2 = MegatronStrategy(tensor_parallel_size=1)
+        dp2.setup_environment()
+        torch.manual_seed(1)
+        net = dp2.setup_module(TinyLM())
+        wrapper = torch.nn.Module()
+        wrapper.net = net
+        dp2.load_checkpoint(ckpt, wrapper, [])
+        loaded = {k[len("net."):]: v for k, v in dp2.module_state_dict(wrapper).items()}
+        res["dp2_layout"] = str(dp2.dims)
+        if dist.get_rank() == 0:
+            res["dp2_load_diff"] = max_diff(loaded, load_file(str(out / "tp2dp2.safetensors")))
+    return res
+
+
+def main(mode: str, out: Path) -> None:
+    import faulthandler
+    faulthandler.dump_traceback_later(int(os.environ.get("MEGATRON_DUMP_AFTER", "600")), exit=True)
+    res = {"tp2dp2": tp2dp2, "tp2": tp2}[mode](out)
+    if int(os.environ["RANK"]) == 0:
+        write_json(out / f"{mode}.json", res)
+    print(f"rank {os.environ['RANK']} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
