@@ -106,11 +106,11 @@ def test_a_save_replaces_only_its_own_kind(tmp_path):
 
 
 def test_second_run_writes_versioned_names_and_says_how_to_resume(tmp_path, caplog):
-    _fit(tmp_path, [ModelCheckpoint(every_n_epochs=1, save_top_k=0, filename="e{epoch}")])
+    _fit(tmp_path, [ModelCheckpoint(every_n_epochs=1, save_top_k=0, filename="e{epoch}", auto_insert_metric_name=False)])
     root = tmp_path / "checkpoints"
     first = {name: (root / name / "metadata.json").read_bytes() for name in ("e0", "e1")}
     with caplog.at_level(logging.WARNING, logger="trainforge"):
-        _fit(tmp_path, [ModelCheckpoint(every_n_epochs=1, save_top_k=0, filename="e{epoch}")])
+        _fit(tmp_path, [ModelCheckpoint(every_n_epochs=1, save_top_k=0, filename="e{epoch}", auto_insert_metric_name=False)])
     assert {name: (root / name / "metadata.json").read_bytes() for name in first} == first  # untouched
     assert sorted(p.name for p in list_checkpoints(root)) == ["e0", "e0-v1", "e1", "e1-v1"]
     assert read_latest_pointer(root) == "e1-v1"
@@ -141,6 +141,18 @@ def test_resumed_run_replaces_its_own_names_without_suffix(tmp_path):
     root = tmp_path / "checkpoints"
     assert [p.name for p in list_checkpoints(root)] == ["last"]
     assert json.loads((root / "last" / "metadata.json").read_text())["epoch"] == 1
+
+
+def test_save_last_of_a_second_fresh_run_is_versioned_and_its_own_later_saves_replace_it(tmp_path):
+    _fit(tmp_path, [ModelCheckpoint(save_top_k=0, save_last=True)], max_epochs=1)
+    root = tmp_path / "checkpoints"
+    first = (root / "last" / "metadata.json").read_bytes()
+    second = _fit(tmp_path, [ModelCheckpoint(save_top_k=0, save_last=True)], max_epochs=2)
+    assert (root / "last" / "metadata.json").read_bytes() == first  # the first run's 'last' untouched
+    mc = [cb for cb in second.callbacks if isinstance(cb, ModelCheckpoint)][0]
+    assert mc.last_model_path.endswith("last-v1")
+    assert json.loads((root / "last-v1" / "metadata.json").read_text())["epoch"] == 1  # rewritten each epoch
+    assert sorted(p.name for p in list_checkpoints(root)) == ["last", "last-v1"]
 
 
 def test_pruning_never_trusts_paths_from_saved_state(tmp_path):
