@@ -260,6 +260,8 @@ class Trainer(MetricLogging, Evaluation):
 
     def _loss_of(self, output: Any, batch_idx: int) -> Optional[torch.Tensor]:
         """The loss in what training_step returned, or a ConfigurationError at the first bad batch."""
+        if type(output) is torch.Tensor and output.requires_grad and output.numel() == 1:
+            return output  # the common case, checked in the fewest operations (a per-step path)
         where = f"{type(self.module).__name__}.training_step (batch {batch_idx})"
         if isinstance(output, dict):
             if "loss" not in output:
@@ -311,15 +313,13 @@ class Trainer(MetricLogging, Evaluation):
             self._emit(self._metrics["train"].pop_step_metrics(self.strategy))
 
     def _check_loss(self, loss: torch.Tensor, batch_idx: int) -> bool:
-        if type(loss) is not torch.Tensor and not isinstance(loss, torch.Tensor):
-            raise TrainforgeError(f"training_step returned {type(loss).__name__}; return the loss tensor, a dict "
-                                  "with a 'loss' key, or None to skip the batch")
+        """Whether to train on ``loss`` (a one-value tensor: ``_loss_of`` checked it)."""
         policy = self.config.nonfinite_loss
         if policy == "off":
             return True
         if loss.device.type != "cpu" and policy == "raise":
             return self._check_loss_async(loss)
-        if math.isfinite(loss.item() if loss.numel() == 1 else float(loss.detach().sum())):
+        if math.isfinite(loss.item()):
             return True
         if policy == "skip":
             self.progress.skipped_nonfinite += 1
