@@ -28,12 +28,12 @@ import contextlib
 import importlib
 import io
 import os
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from strategies.base import REDUCE_OPS, Strategy
+from strategies.base import REDUCE_OPS, Strategy, build_optimizers
 from strategies.data_utils import apply_to_tensors
 from strategies.errors import ConfigurationError, invalid_choice
 
@@ -116,6 +116,7 @@ class XLAStrategy(Strategy):
         if not isinstance(sync_module_states, bool):
             raise ConfigurationError(f"XLAStrategy(sync_module_states={sync_module_states!r}) must be True or False")
         self.sync_module_states = sync_module_states
+        self._xla: Any = None
         self._xm: Any = None
         self._xr: Any = None
         self._reduced: set = set()  # ids of parameters whose gradients clip_gradients already all-reduced
@@ -144,8 +145,22 @@ class XLAStrategy(Strategy):
         import torch_xla.runtime as xr
 
         check_xla_cpu_devices(xr.device_type(), int(xr.world_size()))
-        self._xm, self._xr = xm, xr
+        self._xla, self._xm, self._xr = torch_xla, xm, xr
         self._device = torch_xla.device()
+
+    def setup(self, module: nn.Module, optimizers: Any) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
+        """Optimizers built before placement (Accelerate's order) hold the CPU parameters, which moving
+        to XLA replaces (CPU and XLA tensors cannot swap storage): they are pointed at the XLA ones."""
+        before = list(module.named_parameters())
+        module = self.setup_module(module)
+        if callable(optimizers):
+            return module, build_optimizers(optimizers)
+        moved = any(p is not q for (_, p), q in zip(before, module.parameters()))
+        if optimizers and moved:
+            from strategies.fsdp import _remap_optimizers
+
+            _remap_optimizers(before, module, optimizers)
+        return module, list(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         name = getattr(self.precision, "name", "32")
@@ -191,8 +206,8 @@ class XLAStrategy(Strategy):
         return out
 
     def _sync(self) -> None:
-        if self._xm is not None:
-            self._xm.mark_step()
+        if self._xla is not None:
+            self._xla.sync()
 
     # ---- collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
