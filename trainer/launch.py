@@ -13,6 +13,8 @@ we add:
 - the script runs through ``trainer._bootstrap`` (torch elastic ``@record``), so a crashing rank's
   traceback reaches the failure summary, and the exit code is non-zero.
 
+``--xla`` starts the processes with torch_xla's launcher instead (``trainer.launch_xla``).
+
 Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments.
 """
 from __future__ import annotations
@@ -108,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
                                  f"{os.getcwd()}); give the path of your training script")
     if getattr(args, "xla", False):
         return run_xla(settings, flags_given(args), args.script, args.script_args)
+    if settings.get("strategy") == "xla":
+        raise ConfigurationError("strategy 'xla' runs one process per XLA device started by torch_xla's launcher: "
+                                 "use `trainforge launch --xla script.py` (torchrun does not start XLA processes)")
     check_master_port(settings)
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -105,6 +105,8 @@ def test_launch_xla_refuses_what_cannot_apply(tmp_path):
     assert out.returncode == 2 and "--nproc-per-node" in out.stdout and "one process per local XLA device" in out.stdout
     out = _launch("--xla", "--strategy", "ddp", str(script))
     assert out.returncode == 2 and "--strategy ddp" in out.stdout and "drop --xla" in out.stdout
+    out = _launch("--strategy", "xla", str(script))
+    assert out.returncode == 2 and "use `trainforge launch --xla script.py`" in out.stdout
     out = _launch("--xla", str(script), PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
     assert out.returncode == 2 and "4 XLA:CPU devices" in out.stdout and "pytorch/xla#5005" in out.stdout
     out = _launch("--xla", str(script), PJRT_DEVICE="CPU", CPU_NUM_DEVICES="many")
