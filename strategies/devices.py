@@ -37,7 +37,9 @@ def accelerator_choices() -> tuple:
 
 def normalize_accelerator(value: object) -> str:
     key = str(value).lower().strip() if value is not None else "auto"
-    choices = accelerator_choices()
+    if key in ACCELERATORS:
+        return "cuda" if key == "gpu" else key
+    choices = accelerator_choices()  # asks torch only for a name outside the fixed ones
     if key not in choices:
         raise invalid_choice("accelerator", value, choices, "'auto' picks the accelerator torch reports "
                              "(torch.accelerator: CUDA, MPS, XPU, or a registered backend such as 'tpu'), else the "
