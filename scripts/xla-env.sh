@@ -49,7 +49,7 @@ build() {
 run_tests() {
   local vpy="$VENV/bin/python"
   [ -x "$vpy" ] || { echo "xla-env.sh: no environment at $VENV; run scripts/xla-env.sh --build-only first" >&2; exit 2; }
-  "$vpy" -c 'import sys, torch, torch_xla; print("python", sys.version.split()[0], "torch", torch.__version__, "torch_xla", torch_xla.__version__)'
+  PJRT_DEVICE=CPU "$vpy" -c 'import sys, torch, torch_xla; print("python", sys.version.split()[0], "torch", torch.__version__, "torch_xla", torch_xla.__version__)'
   # The repository root goes first on the path: the tests import this checkout, never an installed copy.
   PJRT_DEVICE=CPU PYTHONPATH="$ROOT" "$vpy" -m pytest -q -p no:cacheprovider -m xla tests/
 }
