@@ -17,8 +17,9 @@ _REGISTRY = {
     "fsdp": "strategies.fsdp:FSDPStrategy",
     "deepspeed": "strategies.deepspeed:DeepSpeedStrategy",
     "megatron": "strategies.megatron:MegatronStrategy",
+    "xla": "strategies.xla:XLAStrategy",  # imports torch_xla only in setup_environment; never picked by "auto"
 }
-_NOT_BUILT = {"xla": "XLA device placement"}
+_NOT_BUILT: dict = {}
 STRATEGY_NAMES = ("auto",) + tuple(_REGISTRY)
 
 

@@ -97,6 +97,11 @@ class Strategy:
 
         return prepare_dataloader(dataloader, rank=self.global_rank, world_size=self.world_size, seed=seed)
 
+    #: A strategy whose backend moves batches to the device itself (XLA's ``MpDeviceLoader``) defines
+    #: ``device_batches(iterable) -> iterable``; the prepared loader then iterates through it (and keeps
+    #: the data position of each batch the loop received, not of batches prefetched ahead).
+    device_batches: Optional[Callable[[Any], Any]] = None
+
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper ``setup`` put around it."""
         return getattr(module, "module", module) if self.world_size > 1 else module

@@ -62,7 +62,7 @@ class ProcessGroupMixin:
     _owns_process_group = False
 
     def _start_process_group(self, backend: Optional[str], timeout: timedelta) -> torch.device:
-        from strategies.devices import default_device
+        from strategies.devices import default_device, set_current_device
         from strategies.environment import default_backend, detect_environment
 
         env = detect_environment()
@@ -70,8 +70,8 @@ class ProcessGroupMixin:
         device = self._device
         if device is None:
             device = default_device(getattr(self, "accelerator", "auto"), env.local_rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if device.type != "cpu":
+            set_current_device(device)
         if not dist.is_available():
             raise ConfigurationError("torch.distributed is not available in this torch build; use strategy='single'")
         if not dist.is_initialized():
@@ -180,7 +180,9 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
         module = super().setup_module(module)
         if self.world_size == 1:
             return module
-        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        # One device per process on any accelerator (cuda, xpu, a PrivateUse1 backend); none on CPU/MPS.
+        device = self.root_device
+        device_ids = [device.index] if device.type not in ("cpu", "mps") and device.index is not None else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
         self._register_comm_hook(ddp)
         return ddp

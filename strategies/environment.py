@@ -81,8 +81,16 @@ def detect_environment(environ: Mapping[str, str] = os.environ) -> ClusterEnviro
 
 
 def default_backend(device: "torch.device | str") -> str:
-    """The process-group backend for ``device``: nccl for CUDA, gloo for everything else."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """The process-group backend for ``device``: nccl for CUDA, gloo for the CPU, and for any other
+    device the backend registered for its type (``torch.distributed.Backend.register_backend(...,
+    devices=[...])``: xccl for XPU, "tpu" for torch-tpu's PrivateUse1 device), else gloo."""
+    kind = torch.device(device).type
+    if kind in ("cuda", "cpu"):
+        return "nccl" if kind == "cuda" else "gloo"
+    import torch.distributed as dist
+
+    registered = getattr(getattr(dist, "Backend", None), "default_device_backend_map", {}) or {}
+    return registered.get(kind, "gloo")
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

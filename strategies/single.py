@@ -1,4 +1,4 @@
-"""One process, one device: cpu, cuda or mps."""
+"""One process, one device: the CPU, CUDA, MPS, or any accelerator torch reports (torch.accelerator)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from strategies.base import Strategy
-from strategies.devices import default_device
+from strategies.devices import default_device, set_current_device
 from strategies.errors import ConfigurationError
 
 
@@ -25,5 +25,5 @@ class SingleDeviceStrategy(Strategy):
                                      "strategy='ddp' (or 'auto', 'fsdp', 'deepspeed'), or launch one process")
         if self._device is None:  # chosen now: the Accelerator sets ``accelerator`` before this call
             self._device = default_device(self.accelerator)
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
+        if self.root_device.type != "cpu":
+            set_current_device(self.root_device)

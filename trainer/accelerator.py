@@ -175,7 +175,8 @@ class Accelerator(ProcessControl):
         prepared = PreparedDataLoader(sharded, self.device, self.gradient_state, self.precision,
                                       base_generator=loader.generator,
                                       order_generator=getattr(sampler, "generator", None),
-                                      broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None)
+                                      broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
+                                      device_batches=self.strategy.device_batches)
         self._dataloaders.append(prepared)
         return prepared
 

@@ -13,6 +13,8 @@ we add:
 - the script runs through ``trainer._bootstrap`` (torch elastic ``@record``), so a crashing rank's
   traceback reaches the failure summary, and the exit code is non-zero.
 
+``--xla`` starts the processes with torch_xla's launcher instead (``trainer.launch_xla``).
+
 Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, List, Mapping, Sequence
 
 from strategies.environment import port_is_free
 from strategies.errors import ConfigurationError, LaunchError
+from trainer.launch_xla import run_xla
 from trainer.launch_config import (LAUNCH_CONFIG_ENV, add_setting_arguments, default_config_path,
                                    flags_given, load_config, save_config, validate)
 
@@ -41,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-file", default=None,
                         help=f"settings file (default: {default_config_path()} when it exists)")
     add_setting_arguments(parser)
+    parser.add_argument("--xla", action="store_true",
+                        help="run on XLA devices (TPU; XLA:CPU with PJRT_DEVICE=CPU) with torch_xla's launcher (PJRT), "
+                        "one process per local device, strategy 'xla'; needs torch_xla")
     parser.add_argument("script", nargs="?", help="the training script, run as `python script.py args` "
                         "on every rank")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -95,10 +101,6 @@ def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = 
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     settings = resolve_settings(args)
     if args.script is None:
         raise ConfigurationError("no training script given; usage: trainforge launch [options] "
@@ -106,7 +108,16 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.script):
         raise ConfigurationError(f"script {args.script!r} does not exist (working directory "
                                  f"{os.getcwd()}); give the path of your training script")
+    if getattr(args, "xla", False):
+        return run_xla(settings, flags_given(args), args.script, args.script_args)
+    if settings.get("strategy") == "xla":
+        raise ConfigurationError("strategy 'xla' runs one process per XLA device started by torch_xla's launcher: "
+                                 "use `trainforge launch --xla script.py` (torchrun does not start XLA processes)")
     check_master_port(settings)
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     parsed = torchrun.parse_args(torchrun_argv(settings, args.script, args.script_args))
     fd, path = tempfile.mkstemp(prefix="trainforge-launch-", suffix=".yaml")
     os.close(fd)

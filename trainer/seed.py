@@ -29,6 +29,9 @@ def seed_everything(seed: int = 0, workers: bool = True, rank_offset: bool = Fal
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds CUDA devices too
+    xm = _xla_model()
+    if xm is not None:  # torch_xla's device generator is its own
+        xm.set_rng_state(seed)
     global _seed_workers
     _seed_workers = workers
     return seed
@@ -58,6 +61,14 @@ def rng_state() -> Dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    xm = _xla_model()
+    if xm is not None:
+        # torch_xla derives random seeds per executed graph, and set_rng_state(get_rng_state()) is not
+        # the identity: the generator is re-seeded with its current value here, so the run that saved
+        # and a run resumed from this state continue from the same seed.
+        seed = int(xm.get_rng_state())
+        xm.set_rng_state(seed)
+        state["xla"] = seed
     return state
 
 
@@ -71,6 +82,18 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     cuda: Optional[Any] = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
+    xm = _xla_model()
+    if xm is not None and state.get("xla") is not None:
+        xm.set_rng_state(int(state["xla"]))
+
+
+def _xla_model() -> Any:
+    """torch_xla's xla_model where strategy 'xla' already imported torch_xla (never imported here)."""
+    import sys
+
+    if "torch_xla" not in sys.modules or "torch_xla.core.xla_model" not in sys.modules:
+        return None
+    return sys.modules["torch_xla.core.xla_model"]
 
 
 def _plain(value: Any) -> Any:

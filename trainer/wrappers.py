@@ -1,6 +1,7 @@
 """The objects ``Accelerator.prepare`` hands back: they look like what the user passed in."""
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -95,8 +96,13 @@ class PreparedDataLoader:
 
     def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any,
                  base_generator: Optional[torch.Generator] = None, order_generator: Optional[torch.Generator] = None,
-                 broadcast: Optional[Callable[[Any], Any]] = None) -> None:
+                 broadcast: Optional[Callable[[Any], Any]] = None,
+                 device_batches: Optional[Callable[[Any], Any]] = None) -> None:
         self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
+        # The strategy's own device loader (XLA's MpDeviceLoader): it prefetches, so the position saved
+        # is the one recorded with each batch the loop received (``_position``), not the loader's live one.
+        self.device_batches = device_batches
+        self._position: Optional[Dict[str, Any]] = None
         # The user's DataLoader generator and RandomSampler generator (None: the global torch RNG).
         self.base_generator, self.order_generator, self.broadcast = base_generator, order_generator, broadcast
         self._generators_after: List[torch.Tensor] = []  # the user's generators after the epoch-start draws
@@ -137,8 +143,15 @@ class PreparedDataLoader:
         convert = self.precision.convert_input if getattr(self.precision, "input_dtype", None) is not None else None
         state.end_of_dataloader = False
         state.active_dataloaders += 1
+        self._position = None
+        tracked = self.device_batches is not None
+        batches = iter(self.device_batches(_with_positions(self.loader)) if tracked else self.loader)
+        move = move and not tracked  # the strategy's loader put them on the device
         try:
-            for batch in self.loader:
+            for batch in batches:
+                if tracked:
+                    batch, position = batch
+                    self._position = position.state
                 self.batch_in_epoch += 1
                 state.end_of_dataloader = self.batch_in_epoch == total
                 if move:
@@ -146,6 +159,10 @@ class PreparedDataLoader:
                 yield convert(batch) if convert is not None else batch
         finally:  # also when the loop breaks out (the generator is closed)
             state.active_dataloaders -= 1
+            close = getattr(batches, "close", None)
+            if tracked and callable(close):
+                close()
+        self._position = None  # the pass ran out: the loader's own state says so
         state.end_of_dataloader = True
         self.epoch += 1
         self.batch_in_epoch = 0
@@ -206,7 +223,8 @@ class PreparedDataLoader:
     def state_dict(self) -> Dict[str, Any]:
         from strategies.data import loader_state_dict
 
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state_dict(self.loader),
+        loader = copy.deepcopy(self._position) if self._position is not None else loader_state_dict(self.loader)
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader,
                 "user_generators": list(self._generators_after)}
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
@@ -222,3 +240,22 @@ class PreparedDataLoader:
                 g.set_state(g_state)
             self._generators_after = list(saved)
         self._resumed = True
+
+
+class _Position:
+    """The loader's state right after it produced one batch. ``__slots__``, no ``__dict__``: device
+    loaders that move tensors nested in objects (torch_xla's) leave it as it is."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Dict[str, Any]) -> None:
+        self.state = state
+
+
+def _with_positions(loader: Any) -> Iterator[Any]:
+    """``(batch, _Position)`` pairs: the state is taken when the batch leaves the loader, as the loop
+    would take it without prefetching."""
+    from strategies.data import loader_state_dict
+
+    for batch in loader:
+        yield batch, _Position(loader_state_dict(loader))
