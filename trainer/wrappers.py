@@ -18,6 +18,9 @@ class GradientState:
     sync_gradients: bool = True
     end_of_dataloader: bool = False
     padding: int = 0  # duplicates the sampler added at the end of this epoch (dropped by gather_for_metrics)
+    # Where they sit in the rank-major gather of the last batch: "strided" (a sampler deals samples to ranks in
+    # turn: the last sample of the last ranks) or "contiguous" (a split stream or dispatched batches: the tail).
+    padding_order: str = "strided"
     active_dataloaders: int = 0  # prepared loaders being iterated now (outside any, gather_for_metrics = gather)
 
 
@@ -95,8 +98,10 @@ class PreparedDataLoader:
 
     def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any,
                  base_generator: Optional[torch.Generator] = None, order_generator: Optional[torch.Generator] = None,
-                 broadcast: Optional[Callable[[Any], Any]] = None) -> None:
+                 broadcast: Optional[Callable[[Any], Any]] = None, dispatcher: Any = None) -> None:
         self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
+        self.dispatcher = dispatcher  # dispatch_batches=True: trainer.dispatch.BatchDispatcher over ``loader``
+        self._held_state: Optional[Dict[str, Any]] = None  # the loader's position at the batch handed out last
         # The user's DataLoader generator and RandomSampler generator (None: the global torch RNG).
         self.base_generator, self.order_generator, self.broadcast = base_generator, order_generator, broadcast
         self._generators_after: List[torch.Tensor] = []  # the user's generators after the epoch-start draws
@@ -106,7 +111,12 @@ class PreparedDataLoader:
         self._resumed = False
 
     def __len__(self) -> int:
-        return len(self.loader)
+        if self.dispatcher is None:
+            return len(self.loader)
+        groups = len(self.loader) if self.dispatcher.split_batches else self.dispatcher.world_size
+        if self.dispatcher.split_batches:
+            return groups
+        return len(self.loader) // groups if self.dispatcher.drop_last else -(-len(self.loader) // groups)
 
     def __getattr__(self, name: str) -> Any:  # dataset, batch_size, sampler, ...
         return getattr(self.loader, name)
@@ -126,29 +136,62 @@ class PreparedDataLoader:
                 self._start_at(self._skip)
         self._skip = 0
         self._resumed = False
+        self._held_state = None
+        contiguous = self.dispatcher is not None or getattr(self.loader, "kind", None) == "stream"
         try:
-            total = len(self.loader)
+            total = -1 if contiguous else len(self.loader)
         except TypeError:  # an IterableDataset without __len__: the end is known only when it comes
             total = -1
         state = self.gradient_state
-        state.padding = num_padding_samples(self.loader)
+        state.padding = 0 if contiguous else num_padding_samples(self.loader)
+        state.padding_order = "contiguous" if contiguous else "strided"
         device = self.device
         move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run
         convert = self.precision.convert_input if getattr(self.precision, "input_dtype", None) is not None else None
         state.end_of_dataloader = False
         state.active_dataloaders += 1
         try:
-            for batch in self.loader:
-                self.batch_in_epoch += 1
-                state.end_of_dataloader = self.batch_in_epoch == total
-                if move:
-                    batch = move_to_device(batch, device)
-                yield convert(batch) if convert is not None else batch
+            if total >= 0:
+                for batch in self.loader:
+                    self.batch_in_epoch += 1
+                    state.end_of_dataloader = self.batch_in_epoch == total
+                    if move:
+                        batch = move_to_device(batch, device)
+                    yield convert(batch) if convert is not None else batch
+            else:
+                for batch, padding, last in self._looked_ahead():
+                    self.batch_in_epoch += 1
+                    state.end_of_dataloader = last
+                    if last:
+                        state.padding = padding
+                    if move:
+                        batch = move_to_device(batch, device)
+                    yield convert(batch) if convert is not None else batch
         finally:  # also when the loop breaks out (the generator is closed)
             state.active_dataloaders -= 1
+        self._held_state = None
         state.end_of_dataloader = True
         self.epoch += 1
         self.batch_in_epoch = 0
+
+    def _looked_ahead(self) -> Iterator[Any]:
+        """``(batch, padding, is_last)`` for a loader whose end is known only when it comes: one batch is
+        read ahead (as Accelerate does) so the last one is known when it is handed out; the loader's
+        position after each batch is held, so a checkpoint does not count the batch read ahead."""
+        from strategies.data import loader_state_dict
+
+        if self.dispatcher is not None:
+            source: Iterator[Any] = iter(self.dispatcher)
+        else:
+            loader = self.loader
+            source = ((batch, getattr(loader, "last_padding", 0), loader_state_dict(loader)) for batch in loader)
+        previous = next(source, None)
+        while previous is not None:
+            current = next(source, None)
+            batch, padding, position = previous
+            self._held_state = position
+            yield batch, padding, current is None
+            previous = current
 
     def _draw_epoch_randomness(self) -> None:
         """What iterating a plain ``DataLoader(shuffle=True, generator=g)`` draws, in torch's order: the
@@ -206,12 +249,15 @@ class PreparedDataLoader:
     def state_dict(self) -> Dict[str, Any]:
         from strategies.data import loader_state_dict
 
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader_state_dict(self.loader),
+        position = self._held_state if self._held_state is not None else loader_state_dict(self.loader)
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": position,
                 "user_generators": list(self._generators_after)}
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
         from strategies.data import load_loader_state
 
+        if self.dispatcher is not None:  # the whole loader, read by rank 0: its own layout on every rank
+            world_size, rank = 1, 0
         load_loader_state(self.loader, state["loader"], world_size=world_size, rank=rank)
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         users = [g for g in (self.base_generator, self.order_generator) if g is not None]
