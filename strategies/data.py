@@ -141,12 +141,14 @@ class ResumableDataLoader(StatefulDataLoader):
             given = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ConfigurationError(f"not a ResumableDataLoader state (format {given!r}, expected "
                                      f"{STATE_FORMAT}): pass the dict returned by state_dict()")
+        same_layout = (state["world_size"], state["rank"], state["num_workers"], state["batch_size"]) == (
+            self.world_size, self.rank, self.num_workers, self.batch_size)
         if state["kind"] != self.kind:
+            if {state["kind"], self.kind} == {"iterable", "stream"} and not same_layout:
+                raise ConfigurationError(_layout_message(state, self))  # a stream split for another world size
             raise ConfigurationError(
                 f"the data position was saved from a {state['kind']!r} loader but this loader is "
                 f"{self.kind!r}: resume with the same kind of dataset and sampler")
-        same_layout = (state["world_size"], state["rank"], state["num_workers"], state["batch_size"]) == (
-            self.world_size, self.rank, self.num_workers, self.batch_size)
         if self.kind != "map":
             if not same_layout:
                 raise ConfigurationError(_layout_message(state, self))

@@ -60,6 +60,8 @@ def _rebuild(layout: Any, tensors: List[torch.Tensor]) -> Any:
 def _concatenate(batches: List[Any]) -> Any:
     first = batches[0]
     if isinstance(first, torch.Tensor):
+        if len(batches) == 1 or first.dim() == 0:  # nothing to join (a 0-d tensor is refused by _layout)
+            return first
         try:
             return torch.cat(batches, dim=0)
         except RuntimeError as e:

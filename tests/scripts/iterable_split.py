@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from trainer import Accelerator
+from torch import nn
+
+from trainer import Accelerator, Trainer, TrainingModule
 
 
 class Naive(IterableDataset):
@@ -69,8 +71,43 @@ def epoch(acc, loader):
     return mine, gathered
 
 
+class Pairs(IterableDataset):
+    """(x, y) regression pairs with no __len__: the Trainer learns the epoch's end when it comes."""
+
+    def __iter__(self):
+        for i in range(11):
+            yield torch.full((2,), float(i)), torch.tensor([float(i)])
+
+
+class Recorder(TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.net, self.seen, self.val_seen, self.ends = nn.Linear(2, 1), [], [], []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append((self.trainer.current_epoch, x[:, 0].long().tolist()))
+        self.ends.append(self.trainer.accelerator.gradient_state.end_of_dataloader)
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.val_seen.append(batch[0][:, 0].long().tolist())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def via_trainer(root):
+    module = Recorder()
+    trainer = Trainer(max_epochs=2, default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
+                      num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader(Pairs(), batch_size=3), DataLoader(Pairs(), batch_size=3))
+    return {"seen": module.seen, "val_seen": module.val_seen, "ends": module.ends,
+            "epoch": trainer.current_epoch, "global_step": trainer.global_step}
+
+
 def main(out_path):
-    rec = {}
+    rec = {"trainer": via_trainer(out_path + ".trainer")}
     for name, ds, workers in (("naive", Naive(11), 0), ("naive_workers", Naive(11), 2),
                               ("aware_workers", WorkerAware(11), 2)):
         acc = Accelerator(dispatch_batches=False)
