@@ -68,6 +68,7 @@ class ResumableDataLoader(StatefulDataLoader):
             super().__init__(dataset, **kwargs)
         self.rank, self.world_size, self.kind = rank, world_size, kind
         self.last_padding = 0  # "stream": duplicates in the round of the last batch handed out
+        self.last_fingerprint: Optional[str] = None  # "stream": the first sample's digest, on a reader's first batch
         if kind == "map" and WholeBatchSampler is not None and self.batch_size is not None:
             # torchdata builds batches one index at a time in Python; ours takes whole batches and
             # keeps torchdata's state format. DataLoader forbids reassigning batch_sampler after
@@ -80,7 +81,7 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def _untagged(self, iterator: Any) -> Any:
         for tagged in iterator:
-            self.last_padding = tagged.padding
+            self.last_padding, self.last_fingerprint = tagged.padding, tagged.fingerprint
             yield tagged.data
 
     @property

@@ -31,8 +31,10 @@ not per process or per worker.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils import worker as _torch_worker
 from torchdata.stateful_dataloader import Stateful
@@ -44,10 +46,40 @@ __all__ = ["TaggedBatch", "ShardedIterableDataset", "StatefulShardedIterableData
 
 
 class TaggedBatch(NamedTuple):
-    """A collated batch and the duplicates (rows, over all ranks) padding put in its round."""
+    """A collated batch, the duplicates (rows, over all ranks) padding put in its round, and (on a
+    reader's first batch) a fingerprint of the first sample it read, to check that every rank reads
+    the same stream."""
 
     data: Any
     padding: int
+    fingerprint: Optional[str] = None
+
+
+def fingerprint(sample: Any) -> str:
+    """A digest of a sample's content (tensors by dtype, shape and bytes; containers recursively;
+    other objects by type only, as their repr may hold addresses), equal on every process for equal data."""
+    digest = hashlib.sha1()
+
+    def feed(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            flat = x.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"T{x.dtype}{tuple(x.shape)}".encode())
+            digest.update(bytes(flat.view(torch.uint8).numpy()) if flat.numel() else b"")
+        elif isinstance(x, dict):
+            for key in sorted(x, key=repr):
+                digest.update(repr(key).encode())
+                feed(x[key])
+        elif isinstance(x, (list, tuple)):
+            digest.update(f"L{len(x)}".encode())
+            for item in x:
+                feed(item)
+        elif x is None or isinstance(x, (str, bytes, int, float, bool)):
+            digest.update(repr(x).encode())
+        else:
+            digest.update(type(x).__qualname__.encode())
+
+    feed(sample)
+    return digest.hexdigest()
 
 
 def shards_itself(dataset: Any) -> bool:
@@ -66,10 +98,11 @@ class _TagCollate:
         self.collate_fn, self.auto_batch = collate_fn, auto_batch
 
     def __call__(self, items: Any) -> TaggedBatch:
-        if not self.auto_batch:  # batch_size=None: one (item, padding) pair at a time
-            item, padding = items
-            return TaggedBatch(self.collate_fn(item), padding)
-        return TaggedBatch(self.collate_fn([sample for sample, _ in items]), max(p for _, p in items))
+        if not self.auto_batch:  # batch_size=None: one (item, padding, fingerprint) at a time
+            item, padding, mark = items
+            return TaggedBatch(self.collate_fn(item), padding, mark)
+        return TaggedBatch(self.collate_fn([sample for sample, _, _ in items]), max(p for _, p, _ in items),
+                           items[0][2])
 
 
 def _read_as_one_worker(dataset: Any) -> Iterator[Any]:
@@ -99,7 +132,7 @@ def _read_as_one_worker(dataset: Any) -> Iterator[Any]:
 
 class ShardedIterableDataset(IterableDataset):
     """This rank's chunks of ``dataset``'s stream (see the module docstring). Built by
-    :func:`shard_iterable`; yields ``(sample, padding)`` pairs that the loader's collate unpacks."""
+    :func:`shard_iterable`; yields ``(sample, padding, fingerprint)`` triples that the loader's collate unpacks."""
 
     def __init__(self, dataset: Any, *, rank: int, world_size: int, batch_size: Optional[int], drop_last: bool,
                  even_batches: bool) -> None:
@@ -133,12 +166,15 @@ class ShardedIterableDataset(IterableDataset):
         lo, hi = self.rank * chunk, (self.rank + 1) * chunk
         source = _read_as_one_worker(self.dataset)
         round_index = start
+        mark: Optional[str] = None  # the fingerprint of the first sample read, on this reader's first yield
         while True:
             mine = round_index % workers == worker
             buffer: List[Any] = []
             count = 0
             for sample in source:
                 count += 1
+                if round_index == start and count == 1:
+                    mark = fingerprint(sample)
                 if mine:
                     buffer.append(sample)
                 if count == per_round:
@@ -156,7 +192,8 @@ class ShardedIterableDataset(IterableDataset):
                         padding = sum(1 if self.batch_size is not None else batch_size_of(x) for x in extra)
                         buffer = buffer + extra
                 for sample in buffer[lo:hi]:
-                    yield sample, padding
+                    yield sample, padding, mark
+                    mark = None
             if count < per_round:
                 return
             round_index += 1

@@ -191,7 +191,8 @@ class Accelerator(ProcessControl):
                                       base_generator=loader.generator,
                                       order_generator=getattr(sampler, "generator", None),
                                       broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
-                                      dispatcher=self._dispatcher(sharded) if dispatch else None)
+                                      dispatcher=self._dispatcher(sharded) if dispatch else None,
+                                      gather_object=self.strategy.all_gather_object if world > 1 else None)
         self._dataloaders.append(prepared)
         return prepared
 

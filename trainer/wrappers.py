@@ -98,9 +98,11 @@ class PreparedDataLoader:
 
     def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any,
                  base_generator: Optional[torch.Generator] = None, order_generator: Optional[torch.Generator] = None,
-                 broadcast: Optional[Callable[[Any], Any]] = None, dispatcher: Any = None) -> None:
+                 broadcast: Optional[Callable[[Any], Any]] = None, dispatcher: Any = None,
+                 gather_object: Optional[Callable[[Any], List[Any]]] = None) -> None:
         self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
         self.dispatcher = dispatcher  # dispatch_batches=True: trainer.dispatch.BatchDispatcher over ``loader``
+        self.gather_object = gather_object  # several processes: checks that a split stream is the same on all
         self._held_state: Optional[Dict[str, Any]] = None  # the loader's position at the batch handed out last
         # The user's DataLoader generator and RandomSampler generator (None: the global torch RNG).
         self.base_generator, self.order_generator, self.broadcast = base_generator, order_generator, broadcast
@@ -186,12 +188,28 @@ class PreparedDataLoader:
             loader = self.loader
             source = ((batch, getattr(loader, "last_padding", 0), loader_state_dict(loader)) for batch in loader)
         previous = next(source, None)
+        if self.gather_object is not None and getattr(self.loader, "kind", None) == "stream":
+            self._check_same_stream(previous is not None and self.loader.last_fingerprint or None)
         while previous is not None:
             current = next(source, None)
             batch, padding, position = previous
             self._held_state = position
             yield batch, padding, current is None
             previous = current
+
+    def _check_same_stream(self, mark: Optional[str]) -> None:
+        """A split stream must be the same on every rank; compare the first sample each read (one small
+        gather per epoch, on every rank, also one that has no batch)."""
+        marks = self.gather_object(mark)
+        seen = {m for m in marks if m is not None}
+        if len(seen) > 1:
+            differ = [rank for rank, m in enumerate(marks) if m is not None and m != marks[0]]
+            name = type(getattr(self.loader.dataset, "dataset", self.loader.dataset)).__name__
+            raise ConfigurationError(
+                f"{name} yields different samples on different processes (rank 0 and rank {differ[0]} read different "
+                "first samples), so splitting its stream between ranks would repeat and lose samples. A dataset that "
+                "shards itself by rank says so with `shards_by_rank = True`; a shuffled stream must be seeded the "
+                "same on every process (per epoch, e.g. in set_epoch), not per rank")
 
     def _draw_epoch_randomness(self) -> None:
         """What iterating a plain ``DataLoader(shuffle=True, generator=g)`` draws, in torch's order: the

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from torch import nn
 
-from trainer import Accelerator, Trainer, TrainingModule
+from trainer import Accelerator, ConfigurationError, Trainer, TrainingModule
 
 
 class Naive(IterableDataset):
@@ -160,6 +160,16 @@ def main(out_path):
         warnings.simplefilter("always")
         fresh.load_state(out_path + ".naive")
     rec["naive_resume"] = ([b.tolist() for b in resumed_loader], [str(w.message) for w in caught])
+    # A dataset that shards itself by rank without saying so: the split would repeat and lose samples.
+    class ByRank(Naive):
+        def __iter__(self):
+            return iter(range(dist.get_rank(), self.n, dist.get_world_size()))
+
+    acc = Accelerator(dispatch_batches=False)
+    try:
+        rec["by_rank"] = [b.tolist() for b in acc.prepare(DataLoader(ByRank(8), batch_size=2))]
+    except ConfigurationError as e:
+        rec["by_rank"] = str(e)
     # A dataset that shards itself opts out: iterated as is on every rank.
     ds = WorkerAware(6)
     ds.shards_by_rank = True

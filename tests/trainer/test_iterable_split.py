@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from strategies.data import prepare_dataloader
+from strategies.data_iterable import fingerprint
 from tests.helpers import procs
 from trainer import Accelerator, ConfigurationError
 from trainer.config import limited
@@ -150,6 +151,14 @@ def test_dispatcher_refuses_what_it_cannot_split_by_rows():
     assert piece.tolist() == [0, 1, 2] and padding == 1
 
 
+def test_fingerprint_is_content_based():
+    sample = {"x": torch.arange(4, dtype=torch.bfloat16), "id": 3, "t": torch.tensor(1.0), "o": object()}
+    same = {"t": torch.tensor(1.0), "id": 3, "x": torch.arange(4, dtype=torch.bfloat16), "o": object()}
+    assert fingerprint(sample) == fingerprint(same)
+    assert fingerprint(sample) != fingerprint({**same, "id": 4})
+    assert fingerprint(torch.zeros(2)) != fingerprint(torch.zeros(2, dtype=torch.float64))
+
+
 def test_a_fraction_of_an_unknown_length_is_refused():
     assert limited(None, 1.0) == float("inf") and limited(None, 4) == 4
     with pytest.raises(ConfigurationError, match=r"limit_train_batches=0\.5 is a fraction .* no length"):
@@ -194,6 +203,9 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
     assert rest == [[4, 5], [8, 9], [12, 13], [16, 17]] and r1["naive_resume"][0][0] == [6, 7]
     assert any("not restored from the checkpoint but by reading again the 1 batch" in m for m in messages)
     assert r0["opt_out"] == r1["opt_out"] == [[0, 1, 2], [3, 4, 5]]
+    for rec in (r0, r1):  # sharded by rank without saying so: refused on every rank, not silently wrong
+        assert "ByRank yields different samples on different processes" in rec["by_rank"]
+        assert "shards_by_rank = True" in rec["by_rank"]
     # The Trainer takes the same path (dispatched by default), with a loader that has no length: the
     # epoch ends when the data does, the last batch is flagged, validation sees its share.
     for rec, batches in ((r0, [[0, 1, 2], [6, 7, 8]]), (r1, [[3, 4, 5], [9, 10, 6]])):
