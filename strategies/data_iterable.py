@@ -40,6 +40,7 @@ from torch.utils.data._utils import worker as _torch_worker
 from torchdata.stateful_dataloader import Stateful
 
 from .data_utils import batch_size_of
+from .errors import ConfigurationError
 
 __all__ = ["TaggedBatch", "ShardedIterableDataset", "StatefulShardedIterableDataset", "shard_iterable",
            "shards_itself"]
@@ -111,6 +112,11 @@ def _read_as_one_worker(dataset: Any) -> Iterator[Any]:
     if info is None:
         yield from dataset
         return
+    if not hasattr(_torch_worker, "_worker_info"):  # where torch (and torchdata's workers) keep it
+        raise ConfigurationError("this torch version keeps no torch.utils.data._utils.worker._worker_info, so "
+                                 "trainforge cannot split an IterableDataset between DataLoader workers: use "
+                                 "num_workers=0, dispatch_batches=True, or shard the dataset yourself "
+                                 "(shards_by_rank = True)")
     alone = dataclasses.replace(info, id=0, num_workers=1)
 
     def call(fn: Callable[[], Any]) -> Any:

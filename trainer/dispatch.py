@@ -41,8 +41,8 @@ def _layout(data: Any, tensors: List[torch.Tensor], where: str = "batch") -> Any
         return _Leaf(len(tensors) - 1, tuple(data.shape), str(data.dtype).replace("torch.", ""))
     if isinstance(data, dict):
         return {k: _layout(v, tensors, f"{where}[{k!r}]") for k, v in data.items()}
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(_layout(v, tensors, f"{where}[{i}]") for i, v in enumerate(data))
+    if isinstance(data, (list, tuple)):
+        return _like(data, [_layout(v, tensors, f"{where}[{i}]") for i, v in enumerate(data)])
     raise ConfigurationError(
         f"dispatch_batches=True sends tensors (nested in dicts, lists, tuples), but {where} is a "
         f"{type(data).__name__}: turn it into a tensor in the dataset or collate_fn, or use "
@@ -54,7 +54,7 @@ def _rebuild(layout: Any, tensors: List[torch.Tensor]) -> Any:
         return tensors[layout.index]
     if isinstance(layout, dict):
         return {k: _rebuild(v, tensors) for k, v in layout.items()}
-    return type(layout)(_rebuild(v, tensors) for v in layout)
+    return _like(layout, [_rebuild(v, tensors) for v in layout])
 
 
 def _concatenate(batches: List[Any]) -> Any:
@@ -72,7 +72,7 @@ def _concatenate(batches: List[Any]) -> Any:
     if isinstance(first, dict):
         return {k: _concatenate([b[k] for b in batches]) for k in first}
     if isinstance(first, (list, tuple)):
-        return type(first)(_concatenate(list(parts)) for parts in zip(*batches))
+        return _like(first, [_concatenate(list(parts)) for parts in zip(*batches)])
     return first  # not a tensor: _layout refuses it with a clear message
 
 
@@ -177,4 +177,9 @@ def _apply(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return fn(data)
     if isinstance(data, dict):
         return {k: _apply(v, fn) for k, v in data.items()}
-    return type(data)(_apply(v, fn) for v in data)
+    return _like(data, [_apply(v, fn) for v in data])
+
+
+def _like(container: Any, items: List[Any]) -> Any:
+    """``items`` in ``container``'s type (a list, a tuple, a namedtuple)."""
+    return type(container)(*items) if hasattr(container, "_fields") else type(container)(items)

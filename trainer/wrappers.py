@@ -115,15 +115,20 @@ class PreparedDataLoader:
     def __len__(self) -> int:
         if self.dispatcher is None:
             return len(self.loader)
-        groups = len(self.loader) if self.dispatcher.split_batches else self.dispatcher.world_size
-        if self.dispatcher.split_batches:
-            return groups
-        return len(self.loader) // groups if self.dispatcher.drop_last else -(-len(self.loader) // groups)
+        batches = len(self.loader)  # the whole loader's, read by rank 0
+        if self.dispatcher.split_batches:  # each is split between the ranks
+            return batches
+        world = self.dispatcher.world_size  # each step takes one batch per rank
+        return batches // world if self.dispatcher.drop_last else -(-batches // world)
 
     def __getattr__(self, name: str) -> Any:  # dataset, batch_size, sampler, ...
         return getattr(self.loader, name)
 
     def set_epoch(self, epoch: int) -> None:
+        if self._resumed and epoch != self.epoch and getattr(self.loader, "kind", "map") != "map":
+            # A stream's restored position belongs to the epoch being left (e.g. saved on its last batch):
+            # the new epoch reads the stream afresh, as after an uninterrupted epoch. (Our sampler knows epochs.)
+            self.loader.next_iter_state = None
         if epoch != self.epoch or not self._resumed:
             self.epoch, self._resumed, self.batch_in_epoch = epoch, False, 0
 
@@ -255,9 +260,10 @@ class PreparedDataLoader:
 
     def _start_at(self, num_batches: int) -> None:
         sampler = getattr(self.loader, "sampler", None)
-        if not callable(getattr(sampler, "check_compatible", None)):
+        if self.dispatcher is not None or not callable(getattr(sampler, "check_compatible", None)):
             raise ConfigurationError("skip_first_batches needs a map-style dataset sharded by trainforge (no custom "
-                                     "sampler or IterableDataset): skip inside your own sampler instead")
+                                     "sampler, IterableDataset or dispatch_batches=True): skip inside your own "
+                                     "sampler instead")
         state = sampler.state_dict()
         state["consumed"] = min(num_batches * (self.loader.batch_size or 1) * sampler.num_replicas,
                                 sampler.total_size)

@@ -6,6 +6,7 @@ sample once (test_utils/scripts/test_distributed_data_loop.py); both resume mid-
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -51,6 +52,11 @@ class Resumable(Count):
 
     def load_state_dict(self, state):
         self.pos = state["pos"]
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
 
 
 def _ranks(dataset_fn, world, **kwargs):
@@ -149,6 +155,8 @@ def test_dispatcher_refuses_what_it_cannot_split_by_rows():
         first([(torch.zeros(2), torch.zeros(3))] * 2)
     piece, padding, _ = first([torch.arange(3), torch.arange(3, 5)])
     assert piece.tolist() == [0, 1, 2] and padding == 1
+    piece, padding, _ = first([Pair(torch.arange(2), torch.ones(2, 3))] * 2)  # rank 0 of 2: the first batch
+    assert type(piece) is Pair and piece.a.tolist() == [0, 1] and piece.b.shape == (2, 3) and padding == 0
 
 
 def test_fingerprint_is_content_based():
@@ -213,3 +221,21 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
         assert t["seen"] == [(e, b) for e in (0, 1) for b in batches]
         assert t["ends"] == [False, True, False, True] and (t["epoch"], t["global_step"]) == (2, 4)
         assert t["val_seen"] == batches * 2
+
+
+def test_a_stream_saved_on_its_last_batch_starts_the_next_epoch_afresh():
+    """Saved inside the loop on an epoch's last batch (the loader reads one ahead, so the position is
+    the last batch's), then resumed straight into the next epoch (the Trainer does, after the pending
+    epoch end): that epoch reads the whole stream, not the restored end of the previous one."""
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(Count(6), batch_size=2))
+    for i, _ in enumerate(loader):
+        assert acc.gradient_state.end_of_dataloader == (i == 2)  # known before the loop body sees it
+        if i == 2:
+            state = loader.state_dict()
+    assert state["batch_in_epoch"] == 3
+    with pytest.warns(UserWarning, match="reading again the 3 batch"):
+        again = Accelerator().prepare(DataLoader(Count(6), batch_size=2))
+        again.load_state_dict(state, world_size=1, rank=0)
+    again.set_epoch(1)
+    assert [b.tolist() for b in again] == [[0, 1], [2, 3], [4, 5]]
