@@ -198,6 +198,7 @@ class Accelerator(ProcessControl):
 
     def _dispatches(self, loader: torch.utils.data.DataLoader) -> bool:
         """dispatch_batches for this loader: None means True for an IterableDataset (Accelerate's default)."""
+        _data_options(self.even_batches, self.split_batches, self.dispatch_batches, None)  # also when set later
         if self.num_processes == 1:
             return False
         dispatch = self.dispatch_batches

@@ -106,8 +106,21 @@ def via_trainer(root):
             "epoch": trainer.current_epoch, "global_step": trainer.global_step}
 
 
+def trainer_resume(root):
+    """Stopped after one step, checkpointed, resumed: the rest of the epoch, nothing repeated."""
+    first = Recorder()
+    trainer = Trainer(max_steps=1, default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
+                      num_sanity_val_steps=0)
+    trainer.fit(first, DataLoader(Pairs(), batch_size=3))
+    trainer.save_checkpoint(root + "/step1")
+    rest = Recorder()
+    Trainer(max_epochs=1, default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
+            num_sanity_val_steps=0).fit(rest, DataLoader(Pairs(), batch_size=3), ckpt_path=root + "/step1")
+    return first.seen + rest.seen
+
+
 def main(out_path):
-    rec = {"trainer": via_trainer(out_path + ".trainer")}
+    rec = {"trainer": via_trainer(out_path + ".trainer"), "trainer_resume": trainer_resume(out_path + ".resume")}
     for name, ds, workers in (("naive", Naive(11), 0), ("naive_workers", Naive(11), 2),
                               ("aware_workers", WorkerAware(11), 2)):
         acc = Accelerator(dispatch_batches=False)

@@ -126,6 +126,13 @@ def test_bad_data_options_are_refused_before_any_work(kwargs, match):
         Accelerator(**kwargs)
 
 
+def test_a_bad_value_set_after_construction_is_refused_at_prepare():
+    acc = Accelerator()
+    acc.dispatch_batches = "no"  # the Trainer's users set it on trainer.accelerator
+    with pytest.raises(ConfigurationError, match="dispatch_batches='no' must be None"):
+        acc.prepare(DataLoader(Count(4), batch_size=2))
+
+
 def test_dataloader_config_values_are_taken_and_one_process_never_dispatches():
     class Config:  # accelerate.DataLoaderConfiguration's attributes
         dispatch_batches, even_batches, split_batches = True, False, False
@@ -221,6 +228,7 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
         assert t["seen"] == [(e, b) for e in (0, 1) for b in batches]
         assert t["ends"] == [False, True, False, True] and (t["epoch"], t["global_step"]) == (2, 4)
         assert t["val_seen"] == batches * 2
+        assert rec["trainer_resume"] == [(0, b) for b in batches]  # fit(ckpt_path=) after one step: the rest
 
 
 def test_a_stream_saved_on_its_last_batch_starts_the_next_epoch_afresh():
