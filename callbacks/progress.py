@@ -41,7 +41,8 @@ class ProgressBar(Callback):
 
             total = trainer.num_training_batches
             total = None if total == float("inf") else total  # a loader without length
-            self._bar = tqdm(total=total, initial=trainer.batch_idx if total is None else min(trainer.batch_idx, total), desc=f"epoch {trainer.current_epoch}",
+            initial = trainer.batch_idx if total is None else min(trainer.batch_idx, total)
+            self._bar = tqdm(total=total, initial=initial, desc=f"epoch {trainer.current_epoch}",
                              file=stream, dynamic_ncols=True, leave=True, unit="batch")
 
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,

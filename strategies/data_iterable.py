@@ -117,7 +117,10 @@ def _read_as_one_worker(dataset: Any) -> Iterator[Any]:
                                  "trainforge cannot split an IterableDataset between DataLoader workers: use "
                                  "num_workers=0, dispatch_batches=True, or shard the dataset yourself "
                                  "(shards_by_rank = True)")
-    alone = dataclasses.replace(info, id=0, num_workers=1)
+    if dataclasses.is_dataclass(info):
+        alone = dataclasses.replace(info, id=0, num_workers=1)
+    else:  # torch < 2.6: a plain class built from keywords
+        alone = type(info)(id=0, num_workers=1, seed=info.seed, dataset=info.dataset)
 
     def call(fn: Callable[[], Any]) -> Any:
         saved = _torch_worker._worker_info

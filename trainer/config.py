@@ -94,8 +94,9 @@ def limited(count: Optional[int], limit: Union[int, float], name: str = "limit_t
         if isinstance(limit, float):
             if limit == 1.0:
                 return float("inf")
-            raise ConfigurationError(f"{name}={limit!r} is a fraction of the epoch, but the loader has no length (an "
-                                     "IterableDataset without __len__): give a number of batches (int) or define __len__")
+            raise ConfigurationError(f"{name}={limit!r} is a fraction of the epoch, but the loader has no length "
+                                     "(an IterableDataset without __len__): give a number of batches (int) or "
+                                     "define __len__")
         return limit
     if isinstance(limit, float):
         return count if limit == 1.0 else max(1, int(count * limit))

