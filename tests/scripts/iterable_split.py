@@ -133,6 +133,7 @@ def main(out_path):
 
     acc = Accelerator(dataloader_config=Config())
     rec["dispatch_uneven"] = [b.tolist() for b in acc.prepare(DataLoader(Naive(11), batch_size=3))]
+    rec["dispatch_uneven_empty"] = [b.tolist() for b in acc.prepare(DataLoader(Naive(7), batch_size=3))]
     acc = Accelerator(dispatch_batches=False, even_batches=False)
     rec["split_uneven"] = [b.tolist() for b in acc.prepare(DataLoader(Naive(11), batch_size=3))]
     acc = Accelerator(dispatch_batches=False)

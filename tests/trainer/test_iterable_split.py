@@ -196,6 +196,7 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
     # even_batches=False: no duplicates, the last rank's last batch is short (split and dispatched alike)
     assert r0["split_uneven"] == r0["dispatch_uneven"] == [[0, 1, 2], [6, 7, 8]]
     assert r1["split_uneven"] == r1["dispatch_uneven"] == [[3, 4, 5], [9, 10]]
+    assert (r0["dispatch_uneven_empty"], r1["dispatch_uneven_empty"]) == ([[0, 1, 2], [6]], [[3, 4, 5]])
     # drop_last: the incomplete last round is dropped on every rank
     assert (r0["split_drop_last"], r1["split_drop_last"]) == (([[0, 1, 2]], list(range(6))),
                                                               ([[3, 4, 5]], list(range(6))))
