@@ -40,7 +40,9 @@ class ProgressBar(Callback):
             from tqdm.auto import tqdm
 
             total = trainer.num_training_batches
-            self._bar = tqdm(total=total, initial=min(trainer.batch_idx, total), desc=f"epoch {trainer.current_epoch}",
+            total = None if total == float("inf") else total  # a loader without length
+            initial = trainer.batch_idx if total is None else min(trainer.batch_idx, total)
+            self._bar = tqdm(total=total, initial=initial, desc=f"epoch {trainer.current_epoch}",
                              file=stream, dynamic_ncols=True, leave=True, unit="batch")
 
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as _TorchdataRandomSampler
 
 from .data_sampler import (
@@ -32,6 +32,7 @@ from .data_sampler import (
     as_sampler_state,
     epoch_length,
 )
+from .data_iterable import _TagCollate, shard_iterable, shards_itself
 from .data_split import drop_padding, split_between_processes  # noqa: F401  (re-exported)
 from .errors import ConfigurationError
 
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 STATE_FORMAT = 1
-_KINDS = ("map", "iterable", "custom")
+_KINDS = ("map", "iterable", "stream", "custom")
 _FINISHED_KEY = "_iterator_finished"  # StatefulDataLoader's flag: the iterator raised StopIteration
 
 
@@ -50,7 +51,10 @@ class ResumableDataLoader(StatefulDataLoader):
     """A ``StatefulDataLoader`` that knows its rank and world size and saves a global position.
 
     ``kind`` is ``"map"`` (our sampler: sharded, resumable across world sizes), ``"iterable"``
-    (an IterableDataset: it shards itself, resumes through its own state_dict) or ``"custom"``
+    (an IterableDataset iterated as is: one process, or it shards itself; resumes through its own
+    state_dict), ``"stream"`` (an IterableDataset whose stream trainforge splits between ranks and
+    workers, ``strategies.data_iterable``; batches carry their padding count, kept in
+    ``last_padding``) or ``"custom"``
     (a user's sampler or batch_sampler kept as is: resumes through torchdata with the same layout).
     Build it with :func:`prepare_dataloader`.
     """
@@ -63,11 +67,22 @@ class ResumableDataLoader(StatefulDataLoader):
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             super().__init__(dataset, **kwargs)
         self.rank, self.world_size, self.kind = rank, world_size, kind
+        self.last_padding = 0  # "stream": duplicates in the round of the last batch handed out
+        self.last_fingerprint: Optional[str] = None  # "stream": the first sample's digest, on a reader's first batch
         if kind == "map" and WholeBatchSampler is not None and self.batch_size is not None:
             # torchdata builds batches one index at a time in Python; ours takes whole batches and
             # keeps torchdata's state format. DataLoader forbids reassigning batch_sampler after
             # __init__ (to protect a running iterator); none exists yet here.
             object.__setattr__(self, "batch_sampler", WholeBatchSampler(self.sampler, self.batch_size, self.drop_last))
+
+    def __iter__(self) -> Any:
+        iterator = super().__iter__()
+        return self._untagged(iterator) if self.kind == "stream" else iterator
+
+    def _untagged(self, iterator: Any) -> Any:
+        for tagged in iterator:
+            self.last_padding, self.last_fingerprint = tagged.padding, tagged.fingerprint
+            yield tagged.data
 
     @property
     def global_batch_size(self) -> int:
@@ -127,15 +142,18 @@ class ResumableDataLoader(StatefulDataLoader):
             given = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ConfigurationError(f"not a ResumableDataLoader state (format {given!r}, expected "
                                      f"{STATE_FORMAT}): pass the dict returned by state_dict()")
+        same_layout = (state["world_size"], state["rank"], state["num_workers"], state["batch_size"]) == (
+            self.world_size, self.rank, self.num_workers, self.batch_size)
         if state["kind"] != self.kind:
+            if {state["kind"], self.kind} == {"iterable", "stream"} and not same_layout:
+                raise ConfigurationError(_layout_message(state, self))  # a stream split for another world size
             raise ConfigurationError(
                 f"the data position was saved from a {state['kind']!r} loader but this loader is "
                 f"{self.kind!r}: resume with the same kind of dataset and sampler")
-        same_layout = (state["world_size"], state["rank"], state["num_workers"], state["batch_size"]) == (
-            self.world_size, self.rank, self.num_workers, self.batch_size)
         if self.kind != "map":
             if not same_layout:
                 raise ConfigurationError(_layout_message(state, self))
+            self._warn_replay(state)
             self.next_iter_state = None
             super().load_state_dict(state["loader"])
             return
@@ -146,6 +164,20 @@ class ResumableDataLoader(StatefulDataLoader):
         # set_epoch(); mark it so the position just applied stays authoritative.
         self.next_iter_state = None
         super().load_state_dict(_keep_position(state["loader"]) if same_layout else {})
+
+    def _warn_replay(self, state: Dict[str, Any]) -> None:
+        """An IterableDataset without state_dict/load_state_dict is put back at its position by
+        reading again the batches already seen (torchdata's fast-forward): say so."""
+        user = getattr(self.dataset, "dataset", self.dataset) if self.kind == "stream" else self.dataset
+        if self.kind == "custom" or isinstance(user, Stateful):
+            return
+        seen = _find_key(state["loader"], "_num_yielded")
+        if seen and not _find_key(state["loader"], _FINISHED_KEY):
+            warnings.warn(f"{type(user).__name__} has no state_dict()/load_state_dict(): its mid-epoch position is "
+                          f"not restored from the checkpoint but by reading again the {seen} batch(es) already "
+                          "seen, which is exact only if the stream yields the same samples again. Implement "
+                          "state_dict/load_state_dict (torchdata's Stateful) to resume without re-reading",
+                          UserWarning, stacklevel=4)
 
     def _check_global_batch(self, state: Dict[str, Any]) -> None:
         s = state["sampler"]
@@ -172,8 +204,22 @@ class ResumableDataLoader(StatefulDataLoader):
             f"{new_global}, so samples would repeat or be skipped. To resume, {fix}")
 
 
+def _find_key(obj: Any, key: str) -> Any:
+    """The first value of ``key`` nested anywhere in ``obj`` (None when absent)."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if key in item:
+                return item[key]
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None
+
+
 def _layout_message(state: Dict[str, Any], loader: ResumableDataLoader) -> str:
-    what = "an IterableDataset's" if loader.kind == "iterable" else "a custom sampler's"
+    what = "an IterableDataset's" if loader.kind in ("iterable", "stream") else "a custom sampler's"
     return (f"{what} data position is per process and cannot be re-sharded: it was saved with "
             f"world_size={state['world_size']}, rank={state['rank']}, num_workers="
             f"{state['num_workers']}, batch_size={state['batch_size']} but this loader has "
@@ -246,10 +292,13 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
     - A user's ``DistributedSampler`` is kept as is (its ``set_epoch`` still works); so is any other
       custom sampler or batch_sampler, with a warning: it is not sharded or re-shardable unless it
       is itself rank-aware and Stateful.
-    - An ``IterableDataset`` is kept: sharding it is the dataset's job (by ``get_rank()`` and
-      ``get_worker_info()``, as ``datasets.distributed.split_dataset_by_node`` does) because only
-      it can skip data without reading it; slicing its stream here would make every rank read
-      everything. It resumes through its own ``state_dict``/``load_state_dict``.
+    - An ``IterableDataset`` on several processes is split between ranks (and DataLoader workers)
+      by batch-sized chunks, as Accelerate's ``IterableDatasetShard``: see
+      ``strategies.data_iterable`` (``even_batches``/``drop_last`` decide the stream's end). Every
+      reader reads the whole stream; a dataset that can skip data without reading it shards
+      itself and opts out with ``shards_by_rank = True`` (HF ``split_dataset_by_node`` is
+      detected). It resumes exactly through its own ``state_dict``/``load_state_dict``; without
+      them torchdata re-reads the batches already seen (a warning says so).
     - ``drop_last=None`` keeps the loader's own (drop each rank's last incomplete batch).
     """
     if not isinstance(world_size, int) or world_size < 1:
@@ -272,12 +321,13 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
     batch_size, sampler = dataloader.batch_size, dataloader.sampler
     common = dict(rank=rank, world_size=world_size, **kwargs)
     if isinstance(dataset, IterableDataset):
-        if world_size > 1:
-            warnings.warn(f"{type(dataset).__name__} is an IterableDataset: each of the {world_size} "
-                          "processes iterates it as is, so it must shard itself by rank (see "
-                          "prepare_dataloader's docstring)", stacklevel=2)
-        return ResumableDataLoader(dataset, kind="iterable", batch_size=batch_size, drop_last=drop_last,
-                                   **common)
+        if world_size == 1 or shards_itself(dataset):
+            return ResumableDataLoader(dataset, kind="iterable", batch_size=batch_size, drop_last=drop_last,
+                                       **common)
+        stream = shard_iterable(dataset, rank=rank, world_size=world_size, batch_size=batch_size,
+                                drop_last=drop_last, even_batches=even_batches)
+        common["collate_fn"] = _TagCollate(common["collate_fn"], auto_batch=batch_size is not None)
+        return ResumableDataLoader(stream, kind="stream", batch_size=batch_size, drop_last=drop_last, **common)
     batch_sampler = dataloader.batch_sampler
     if batch_size is None and batch_sampler is not None:  # the user passed a batch_sampler
         if type(batch_sampler) is BatchSampler and _replaceable(batch_sampler.sampler, dataset):

@@ -39,15 +39,22 @@ class Accelerator(ProcessControl):
     ``project_dir`` + ``automatic_checkpoint_naming`` + ``total_limit`` (or a ``project_config``
     object with those attributes): ``save_state()`` with no path writes
     ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps the newest ``total_limit``,
-    ``load_state()`` with no path loads the newest."""
+    ``load_state()`` with no path loads the newest. ``dispatch_batches`` (None: True for an
+    IterableDataset on several processes, as Accelerate): rank 0 reads the loader and every process
+    receives its slice of each step (``trainer/dispatch.py``); False: every process reads its own
+    share (an IterableDataset's stream is split by ``strategies/data_iterable.py``). These three
+    also come in ``dataloader_config`` (Accelerate's ``DataLoaderConfiguration``, duck-typed)."""
 
     def __init__(self, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
                  gradient_accumulation_steps: Optional[int] = None, seed: int = 0, *,
                  accelerator: Optional[str] = None, even_batches: bool = True,
-                 split_batches: bool = False, project_dir: Optional[str] = None, project_config: Any = None,
+                 split_batches: bool = False, dispatch_batches: Optional[bool] = None, dataloader_config: Any = None,
+                 project_dir: Optional[str] = None, project_config: Any = None,
                  automatic_checkpoint_naming: bool = False, total_limit: Optional[int] = None) -> None:
         from trainer.launch_config import launch_defaults, strategy_kwargs
 
+        even_batches, split_batches, dispatch_batches = _data_options(
+            even_batches, split_batches, dispatch_batches, dataloader_config)
         defaults = launch_defaults()  # what `trainforge launch` was told; explicit arguments win
         strategy = strategy if strategy is not None else defaults.get("strategy", "auto")
         precision = precision if precision is not None else defaults.get("precision", "32")
@@ -76,7 +83,7 @@ class Accelerator(ProcessControl):
         self._schedulers: List[PreparedScheduler] = []
         self._dataloaders: List[PreparedDataLoader] = []
         self._custom_objects: List[Any] = []
-        self.even_batches, self.split_batches = even_batches, split_batches
+        self.even_batches, self.split_batches, self.dispatch_batches = even_batches, split_batches, dispatch_batches
         if project_config is not None:  # Accelerate's ProjectConfiguration, duck-typed
             project_dir = project_dir or getattr(project_config, "project_dir", None)
             automatic_checkpoint_naming = getattr(project_config, "automatic_checkpoint_naming",
@@ -156,11 +163,19 @@ class Accelerator(ProcessControl):
     def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
         from trainer.seed import seeds_workers, worker_init_fn
 
-        if self.split_batches or not self.even_batches:
-            loader = _rebuilt(loader, self.num_processes, self.split_batches)
-        sharded = self.strategy.setup_dataloader(loader, seed=self.seed)
-        if not self.even_batches and hasattr(sharded.sampler, "pad"):
-            _unpadded(sharded.sampler)
+        dispatch = self._dispatches(loader)
+        if dispatch:  # every rank builds the whole (unsharded) loader; only rank 0 iterates it
+            from strategies.data import prepare_dataloader
+
+            sharded = prepare_dataloader(loader, rank=0, world_size=1, seed=self.seed)
+        else:
+            if self.split_batches or not self.even_batches:
+                loader = _rebuilt(loader, self.num_processes, self.split_batches)
+            sharded = self.strategy.setup_dataloader(loader, seed=self.seed)
+            if not self.even_batches and hasattr(sharded.sampler, "pad"):
+                _unpadded(sharded.sampler)
+            if not self.even_batches and getattr(sharded, "kind", None) == "stream":
+                sharded.dataset.even_batches = False  # a split stream's last round is not completed
         if getattr(self.strategy, "micro_batch_size", None) is None:
             self.strategy.micro_batch_size = loader.batch_size  # the first loader prepared is the training one
         if getattr(sharded, "num_workers", 0) > 0 and sharded.worker_init_fn is None and seeds_workers():
@@ -176,9 +191,34 @@ class Accelerator(ProcessControl):
                                       base_generator=loader.generator,
                                       order_generator=getattr(sampler, "generator", None),
                                       broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
+                                      dispatcher=self._dispatcher(sharded) if dispatch else None,
+                                      gather_object=self.strategy.all_gather_object if world > 1 else None,
                                       device_batches=self.strategy.device_batches)
         self._dataloaders.append(prepared)
         return prepared
+
+    def _dispatches(self, loader: torch.utils.data.DataLoader) -> bool:
+        """dispatch_batches for this loader: None means True for an IterableDataset (Accelerate's default)."""
+        _data_options(self.even_batches, self.split_batches, self.dispatch_batches, None)  # also when set later
+        if self.num_processes == 1:
+            return False
+        dispatch = self.dispatch_batches
+        if dispatch is None:
+            dispatch = isinstance(loader.dataset, torch.utils.data.IterableDataset)
+        if dispatch and getattr(self.strategy, "data_parallel_size", self.num_processes) != self.num_processes:
+            raise ConfigurationError(
+                f"dispatch_batches=True is not built for {type(self.strategy).__name__} with data-parallel size "
+                f"{self.strategy.data_parallel_size} of {self.num_processes} processes (it dispatches over all of "
+                "them): pass dispatch_batches=False")
+        return dispatch
+
+    def _dispatcher(self, loader: Any) -> Any:
+        from trainer.dispatch import BatchDispatcher
+        from strategies.data import loader_state_dict
+
+        return BatchDispatcher(loader, rank=self.process_index, world_size=self.num_processes, device=self.device,
+                               broadcast=lambda obj: self.strategy.broadcast(obj, 0), split_batches=self.split_batches,
+                               even_batches=self.even_batches, state_of=lambda: loader_state_dict(loader))
 
     def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
         steps = 1 if self.split_batches else self.num_processes  # Accelerate: once per process per step
@@ -240,6 +280,8 @@ class Accelerator(ProcessControl):
         if not (state.end_of_dataloader and state.padding and state.active_dataloaders):
             return self.gather(data)
         keep_until = -state.padding
+        if state.padding_order == "contiguous":  # a split stream or dispatched batches: the tail of the gather
+            return apply_to_tensors(data, lambda tensor: self._gather_one(tensor)[:keep_until])
 
         def gather_last(tensor: torch.Tensor) -> torch.Tensor:
             stacked = self.strategy.all_gather(tensor)        # [W, b, ...]; sample j of rank r is global
@@ -434,8 +476,30 @@ def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> to
                                  "split_batches=False")
     from strategies.data import _loader_kwargs
 
-    return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size // world, sampler=loader.sampler,
-                                       drop_last=loader.drop_last, **_loader_kwargs(loader))
+    iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)  # takes no sampler
+    return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size // world,
+                                       sampler=None if iterable else loader.sampler, drop_last=loader.drop_last,
+                                       **_loader_kwargs(loader))
+
+
+def _data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, config: Any) -> "tuple[Any, ...]":
+    """Accelerate's three data-loading options, from the arguments or a DataLoaderConfiguration-like
+    ``config`` (its values win, as the arguments are deprecated in Accelerate), validated."""
+    if config is not None:
+        names = ("even_batches", "split_batches", "dispatch_batches")
+        if not any(hasattr(config, name) for name in names):
+            raise ConfigurationError(f"dataloader_config={config!r} has none of {', '.join(names)}: pass "
+                                     "accelerate's DataLoaderConfiguration or an object with those attributes")
+        even_batches = getattr(config, "even_batches", even_batches)
+        split_batches = getattr(config, "split_batches", split_batches)
+        dispatch_batches = getattr(config, "dispatch_batches", dispatch_batches)
+    for name, value, allowed in (("even_batches", even_batches, "True or False"),
+                                 ("split_batches", split_batches, "True or False"),
+                                 ("dispatch_batches", dispatch_batches, "None (Accelerate's default: True for an "
+                                  "IterableDataset), True or False")):
+        if not (isinstance(value, bool) or (name == "dispatch_batches" and value is None)):
+            raise ConfigurationError(f"{name}={value!r} must be {allowed}")
+    return even_batches, split_batches, dispatch_batches
 
 
 def _unpadded(sampler: Any) -> None:

@@ -86,8 +86,18 @@ def _check_fraction_or_count(name: str, value: Any) -> None:
         raise ConfigurationError(f"{name}={value!r} must be >= 0")
 
 
-def limited(count: int, limit: Union[int, float]) -> int:
-    """Batches to run out of ``count`` under a ``limit_*_batches`` setting."""
+def limited(count: Optional[int], limit: Union[int, float], name: str = "limit_train_batches") -> Union[int, float]:
+    """Batches to run out of ``count`` under a ``limit_*_batches`` setting. ``count=None`` (a loader
+    without a length, e.g. an IterableDataset without ``__len__``): ``inf`` (until the data ends) or
+    an int limit; a fraction of an unknown length is an error."""
+    if count is None:
+        if isinstance(limit, float):
+            if limit == 1.0:
+                return float("inf")
+            raise ConfigurationError(f"{name}={limit!r} is a fraction of the epoch, but the loader has no length "
+                                     "(an IterableDataset without __len__): give a number of batches (int) or "
+                                     "define __len__")
+        return limit
     if isinstance(limit, float):
         return count if limit == 1.0 else max(1, int(count * limit))
     return min(count, limit)

@@ -39,7 +39,11 @@ class Evaluation:
         with torch.no_grad():
             step = self.accelerator.step_function(self.model, step_name)
             for loader in loaders:
-                limit = limited(len(loader), self.config.limit_val_batches)
+                try:
+                    count: Optional[int] = len(loader)
+                except TypeError:  # an IterableDataset without __len__
+                    count = None
+                limit = limited(count, self.config.limit_val_batches, "limit_val_batches")
                 if max_batches is not None and max_batches >= 0:
                     limit = min(limit, max_batches)
                 for batch_idx, batch in enumerate(loader):

@@ -54,8 +54,11 @@ class Trainer(MetricLogging, Evaluation):
                                      "checkpoint, pass fit(..., ckpt_path=PATH))")
         if seed is not None:
             seed_everything(seed)
+        # An IterableDataset is split between ranks (not dispatched from rank 0, Accelerate's default):
+        # then a dataset that already shards itself by rank is caught (its streams differ), never
+        # trained on rank 0's shard alone. ``trainer.accelerator.dispatch_batches = True`` to dispatch.
         self.accelerator = Accelerator(strategy, precision, accumulate_grad_batches, seed=seed or 0,
-                                       accelerator=accelerator)
+                                       accelerator=accelerator, dispatch_batches=False)
         self.strategy = self.accelerator.strategy
         self.default_root_dir = resolve_root_dir(default_root_dir)
         self.compile, self.resume, self.seed = compile, resume, seed
@@ -91,6 +94,7 @@ class Trainer(MetricLogging, Evaluation):
         self._last_flag_check = 0
         self._last_output: Any = None
         self._none_steps, self._warned_none = 0, False  # training_step returning None (see _warn_none_epoch)
+        self._data_ended = False  # this batch was the last of a loader without length
 
     # ---- read-only views callbacks rely on -------------------------------------------------------
     global_step = property(lambda self: self.progress.global_step)
@@ -186,7 +190,12 @@ class Trainer(MetricLogging, Evaluation):
         self.lr_scheduler_configs = configured[0].schedulers
         self._training_step = acc.step_function(self.model, "training_step")
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
-        self.num_training_batches = limited(len(self.train_dataloader), self.config.limit_train_batches)
+        self.num_training_batches = limited(_length(self.train_dataloader), self.config.limit_train_batches)
+        if self.num_training_batches == float("inf") and isinstance(self.config.val_check_interval, float) \
+                and self.config.val_check_interval != 1.0:
+            raise ConfigurationError(f"val_check_interval={self.config.val_check_interval!r} is a fraction of the "
+                                     "epoch, but train_dataloaders has no length (an IterableDataset without "
+                                     "__len__): give a number of batches (int) or define __len__")
         if self.num_training_batches == 0:
             raise ConfigurationError("train_dataloaders yields no batch on this process (limit_train_batches="
                                      f"{self.config.limit_train_batches!r}); give it data or raise the limit")
@@ -194,7 +203,7 @@ class Trainer(MetricLogging, Evaluation):
     def _fit_loop(self) -> None:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
         train_modes = module_modes(self.module)  # the user's per-submodule modes (a frozen part stays in eval)
-        if p.batch_idx >= self.num_training_batches:  # resumed from a checkpoint of the epoch's last batch
+        if p.batch_idx >= self.num_training_batches or p.epoch_end_pending:  # resumed at the epoch's last batch
             if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
                 with warnings.catch_warnings():  # the optimizer stepped before the save, not in this process
                     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
@@ -209,15 +218,16 @@ class Trainer(MetricLogging, Evaluation):
             for batch in loader:
                 self._train_batch(batch, p.batch_idx)
                 p.batch_idx += 1
-                p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches)
+                # the epoch's last batch: by count, or (a loader without length) when the data ended
+                p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches or self._data_ended)
                 if self._validation_due():
                     self._run_validation(self.val_dataloaders, "validation_step")
                 self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
                 self._batch = self._last_output = batch = None  # free them before the next batch arrives
-                if self._finished() or p.batch_idx >= self.num_training_batches:
+                if self._finished() or p.epoch_end_pending:
                     break
             self._warn_none_epoch(p.batch_idx - first_batch)
-            if p.batch_idx >= self.num_training_batches:  # a complete epoch (not a max_steps/should_stop cut)
+            if p.epoch_end_pending:  # a complete epoch (not a max_steps/should_stop cut)
                 self._end_epoch()
             else:
                 break
@@ -242,7 +252,9 @@ class Trainer(MetricLogging, Evaluation):
             acc._async_checkpointer.check()  # a failed asynchronous save is raised at the next step
         self._batch, self._running = batch, "train"
         self._fire(Event.BATCH_START, batch, batch_idx)
-        acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches
+        # A loader without length flagged its last batch itself (it reads one ahead)
+        self._data_ended = self.num_training_batches == float("inf") and acc.gradient_state.end_of_dataloader
+        acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches or self._data_ended
         if not self.module.automatic_optimization:
             return run_manual_step(self, batch, batch_idx)
         with acc.accumulate(self.model):
@@ -367,6 +379,9 @@ class Trainer(MetricLogging, Evaluation):
             return False
         interval = self.config.val_check_interval
         n = self.num_training_batches
+        if n == float("inf"):  # a loader without length: 1.0 means the epoch's end; int counts within the epoch
+            return bool(self.progress.epoch_end_pending) if isinstance(interval, float) else \
+                self.progress.batch_idx % interval == 0
         every = max(1, int(n * interval)) if isinstance(interval, float) else interval
         # Lightning: every `every` batches of the epoch (of the run when check_val_every_n_epoch=None),
         # and no extra run at the epoch end when it is not due
@@ -459,6 +474,13 @@ class Trainer(MetricLogging, Evaluation):
         if empty:
             raise ConfigurationError(f"{name} is empty (len == 0, dataset of {len(loader.dataset)} samples with "
                                      f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data")
+
+
+def _length(loader: Any) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return None
 
 
 def _overrides(target: Any, hook: str) -> bool:

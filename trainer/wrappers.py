@@ -19,6 +19,9 @@ class GradientState:
     sync_gradients: bool = True
     end_of_dataloader: bool = False
     padding: int = 0  # duplicates the sampler added at the end of this epoch (dropped by gather_for_metrics)
+    # Where they sit in the rank-major gather of the last batch: "strided" (a sampler deals samples to ranks in
+    # turn: the last sample of the last ranks) or "contiguous" (a split stream or dispatched batches: the tail).
+    padding_order: str = "strided"
     active_dataloaders: int = 0  # prepared loaders being iterated now (outside any, gather_for_metrics = gather)
 
 
@@ -96,13 +99,16 @@ class PreparedDataLoader:
 
     def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any,
                  base_generator: Optional[torch.Generator] = None, order_generator: Optional[torch.Generator] = None,
-                 broadcast: Optional[Callable[[Any], Any]] = None,
+                 broadcast: Optional[Callable[[Any], Any]] = None, dispatcher: Any = None,
+                 gather_object: Optional[Callable[[Any], List[Any]]] = None,
                  device_batches: Optional[Callable[[Any], Any]] = None) -> None:
         self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
-        # The strategy's own device loader (XLA's MpDeviceLoader): it prefetches, so the position saved
-        # is the one recorded with each batch the loop received (``_position``), not the loader's live one.
+        self.dispatcher = dispatcher  # dispatch_batches=True: trainer.dispatch.BatchDispatcher over ``loader``
+        self.gather_object = gather_object  # several processes: checks that a split stream is the same on all
+        self._held_state: Optional[Dict[str, Any]] = None  # the loader's position at the batch handed out last
+        # The strategy's own device loader (XLA's MpDeviceLoader) prefetches: the position saved is the one
+        # recorded with each batch the loop received (held like a read-ahead's, in ``_held_state``).
         self.device_batches = device_batches
-        self._position: Optional[Dict[str, Any]] = None
         # The user's DataLoader generator and RandomSampler generator (None: the global torch RNG).
         self.base_generator, self.order_generator, self.broadcast = base_generator, order_generator, broadcast
         self._generators_after: List[torch.Tensor] = []  # the user's generators after the epoch-start draws
@@ -112,12 +118,22 @@ class PreparedDataLoader:
         self._resumed = False
 
     def __len__(self) -> int:
-        return len(self.loader)
+        if self.dispatcher is None:
+            return len(self.loader)
+        batches = len(self.loader)  # the whole loader's, read by rank 0
+        if self.dispatcher.split_batches:  # each is split between the ranks
+            return batches
+        world = self.dispatcher.world_size  # each step takes one batch per rank
+        return batches // world if self.dispatcher.drop_last else -(-batches // world)
 
     def __getattr__(self, name: str) -> Any:  # dataset, batch_size, sampler, ...
         return getattr(self.loader, name)
 
     def set_epoch(self, epoch: int) -> None:
+        if self._resumed and epoch != self.epoch and getattr(self.loader, "kind", "map") != "map":
+            # A stream's restored position belongs to the epoch being left (e.g. saved on its last batch):
+            # the new epoch reads the stream afresh, as after an uninterrupted epoch. (Our sampler knows epochs.)
+            self.loader.next_iter_state = None
         if epoch != self.epoch or not self._resumed:
             self.epoch, self._resumed, self.batch_in_epoch = epoch, False, 0
 
@@ -132,40 +148,88 @@ class PreparedDataLoader:
                 self._start_at(self._skip)
         self._skip = 0
         self._resumed = False
+        self._held_state = None
+        contiguous = self.dispatcher is not None or getattr(self.loader, "kind", None) == "stream"
         try:
-            total = len(self.loader)
+            total = -1 if contiguous else len(self.loader)
         except TypeError:  # an IterableDataset without __len__: the end is known only when it comes
             total = -1
         state = self.gradient_state
-        state.padding = num_padding_samples(self.loader)
+        state.padding = 0 if contiguous else num_padding_samples(self.loader)
+        state.padding_order = "contiguous" if contiguous else "strided"
         device = self.device
         move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run
         convert = self.precision.convert_input if getattr(self.precision, "input_dtype", None) is not None else None
         state.end_of_dataloader = False
         state.active_dataloaders += 1
-        self._position = None
         tracked = self.device_batches is not None
-        batches = iter(self.device_batches(_with_positions(self.loader)) if tracked else self.loader)
-        move = move and not tracked  # the strategy's loader put them on the device
+        move = move and not tracked  # the strategy's loader puts them on the device (streams: moved here)
+        batches: Any = None
         try:
-            for batch in batches:
-                if tracked:
-                    batch, position = batch
-                    self._position = position.state
-                self.batch_in_epoch += 1
-                state.end_of_dataloader = self.batch_in_epoch == total
-                if move:
-                    batch = move_to_device(batch, device)
-                yield convert(batch) if convert is not None else batch
+            if total >= 0:
+                batches = iter(self.device_batches(_with_positions(self.loader))) if tracked else self.loader
+                for batch in batches:
+                    if tracked:
+                        batch, position = batch
+                        self._held_state = position.state
+                    self.batch_in_epoch += 1
+                    state.end_of_dataloader = self.batch_in_epoch == total
+                    if move:
+                        batch = move_to_device(batch, device)
+                    yield convert(batch) if convert is not None else batch
+            else:
+                for batch, padding, last in self._looked_ahead():
+                    self.batch_in_epoch += 1
+                    state.end_of_dataloader = last
+                    if last:
+                        state.padding = padding
+                    if move or tracked:
+                        batch = move_to_device(batch, device)
+                    yield convert(batch) if convert is not None else batch
         finally:  # also when the loop breaks out (the generator is closed)
             state.active_dataloaders -= 1
             close = getattr(batches, "close", None)
             if tracked and callable(close):
                 close()
-        self._position = None  # the pass ran out: the loader's own state says so
+        self._held_state = None  # the pass ran out: the loader's own state says so
         state.end_of_dataloader = True
         self.epoch += 1
         self.batch_in_epoch = 0
+
+    def _looked_ahead(self) -> Iterator[Any]:
+        """``(batch, padding, is_last)`` for a loader whose end is known only when it comes: one batch is
+        read ahead (as Accelerate does) so the last one is known when it is handed out; the loader's
+        position after each batch is held, so a checkpoint does not count the batch read ahead."""
+        from strategies.data import loader_state_dict
+
+        if self.dispatcher is not None:
+            source: Iterator[Any] = iter(self.dispatcher)
+        else:
+            loader = self.loader
+            source = ((batch, getattr(loader, "last_padding", 0), loader_state_dict(loader)) for batch in loader)
+        previous = next(source, None)
+        if self.gather_object is not None and getattr(self.loader, "kind", None) == "stream":
+            self._check_same_stream(previous is not None and self.loader.last_fingerprint or None)
+        while previous is not None:
+            current = next(source, None)
+            batch, padding, position = previous
+            self._held_state = position
+            yield batch, padding, current is None
+            previous = current
+
+    def _check_same_stream(self, mark: Optional[str]) -> None:
+        """A split stream must be the same on every rank; compare the first sample each read (one small
+        gather per epoch, on every rank, also one that has no batch)."""
+        marks = self.gather_object(mark)
+        seen = {m for m in marks if m is not None}
+        if len(seen) > 1:
+            differ = [rank for rank, m in enumerate(marks) if m is not None and m != marks[0]]
+            name = type(getattr(self.loader.dataset, "dataset", self.loader.dataset)).__name__
+            raise ConfigurationError(
+                f"{name} yields different samples on different processes (rank 0 and rank {differ[0]} read different "
+                "first samples), so splitting its stream between ranks would repeat and lose samples. A dataset that "
+                "shards itself by rank says so with `shards_by_rank = True`; a shuffled stream must be seeded the "
+                "same on every process (per epoch, e.g. in set_epoch), not per rank")
 
     def _draw_epoch_randomness(self) -> None:
         """What iterating a plain ``DataLoader(shuffle=True, generator=g)`` draws, in torch's order: the
@@ -211,9 +275,10 @@ class PreparedDataLoader:
 
     def _start_at(self, num_batches: int) -> None:
         sampler = getattr(self.loader, "sampler", None)
-        if not callable(getattr(sampler, "check_compatible", None)):
+        if self.dispatcher is not None or not callable(getattr(sampler, "check_compatible", None)):
             raise ConfigurationError("skip_first_batches needs a map-style dataset sharded by trainforge (no custom "
-                                     "sampler or IterableDataset): skip inside your own sampler instead")
+                                     "sampler, IterableDataset or dispatch_batches=True): skip inside your own "
+                                     "sampler instead")
         state = sampler.state_dict()
         state["consumed"] = min(num_batches * (self.loader.batch_size or 1) * sampler.num_replicas,
                                 sampler.total_size)
@@ -223,13 +288,15 @@ class PreparedDataLoader:
     def state_dict(self) -> Dict[str, Any]:
         from strategies.data import loader_state_dict
 
-        loader = copy.deepcopy(self._position) if self._position is not None else loader_state_dict(self.loader)
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": loader,
+        position = copy.deepcopy(self._held_state) if self._held_state is not None else loader_state_dict(self.loader)
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": position,
                 "user_generators": list(self._generators_after)}
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
         from strategies.data import load_loader_state
 
+        if self.dispatcher is not None:  # the whole loader, read by rank 0: its own layout on every rank
+            world_size, rank = 1, 0
         load_loader_state(self.loader, state["loader"], world_size=world_size, rank=rank)
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         users = [g for g in (self.base_generator, self.order_generator) if g is not None]
