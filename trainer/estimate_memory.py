@@ -11,6 +11,12 @@ bare model type (llama, mistral, t5, ...) with its default config.
 
 Numbers follow the ZeRO paper (see strategies/memory_estimate.py); activations are not included,
 so a strategy "fits" when its model states leave 25% of the device free.
+
+    trainforge estimate-memory llama --layouts --seq-len 4096 --num-processes 8 --device-memory 80GB
+
+``--layouts`` tabulates MegatronStrategy's (pp, dp, tp) layouts instead, activations included
+(measured on the meta device for a language model, else Megatron's formula from --layers/--hidden/
+--heads; see strategies/parallel/layout.py), and names the one "auto" sizes would pick.
 """
 from __future__ import annotations
 
@@ -117,6 +123,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host memory per node for offload (default: this machine's RAM)")
     parser.add_argument("--processes-per-node", type=int, default=None, metavar="N",
                         help="processes sharing one host's memory (default: all of them, up to 8)")
+    lay = parser.add_argument_group("model-parallel layouts (MegatronStrategy), activations included")
+    lay.add_argument("--layouts", action="store_true", help="tabulate every (pp, dp, tp) layout instead")
+    lay.add_argument("--seq-len", type=int, default=None, metavar="S", help="tokens per sequence (needed with "
+                     "--layouts)")
+    lay.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="sequences per micro-batch")
+    lay.add_argument("--num-microbatches", type=int, default=None, metavar="M", help="micro-batches per step (GPipe)")
+    lay.add_argument("--schedule", default="1f1b", help="pipeline schedule (1f1b, gpipe, ...)")
+    lay.add_argument("--sequence-parallel", action="store_true")
+    lay.add_argument("--activation-checkpointing", action="store_true")
+    lay.add_argument("--eager-attention", action="store_true", help="attention scores stored (not SDPA/flash)")
+    lay.add_argument("--layers", type=int, default=None, help="transformer layers (a model without a HF config)")
+    lay.add_argument("--hidden", type=int, default=None, help="hidden size (a model without a HF config)")
+    lay.add_argument("--heads", type=int, default=None, help="attention heads (a model without a HF config)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
         import psutil
 
         cpu_memory = int(psutil.virtual_memory().total)
-    param_count = count_parameters(build_model(args.model))
+    model = build_model(args.model)
+    param_count = count_parameters(model)
+    if args.layouts:
+        return _run_layouts(args, model, param_count, precision, device_memory, source)
     print(f"{args.model}: {param_count:,} parameters; precision {precision}, optimizer {args.optimizer}; "
           f"device memory {format_bytes(device_memory)} ({source}), host memory {format_bytes(cpu_memory)}; "
           "bytes per rank, model states only (activations need the 25% kept free)")
@@ -146,4 +168,45 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(rows, device_memory, cpu_memory, per_node, chosen=chosen))
         print("recommendation: " + (describe(chosen, n) if chosen is not None else
                                     "nothing fits; use more processes, a lower precision, or a smaller model"))
+    return 0
+
+
+def _run_layouts(args: argparse.Namespace, model: nn.Module, param_count: int, precision: str,
+                 device_memory: Optional[int], source: str) -> int:
+    from strategies.parallel.layout import (ModelShape, choose_layout, estimate_layouts, format_layouts,
+                                            measure_activation_bytes)
+
+    if args.seq_len is None:
+        raise ConfigurationError("--layouts needs --seq-len S (tokens per sequence): activations grow with it")
+    given, measured = (args.layers, args.hidden, args.heads), None
+    if all(v is not None for v in given):
+        shape = ModelShape(param_count, *given)  # the formula (a model that is not a language model)
+    elif any(v is not None for v in given):
+        raise ConfigurationError("--layers, --hidden and --heads go together (give all three, or none for a "
+                                 "transformers model, whose config has them)")
+    else:
+        shape = ModelShape.of(model, param_count)
+        measured = measure_activation_bytes(model, args.seq_len, args.micro_batch_size, precision,
+                                            args.eager_attention)
+    print(f"{args.model}: {param_count:,} parameters, {shape.layers} layers, hidden {shape.hidden}, {shape.heads} "
+          f"heads; precision {precision}, optimizer {args.optimizer}; micro-batch {args.micro_batch_size} x "
+          f"{args.seq_len} tokens, schedule {args.schedule}; device memory {format_bytes(device_memory)} ({source}); "
+          + (f"activations of one micro-batch measured on the meta device: {format_bytes(measured)}" if measured
+             else "activations from Megatron's formula"))
+    for n in args.num_processes:
+        rows = estimate_layouts(shape, n, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                                num_microbatches=args.num_microbatches, precision=precision,
+                                optimizer=args.optimizer, ranks_per_node=args.processes_per_node,
+                                schedule=args.schedule, sequence_parallel=args.sequence_parallel,
+                                activation_checkpointing=args.activation_checkpointing,
+                                eager_attention=args.eager_attention, measured_activations=measured)
+        try:
+            chosen: Any = choose_layout(rows, device_memory)
+        except ConfigurationError:
+            chosen = None
+        print(f"\n== {n} process{'es' if n > 1 else ''} ==")
+        print(format_layouts(rows, device_memory, chosen))
+        print("choice: " + (f"MegatronStrategy(tensor_parallel_size={chosen.tp}, pipeline_parallel_size={chosen.pp})"
+                            if chosen is not None else "nothing fits; use more processes, activation "
+                            "checkpointing, a shorter sequence or a smaller micro-batch"))
     return 0
