@@ -143,6 +143,9 @@ class Trainer(MetricLogging, Evaluation):
             if val_dataloaders is None:
                 val_dataloaders = self._loaders_for("validate", None, datamodule, required=False) or None
         self._check_loader(train_dataloaders, "train_dataloaders")
+        for i, dl in enumerate(_as_list(val_dataloaders)):  # an empty one would validate on nothing, silently
+            self._check_loader(dl, "val_dataloaders" if not isinstance(val_dataloaders, (list, tuple))
+                               else f"val_dataloaders[{i}]")
         try:
             self._setup_fit(module, train_dataloaders, val_dataloaders)
             self._fire(Event.SETUP, "fit")

@@ -67,6 +67,12 @@ def test_empty_dataloader(tmp_path):
     empty = DataLoader(TensorDataset(torch.zeros(0, 8), torch.zeros(0, 1)), batch_size=8)
     with pytest.raises(ConfigurationError, match="train_dataloaders is empty"):
         fit(tmp_path, loader=empty)
+    trainer = Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False,
+                      max_epochs=1)
+    good = DataLoader(regression_data(), batch_size=8)
+    with pytest.raises(ConfigurationError, match=r"val_dataloaders\[1\] is empty \(len == 0, dataset of 0 samples"):
+        trainer.fit(Regressor(make_net()), good, [good, empty])  # would validate on nothing
+    assert trainer.global_step == 0  # refused before any training
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5])
