@@ -25,23 +25,26 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, U
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from strategies.base import Optimizers, Strategy, build_optimizers
+from strategies.dcp_safe import DCP_ERRORS, safe_load
 from strategies.ddp import ProcessGroupMixin
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_optimizers
-from strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
+from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 from strategies.parallel import ParallelDims, apply_tp
 from strategies.parallel.dims import _positive
+from strategies.parallel.pp import (SCHEDULES, guard_forward, num_stages_for, plan_split, prune, schedule_class,
+                                    stage_ids, stage_module, _child)
+from strategies.parallel.pp_schedule import PipelineRunner
 
 log = logging.getLogger("trainforge")
 
 DATA_PARALLEL = ("fsdp",)
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 
 
 class MegatronStrategy(ProcessGroupMixin, Strategy):
@@ -65,11 +68,21 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                                  "data parallelism over the dp mesh dimension is FSDP2 (ddp is not built yet)")
         if schedule not in SCHEDULES:
             raise invalid_choice("schedule", schedule, SCHEDULES)
-        if pipeline_parallel_size not in (1, "1") or pp_split is not None or num_microbatches is not None:
-            raise ConfigurationError(f"pipeline_parallel_size={pipeline_parallel_size!r} (pp_split={pp_split!r}, "
-                                     f"num_microbatches={num_microbatches!r}): pipeline parallelism is not built yet "
-                                     "in MegatronStrategy; use pipeline_parallel_size=1 and scale with "
-                                     "tensor_parallel_size and data_parallel_size")
+        _positive("pipeline_parallel_size", pipeline_parallel_size, True)  # 'auto': refused by ParallelDims
+        if pipeline_parallel_size == "auto":
+            ParallelDims.resolve(tp=1, pp="auto", dp="auto", world_size=1)
+        if num_microbatches is not None:
+            _positive("num_microbatches", num_microbatches, False)
+        if pp_split is not None and (isinstance(pp_split, str) or not isinstance(pp_split, (list, tuple))
+                                     or not all(isinstance(n, str) for n in pp_split)):
+            raise ConfigurationError(f"pp_split={pp_split!r} must be None (balanced by parameter count) or a list of "
+                                     "block names, each the first block of a new stage, e.g. ['net.blocks.4']")
+        if pipeline_parallel_size == 1 and (pp_split or num_microbatches is not None):
+            raise ConfigurationError(f"pp_split={pp_split!r} / num_microbatches={num_microbatches!r} need "
+                                     "pipeline_parallel_size > 1; set it, or leave them unset")
+        if pipeline_parallel_size != 1:
+            schedule_class(schedule)  # V-shaped schedules: a clear "not built yet" now
+            num_stages_for(schedule, pipeline_parallel_size, pp_split)
         for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
             if value:
                 raise ConfigurationError(f"{flag}=True is not built yet as a switch; leave it False (a "
@@ -79,12 +92,16 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             ParallelDims.resolve(tp="auto", pp=1, dp="auto", world_size=1)
         _positive("tensor_parallel_size", tensor_parallel_size, False)
         _positive("data_parallel_size", data_parallel_size, True)
-        self.sizes = {"tp": tensor_parallel_size, "pp": 1, "dp": data_parallel_size}
+        self.sizes = {"tp": tensor_parallel_size, "pp": pipeline_parallel_size, "dp": data_parallel_size}
+        self.pp_split, self.num_microbatches = list(pp_split) if pp_split is not None else None, num_microbatches
+        self.pipeline: Optional[PipelineRunner] = None
         self.tp_plan, self.activation_checkpointing, self.schedule = tp_plan, activation_checkpointing, schedule
         self.backend, self.timeout = process_group_backend, timeout
         self.dims: Optional[ParallelDims] = None
         self.mesh: Any = None
         self.tp_coverage: Dict[str, Any] = {}
+        self._params: Dict[str, nn.Parameter] = {}  # this rank's parameters by name (pipeline)
+        self._norm_excluded: set = set()             # tied copies counted in the grad norm on another rank
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -105,11 +122,24 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
         from strategies.data import prepare_dataloader
 
+        n = self.num_microbatches or (num_stages_for(self.schedule, self.dims.pp, self.pp_split) if self.pipelined else 1)
+        size = getattr(dataloader, "batch_size", None)
+        if self.pipelined and size is not None and size % n:
+            raise ConfigurationError(f"the loader's batch_size={size} does not split into num_microbatches={n} equal "
+                                     f"micro-batches; use a batch_size that is a multiple of {n} (or set "
+                                     "num_microbatches to a divisor of it)")
         return prepare_dataloader(dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size, seed=seed)
+
+    @property
+    def pipelined(self) -> bool:
+        """The Trainer sends training batches through ``forward_backward`` (the schedule)."""
+        return self.dims is not None and self.dims.pp > 1
 
     def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         if getattr(module, "_trainforge_megatron", False):  # parallelized before
             return module, build_optimizers(optimizers)
+        if self.pipelined:
+            return self._setup_pipeline(module, optimizers)
         before = list(module.named_parameters())
         module = self.setup_module(module)
         if callable(optimizers):  # built now, on the DTensor parameters (the Trainer's order)
@@ -147,6 +177,90 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         module._trainforge_megatron = True
         return module
 
+    def _setup_pipeline(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[Any]]:
+        """Checks first (nothing moved yet), then the fixed order on this rank's stages: split (prune
+        the module to its stages) -> TP -> activation checkpointing -> FSDP2 per stage -> schedule."""
+        self._check_pipeline_inputs(module, optimizers)
+        dims, mesh = self.dims, self.mesh
+        num_stages = num_stages_for(self.schedule, dims.pp, self.pp_split)
+        split = plan_split(module, num_stages, self.pp_split)
+        local = stage_ids(mesh["pp"].get_local_rank(), dims.pp, num_stages)
+        plan = None
+        if dims.tp > 1:  # resolved on the whole model, so a glob is checked against every stage
+            from strategies.parallel.tp import resolve_plan
+            plan = resolve_plan(module, self.tp_plan, dims.tp)
+        if self.is_global_zero:
+            log.info("trainforge: pipeline %s, %d stage(s) on %d rank(s), %s micro-batches: %s", self.schedule,
+                     num_stages, dims.pp, self.num_microbatches or num_stages, split.describe())
+        module = module.to(self.root_device)
+        if self.precision is not None:
+            module = self.precision.convert_module(module)
+        prune(module, split, local)  # 1. pipeline split
+        if plan is not None:  # 2. tensor parallelism on the modules this rank kept
+            head = split.prefix + "."
+            mine = {n for s in local for n in split.stages[s]}
+            self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: not n.startswith(head) or
+                                        _child(n[len(head):], split.blocks) in mine)
+        ac = self.activation_checkpointing  # 3. activation checkpointing
+        if ac is True:
+            ac = {type(m) for _, m in select_modules(module, None)} or None
+        if ac not in (False, None):
+            apply_activation_checkpointing(module, select_modules(module, ac))
+        stages = {s: stage_module(module, split, s) for s in local}
+        if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 per stage, its blocks then the stage
+            kwargs = {"mesh": mesh["dp"], "mp_policy": self._mp_policy(), "reshard_after_forward": False}
+            for stage in stages.values():
+                for block in getattr(stage, split.blocks):
+                    if not isinstance(block, nn.Identity):
+                        fully_shard(block, **kwargs)
+                fully_shard(stage, **kwargs)
+        guard_forward(module, split)
+        runner = PipelineRunner(stages, split, self.schedule, self.num_microbatches or num_stages, module.loss_fn,
+                                mesh, self.root_device)
+        runner.setup_tied(split, local)
+        self._params = {clean_name(n): p for n, p in module.named_parameters()}
+        runner.check_tied_shapes(self._params)
+        self.pipeline, self._norm_excluded = runner, runner.norm_excluded(self._params)
+        module._trainforge_megatron = True
+        return module, build_optimizers(optimizers)  # on this rank's own (sharded) parameters
+
+    def _check_pipeline_inputs(self, module: nn.Module, optimizers: Optimizers) -> None:
+        where = f"pipeline_parallel_size={self.dims.pp}"
+        if not callable(optimizers):
+            raise ConfigurationError(f"{where}: Accelerator.prepare with pipeline parallelism is not built yet; train "
+                                     "with the Trainer (its step runs the pipeline schedule)")
+        if not callable(getattr(module, "loss_fn", None)):
+            raise ConfigurationError(f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
+                                     "loss: the pipeline computes the loss on its last stage from the model's output "
+                                     "and the batch's target (training_step is not called)")
+        if self.accumulation_steps > 1:
+            raise ConfigurationError(f"{where} with accumulate_grad_batches={self.accumulation_steps}: with pipeline "
+                                     "parallelism the micro-batches are the accumulation; use num_microbatches (and a "
+                                     "loader batch of num_microbatches x micro-batch size) and accumulate_grad_batches=1")
+        if getattr(self.precision, "scaler", None) is not None:
+            raise ConfigurationError(f"{where} with precision={self.precision.name!r}: the fp16 grad scaler is not "
+                                     "built into the pipeline schedule yet; use 'bf16-mixed' or '32'")
+
+    def forward_backward(self, module: nn.Module, step_fn: Any, batch: Any, batch_idx: int,
+                         backward: Any = None) -> Any:
+        """Pipeline parallelism: the schedule runs forward, ``module.loss_fn(output, target)`` and
+        backward of every micro-batch; returns the batch's mean loss (the same on every rank).
+        ``batch`` is ``(inputs, target)`` or what ``module.pipeline_batch(batch)`` makes of it."""
+        if self.pipeline is None:
+            return super().forward_backward(module, step_fn, batch, batch_idx, backward)
+        split_batch = getattr(module, "pipeline_batch", None)
+        parts = split_batch(batch) if callable(split_batch) else batch
+        if not isinstance(parts, (tuple, list)) or len(parts) != 2:
+            raise ConfigurationError(f"pipeline parallelism needs each batch as (inputs, target), got "
+                                     f"{type(parts).__name__}; define {type(module).__name__}.pipeline_batch(batch) "
+                                     "-> (inputs, target)")
+        inputs, target = parts
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        with (self.precision.autocast() if self.precision is not None else contextlib.nullcontext()):
+            loss = self.pipeline.step(inputs, target)
+        self.pipeline.reduce_tied_grads(self._params)
+        return loss
+
     def _mp_policy(self) -> MixedPrecisionPolicy:
         dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))
         return MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype,
@@ -156,7 +270,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         return module  # everything is applied in place
 
     def teardown(self) -> None:
-        self.mesh = None
+        self.mesh, self.pipeline, self._params = None, None, {}
         self._stop_process_group()
 
     # ---- the step -----------------------------------------------------------------------------
@@ -168,12 +282,15 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
                        clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
         """Gradients live on different meshes (tp+dp, dp only, none): the norm of each mesh's group is
-        reduced over that mesh, then the groups combine into the norm of the unsharded model."""
+        reduced over that mesh, then the groups combine into the norm of the unsharded model; under
+        pipeline parallelism the stages' norms combine over the pipeline (tied copies counted once)."""
         params = [p for p in parameters if p.grad is not None]
         if clip_value is not None or max_norm is None:
             return super().clip_gradients(params, max_norm=max_norm, clip_value=clip_value, norm_type=norm_type)
         groups: Dict[Any, List[torch.Tensor]] = {}
         for p in params:
+            if id(p) in self._norm_excluded:
+                continue
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
         norms = []
@@ -181,6 +298,11 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = torch.nn.utils.get_total_norm(norms, norm_type)
+        if self.pipeline is not None:
+            total = self.pipeline.total_norm(total, norm_type)
+            excluded = [p for p in params if id(p) in self._norm_excluded]
+            if excluded:
+                groups.setdefault("tied", []).extend(excluded)
         for group in groups.values():  # one call per kind: foreach kernels do not mix DTensor and Tensor
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
@@ -193,10 +315,14 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         for name, value in get_model_state_dict(module).items():
             full = value.full_tensor() if isinstance(value, DTensor) else value
             out[name] = full.detach().cpu()
+        if self.pipeline is not None:  # each pipeline rank holds its stages: gather them (original names)
+            parts: List[Any] = [None] * self.dims.pp
+            torch.distributed.all_gather_object(parts, out, group=self.pipeline.group)
+            out = {k: v for part in parts for k, v in part.items()}
         return out
 
     def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        dcp.save(_sharded_state(module, optimizers), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
+        dcp.save(_sharded_state(module, optimizers, self.pipelined), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """A ``dcp/`` checkpoint from any (tp, dp) layout or from FSDPStrategy; DCP reshards on read."""
@@ -204,20 +330,27 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if not folder.is_dir():
             raise CheckpointError(f"{path}: no {DCP_DIR}/ folder; MegatronStrategy loads sharded checkpoints "
                                   "(written by MegatronStrategy or FSDPStrategy(state_dict_type='sharded'))")
-        state = _sharded_state(module, optimizers)
+        state = _sharded_state(module, optimizers, self.pipelined)
         try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:
+            safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
+        except CheckpointError:
+            raise
+        except DCP_ERRORS as e:
             raise CheckpointError(f"{folder}: cannot load into {type(module).__name__} ({type(e).__name__}: "
                                   f"{str(e).strip()[:500]}); was it saved from the same model and optimizers?") from None
         set_model_state_dict(module, state["model"])
         for i, opt in enumerate(optimizers):
-            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)])
+            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)],
+                                     options=StateDictOptions(flatten_optimizer_state_dict=self.pipelined))
 
     def __repr__(self) -> str:
         return f"MegatronStrategy({self.dims or self.sizes}, device={self.root_device})"
 
 
-def _sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, Any]:
+def _sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool = False) -> Dict[str, Any]:
+    """``flat`` (pipeline parallelism): optimizer settings keyed per parameter name, since each
+    pipeline rank's parameter groups hold other parameters (DCP would keep one rank's list)."""
+    options = StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
     return {"model": get_model_state_dict(module),
-            "optimizers": {str(i): get_optimizer_state_dict(module, opt) for i, opt in enumerate(optimizers)}}
+            "optimizers": {str(i): get_optimizer_state_dict(module, opt, options=options)
+                           for i, opt in enumerate(optimizers)}}

@@ -86,6 +86,7 @@ class Trainer(MetricLogging, Evaluation):
         self._batch: Any = None
         self._listeners: Dict[Event, List[Any]] = {event: [] for event in Event}
         self._training_step: Any = None
+        self._pipelined = False  # the strategy runs a pipeline schedule (see _pipeline_batch)
         self._pending_rng: Optional[Dict[str, Any]] = None
         self._nonfinite_flag: Optional[torch.Tensor] = None  # see _check_loss_async
         self._last_flag_check = 0
@@ -172,6 +173,9 @@ class Trainer(MetricLogging, Evaluation):
         manual = not module.automatic_optimization
         if manual:
             check_manual_config(self)
+        self._pipelined = bool(getattr(self.strategy, "pipelined", False))
+        if self._pipelined:
+            _check_pipelined(self, manual, val_loaders)
         # Lightning's order, for every strategy: place and wrap first, then build the optimizers, so
         # configure_optimizers sees the final device and parameters (fused AdamW on CUDA, FSDP's
         # DTensors, bf16-true weights) and nothing has to be remapped.
@@ -245,6 +249,8 @@ class Trainer(MetricLogging, Evaluation):
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches
         if not self.module.automatic_optimization:
             return run_manual_step(self, batch, batch_idx)
+        if self._pipelined:
+            return self._pipeline_batch(batch, batch_idx)
         with acc.accumulate(self.model):
             with acc.autocast():
                 output = self._training_step(batch, batch_idx)
@@ -257,6 +263,23 @@ class Trainer(MetricLogging, Evaluation):
             if acc.sync_gradients:
                 self._optimizer_step()
         p.accumulation_step = acc.step
+
+    def _pipeline_batch(self, batch: Any, batch_idx: int) -> None:
+        """Pipeline parallelism: the strategy's schedule runs forward, ``module.loss_fn`` and backward
+        of every micro-batch (training_step is not called); the batch loss, the same on every rank,
+        is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
+        acc = self.accelerator
+        with acc.accumulate(self.model):  # accumulate_grad_batches is 1: the micro-batches accumulate
+            loss = self.strategy.forward_backward(self.model, self._training_step, batch, batch_idx)
+            self._last_output = loss
+            self.module.log("train/loss", loss)
+            if self._check_loss(loss, batch_idx):
+                self._fire(Event.AFTER_BACKWARD)
+            else:
+                for opt in self.optimizers:
+                    opt.zero_grad()
+            self._optimizer_step()
+        self.progress.accumulation_step = acc.step
 
     def _loss_of(self, output: Any, batch_idx: int) -> Optional[torch.Tensor]:
         """The loss in what training_step returned, or a ConfigurationError at the first bad batch."""
@@ -459,6 +482,16 @@ class Trainer(MetricLogging, Evaluation):
         if empty:
             raise ConfigurationError(f"{name} is empty (len == 0, dataset of {len(loader.dataset)} samples with "
                                      f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data")
+
+
+def _check_pipelined(trainer: Trainer, manual: bool, val_loaders: Any) -> None:
+    """What pipeline parallelism does not run (yet), refused before any work."""
+    if manual:
+        raise ConfigurationError("automatic_optimization=False with pipeline parallelism: the schedule runs forward "
+                                 "and backward itself; use automatic optimization (and define loss_fn)")
+    if val_loaders is not None and _as_list(val_loaders) and trainer.config.limit_val_batches != 0:
+        raise ConfigurationError("validation with pipeline parallelism is not built yet; pass no val_dataloaders "
+                                 "(or limit_val_batches=0) and evaluate the merged weights on one process")
 
 
 def _overrides(target: Any, hook: str) -> bool:
