@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from fsdp_common import Block, loader, write_json
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from callbacks.base import Callback
@@ -151,16 +151,30 @@ def pp2(out: Path) -> Dict[str, Any]:
     at3 = reference(3)["state"]  # the weights the checkpoint holds, for the one-process load in the test
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in at3.items()}, str(out / "ref_step3.safetensors"))
-    res["bad_batch"] = bad_batch()
+    res["bad_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2, num_microbatches=3))
+    res["validation"] = refused(MegatronStrategy(pipeline_parallel_size=2), val=True)
+    # the tp2 x pp2 checkpoint (4 processes, written first) loaded on pp2: the weights it was saved with
+    if (out / "ckpt_tp2pp2").is_dir():
+        strategy = MegatronStrategy(pipeline_parallel_size=2)
+        strategy.setup_environment()
+        torch.manual_seed(1)
+        module, _ = strategy.setup(LitGPT(), lambda: [])
+        strategy.load_checkpoint(out / "ckpt_tp2pp2", module, [])
+        loaded = strategy.module_state_dict(module)
+        saved = load_file(str(out / "tp2pp2.safetensors"))
+        res["tp2pp2_to_pp2_diff"] = max(float((loaded[k] - saved[k]).abs().max()) for k in saved)
     return res
 
 
-def bad_batch() -> str:
-    strategy = MegatronStrategy(pipeline_parallel_size=2, num_microbatches=3)
+def refused(strategy: Any, val: bool = False) -> str:
+    """The ConfigurationError a fit raises before its first step."""
+    record = Record()
+    trainer = Trainer(strategy=strategy, max_steps=1, default_root_dir="/nonexistent-never-written",
+                      enable_progress_bar=False, enable_checkpointing=False, callbacks=[record])
     try:
-        fit(strategy, Path("/nonexistent-never-written"), 1)
+        trainer.fit(LitGPT(), loader(4), loader(4) if val else None)
     except ConfigurationError as e:
-        return str(e)
+        return str(e) if not record.losses else "error after a step"
     return "no error"
 
 

@@ -88,12 +88,12 @@ def test_sizes_that_do_not_multiply_to_the_world():
 
 
 def test_unknown_choices_and_unbuilt_options():
-    with pytest.raises(ConfigurationError, match=r"schedule='fifo' is not one of: 1f1b, gpipe"):
+    with pytest.raises(ConfigurationError, match=r"schedule='fifo' is not one of: gpipe, 1f1b"):
         MegatronStrategy(schedule="fifo")
     with pytest.raises(ConfigurationError, match=r"data_parallel='zero' is not one of: fsdp"):
         MegatronStrategy(data_parallel="zero")
-    with pytest.raises(ConfigurationError, match=r"pipeline_parallel_size=2 .*not built yet"):
-        MegatronStrategy(pipeline_parallel_size=2)
+    with pytest.raises(ConfigurationError, match=r"schedule='dualpipev' .*not built yet"):
+        MegatronStrategy(pipeline_parallel_size=2, schedule="dualpipev")
     with pytest.raises(ConfigurationError, match=r"'auto'.*not built yet"):
         MegatronStrategy(tensor_parallel_size="auto")
     assert isinstance(resolve_strategy("megatron", tensor_parallel_size=2), MegatronStrategy)

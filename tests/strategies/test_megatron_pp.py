@@ -1,0 +1,183 @@
+"""MegatronStrategy pipeline parallelism: schedules against a single-process run on real gloo
+processes, tied embeddings, TP x PP and PP x FSDP2, DCP checkpoints across layouts, bad input.
+
+Two launches (module fixture): tests/scripts/megatron_pp.py on 4 processes (tp2 x pp2 for 20 steps
+with a checkpoint, pp2 x dp2 with tied embeddings), then on 2 (pp2: gpipe, 1f1b, interleaved_1f1b,
+tied embeddings, resume, the 4-process checkpoint loaded on pp2, refusals). Every rank trains the
+single-process reference itself, so the numbers are computed in the child processes.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from strategies.errors import ConfigurationError
+from strategies.megatron import MegatronStrategy
+from strategies.parallel import ParallelDims
+from strategies.parallel.pp import plan_split, stage_module, prune
+from tests.helpers.procs import run, torchrun
+from trainer import TrainingModule
+from trainer.cli import main as cli_main
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from megatron_pp import GPT, LitGPT  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_pp")
+    for mode, nproc in (("tp2pp2", 4), ("pp2", 2)):
+        output = run(torchrun(SCRIPTS / "megatron_pp.py", mode, out, nproc=nproc), timeout=400).stdout
+        assert "rank 0 ok" in output, output[-3000:]
+    return out, json.loads((out / "pp2.json").read_text()), json.loads((out / "tp2pp2.json").read_text())
+
+
+@pytest.mark.slow
+def test_pp2_schedules_match_single_process(runs):
+    _, res, _ = runs
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+        assert res[f"{schedule}_loss_diff"] < 1e-5 and res[f"{schedule}_weights_diff"] < 1e-5, schedule
+    # rank 0 really holds only its stages: embedding + first half (single), stages 0 and 2 (interleaved)
+    assert res["1f1b_stages"] == [0] and res["1f1b_local_params"] == ["blocks.0", "blocks.1", "embed"]
+    assert res["interleaved_1f1b_stages"] == [0, 2]
+    assert res["interleaved_1f1b_local_params"] == ["blocks.0", "blocks.2", "embed"]
+
+
+@pytest.mark.slow
+def test_tied_embeddings_stay_tied_across_stages(runs):
+    _, res, tp = runs
+    assert res["tied_rank0_holds"] == ["net.embed.weight"] and res["pp_split_rank0_blocks"] == ["0"]  # pp_split
+    assert res["tied_copies_equal"]  # gradients summed over the embedding group: both copies step alike
+    assert res["tied_loss_diff"] < 1e-5 and res["tied_weights_diff"] < 1e-5
+    assert tp["pp2dp2_layout"] == "pp=2 x dp=2 x tp=1" and tp["pp2dp2_placements"] == "(Shard(dim=0),)"
+    assert tp["pp2dp2_loss_diff"] < 1e-5 and tp["pp2dp2_weights_diff"] < 1e-5  # FSDP2 per stage, tied
+
+
+@pytest.mark.slow
+def test_tp2_x_pp2_20_steps_match_single_process(runs):
+    _, _, tp = runs
+    assert tp["layout"] == "pp=2 x dp=1 x tp=2" and tp["placements"] == "(Shard(dim=0),)"
+    assert tp["steps"] == 20 and tp["loss_diff"] < 1e-4 and tp["weights_diff"] < 1e-3
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_reshard_and_merge(runs, tmp_path):
+    out, res, _ = runs
+    assert res["resume_losses_equal"] and res["resume_weights_diff"] == 0.0
+    assert res["tp2pp2_to_pp2_diff"] == 0.0  # tp2 x pp2 -> pp2 through DCP
+    # one process: merge-weights of the tp2 x pp2 checkpoint gives exactly the weights it saved,
+    # under the original model's names (loadable into the unsplit model)
+    assert cli_main(["merge-weights", str(out / "ckpt_tp2pp2"), str(tmp_path / "merged")]) == 0
+    merged, saved = load_file(str(tmp_path / "merged" / "model.safetensors")), load_file(str(out / "tp2pp2.safetensors"))
+    assert sorted(merged) == sorted(saved) == sorted(LitGPT().state_dict())
+    assert all(torch.equal(merged[k], v) for k, v in saved.items())
+    # the pp2 checkpoint (step 3) on one process equals a single-process run of 3 steps
+    assert cli_main(["merge-weights", str(out / "ckpt_pp2"), str(tmp_path / "merged_pp2")]) == 0
+    merged, ref = load_file(str(tmp_path / "merged_pp2" / "model.safetensors")), load_file(str(out / "ref_step3.safetensors"))
+    module = LitGPT()
+    module.load_state_dict(merged)
+    assert max(float((merged[k] - ref[k]).abs().max()) for k in ref) < 1e-5
+
+
+@pytest.mark.slow
+def test_refusals_inside_a_run(runs):
+    _, res, _ = runs
+    assert "batch_size=4 does not split into num_microbatches=3" in res["bad_batch"]
+    assert "validation with pipeline parallelism is not built yet" in res["validation"]
+
+
+# ---- the split, and bad input: clear errors before any process starts or any weight moves --------
+def test_split_balanced_by_parameter_count_and_by_cut_points():
+    split = plan_split(LitGPT(), 2)
+    assert split.prefix == "net" and split.blocks == "blocks"
+    assert split.stages == [["embed", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "ln_f", "head"]]
+    split = plan_split(LitGPT(), 2, ["net.blocks.3"])
+    assert split.stages == [["embed", "blocks.0", "blocks.1", "blocks.2"], ["blocks.3", "ln_f", "head"]]
+    lit = LitGPT()
+    lit.net.blocks[0] = nn.Sequential(*[nn.Linear(16, 16) for _ in range(40)])  # a heavy first block
+    assert plan_split(lit, 2).stages[0] == ["embed", "blocks.0"]
+    tied = plan_split(LitGPT(tied=True), 2)
+    assert tied.tied == [[(0, "net.embed.weight"), (1, "net.head.weight")]]
+
+
+def test_stage_modules_keep_original_names_and_compute_the_model():
+    lit, ref = LitGPT(), LitGPT()
+    split = plan_split(lit, 2)
+    stages = [stage_module(lit, split, s) for s in (0, 1)]
+    prune(lit, split, [1])
+    assert sorted({n.split(".")[2] for n in dict(lit.named_parameters()) if ".blocks." in n}) == ["2", "3"]
+    assert "net.embed.weight" not in dict(lit.named_parameters())
+    x = torch.randint(0, 32, (2, 8))
+    assert torch.allclose(stages[1](stages[0](x)), ref.net(x))
+
+
+def test_bad_pipeline_settings():
+    with pytest.raises(ConfigurationError, match=r"schedule='zbv' .*not built yet.*gpipe, 1f1b, interleaved_1f1b"):
+        MegatronStrategy(pipeline_parallel_size=2, schedule="zbv")
+    with pytest.raises(ConfigurationError, match=r"schedule='fifo' is not one of: gpipe, 1f1b"):
+        MegatronStrategy(pipeline_parallel_size=2, schedule="fifo")
+    with pytest.raises(ConfigurationError, match=r"num_microbatches=0 must be a positive int"):
+        MegatronStrategy(pipeline_parallel_size=2, num_microbatches=0)
+    with pytest.raises(ConfigurationError, match=r"pipeline_parallel_size=-1 must be a positive int"):
+        MegatronStrategy(pipeline_parallel_size=-1)
+    with pytest.raises(ConfigurationError, match=r"pipeline_parallel_size='auto'.*not built yet"):
+        MegatronStrategy(pipeline_parallel_size="auto")
+    with pytest.raises(ConfigurationError, match=r"pp_split='net.blocks.2' must be None .* list of block names"):
+        MegatronStrategy(pipeline_parallel_size=2, pp_split="net.blocks.2")
+    with pytest.raises(ConfigurationError, match=r"need pipeline_parallel_size > 1"):
+        MegatronStrategy(pp_split=["net.blocks.2"])
+    with pytest.raises(ConfigurationError, match=r"makes 3 stages, but schedule='1f1b' runs one stage per rank: "
+                                                 r"give pipeline_parallel_size - 1 = 1 cut point"):
+        MegatronStrategy(pipeline_parallel_size=2, pp_split=["net.blocks.1", "net.blocks.2"])
+    with pytest.raises(ConfigurationError, match=r"makes 2 stages; schedule='interleaved_1f1b' runs several"):
+        MegatronStrategy(pipeline_parallel_size=2, schedule="interleaved_1f1b", pp_split=["net.blocks.1"])
+
+
+def test_bad_splits_of_the_model():
+    with pytest.raises(ConfigurationError, match=r"5 pipeline stages but net.blocks has only 4 block\(s\)"):
+        plan_split(LitGPT(), 5)
+    with pytest.raises(ConfigurationError, match=r"pp_split entry 'net.layers.2' is not a block that can begin a "
+                                                 r"stage; valid cut points: net.blocks.1, net.blocks.2, net.blocks.3"):
+        plan_split(LitGPT(), 2, ["net.layers.2"])
+    with pytest.raises(ConfigurationError, match=r"valid cut points"):
+        plan_split(LitGPT(), 2, ["net.blocks.0"])  # the first block cannot begin a later stage
+    with pytest.raises(ConfigurationError, match=r"distinct blocks in increasing order"):
+        plan_split(LitGPT(), 3, ["net.blocks.3", "net.blocks.1"])
+    with pytest.raises(ConfigurationError, match=r"Plain has no nn.ModuleList of blocks"):
+        plan_split(Plain(), 2)
+    lit = LitGPT()
+    lit.net.scale = nn.Parameter(torch.ones(()))
+    with pytest.raises(ConfigurationError, match=r"net \(GPT\) has parameters of its own \(scale\)"):
+        plan_split(lit, 2)
+
+
+class Plain(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+class NoLoss(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = GPT()
+
+
+def test_pipeline_needs_loss_fn_trainer_and_no_extra_accumulation():
+    strategy = MegatronStrategy(pipeline_parallel_size=2)
+    strategy.dims = ParallelDims.resolve(tp=1, pp=2, dp="auto", world_size=2)  # as setup_environment would
+    with pytest.raises(ConfigurationError, match=r"NoLoss must define loss_fn\(self, output, target\)"):
+        strategy.setup(NoLoss(), lambda: [])
+    with pytest.raises(ConfigurationError, match=r"Accelerator.prepare with pipeline parallelism is not built yet"):
+        strategy.setup(LitGPT(), [])
+    strategy.accumulation_steps = 2
+    with pytest.raises(ConfigurationError, match=r"accumulate_grad_batches=2: with pipeline parallelism the "
+                                                 r"micro-batches are the accumulation"):
+        strategy.setup(LitGPT(), lambda: [])
