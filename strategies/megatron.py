@@ -1,18 +1,39 @@
-"""Megatron-style tensor parallelism composed with FSDP2 on one ``DeviceMesh`` (``strategy="megatron"``).
+"""Megatron-style tensor and pipeline parallelism composed with FSDP2 on one ``DeviceMesh`` over
+(pp, dp, tp) (``strategy="megatron"``).
 
 ``setup`` applies the steps of ``strategies/parallel`` in their fixed order: precision conversion
--> ``apply_tp`` on the ``tp`` mesh dimension -> activation checkpointing -> ``fully_shard`` of each
-repeated block, then the root, on the ``dp`` dimension (skipped when dp=1). Parameters end up as
+-> pipeline split (``pipeline_parallel_size > 1``, ``parallel/pp.py``) -> ``apply_tp`` on the ``tp``
+mesh dimension -> activation checkpointing -> ``fully_shard`` of each repeated block, then the root
+(under pipelining: each stage), on the ``dp`` dimension (skipped when dp=1). Parameters end up as
 ``DTensor``s: ``Shard`` on tp for the planned layers, ``Shard(0)`` on dp for all (FSDP2 x TP).
 
-Data: each dp rank reads its shard of the loader; the tp ranks of one dp group read the same batch.
-Checkpoints: ``dcp/`` (torch.distributed.checkpoint) in trainforge's checkpoint directory, the same
-layout as ``FSDPStrategy``'s sharded one, so it loads on another (tp, dp) layout, under FSDP, and
-through ``trainforge merge-weights`` on one process.
+Pipeline parallelism (``pipeline_parallel_size=2, schedule="1f1b", num_microbatches=4``): the
+model's block list is cut into stages (balanced by parameter count, or at ``pp_split``), each rank
+keeps only its stages' modules under their original names, and ``forward_backward`` runs the
+``torch.distributed.pipelining`` schedule on each training batch (``gpipe``, ``1f1b``; the looped
+``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb`` run two stages per rank unless ``pp_split``
+says otherwise). Contract for the TrainingModule: it holds the model in an attribute whose forward
+is a chain of its children (embedding, blocks, norm, head), defines ``loss_fn(output, target)`` (the
+loss of one micro-batch, a mean), and its batches are ``(inputs, target)`` (or it defines
+``pipeline_batch(batch) -> (inputs, target)``). Under the Trainer, ``training_step`` is not called:
+the schedule computes ``loss_fn`` on the last stage; the batch loss (mean over micro-batches),
+broadcast from the last stage, is returned and logged as ``train/loss``. Gradients equal the
+unpipelined ones (``scale_grads`` over micro-batches, FSDP's mean over dp); tied parameters
+(input/output embeddings) live on the first and last stage with their gradients summed over those
+ranks; gradient-norm clipping combines the stages' norms (tied copies counted once). The loader's
+batch is split into ``num_microbatches`` (default: the number of stages) equal micro-batches, which
+are the gradient accumulation: ``accumulate_grad_batches`` must be 1. Refused with a clear error:
+validation, manual optimization, ``Accelerator.prepare`` and fp16 (``16-mixed``) under pipelining.
 
-Not built yet (clear errors): pipeline_parallel_size > 1, sizes "auto", data_parallel="ddp",
-sequence_parallel=True / loss_parallel=True as strategy switches (``"sequence_parallel"`` styles
-in ``tp_plan`` work).
+Data: each dp rank reads its shard of the loader; the tp and pp ranks of one dp group read the same batch.
+Checkpoints: ``dcp/`` (torch.distributed.checkpoint) in trainforge's checkpoint directory, the same
+layout as ``FSDPStrategy``'s sharded one, keyed by the original model's names, so it loads on
+another (tp, dp, pp) layout, under FSDP, and through ``trainforge merge-weights`` on one process
+(under pipelining the optimizer state is saved flat, keyed per parameter name).
+
+Not built yet (clear errors): sizes "auto", data_parallel="ddp", the V-shaped schedules (zbv,
+dualpipev), sequence_parallel=True / loss_parallel=True as strategy switches (``"sequence_parallel"``
+styles in ``tp_plan`` work).
 """
 from __future__ import annotations
 
@@ -38,8 +59,8 @@ from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_op
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 from strategies.parallel import ParallelDims, apply_tp
 from strategies.parallel.dims import _positive
-from strategies.parallel.pp import (SCHEDULES, guard_forward, num_stages_for, plan_split, prune, schedule_class,
-                                    stage_ids, stage_module, _child)
+from strategies.parallel.pp import (SCHEDULES, child_of, guard_forward, num_stages_for, plan_split, prune,
+                                    schedule_class, stage_ids, stage_module)
 from strategies.parallel.pp_schedule import PipelineRunner
 
 log = logging.getLogger("trainforge")
@@ -48,8 +69,10 @@ DATA_PARALLEL = ("fsdp",)
 
 
 class MegatronStrategy(ProcessGroupMixin, Strategy):
-    """``MegatronStrategy(tensor_parallel_size=2, tp_plan="auto")``; ``data_parallel_size="auto"``
-    takes the processes tp x pp leave. ``tp_plan``: None/"auto" (a transformers model's own plan) or
+    """``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan="auto")``;
+    ``data_parallel_size="auto"`` takes the processes tp x pp leave. ``schedule``, ``num_microbatches``
+    and ``pp_split`` (first block of each later stage, e.g. ``["net.blocks.4"]``) apply when pp > 1.
+    ``tp_plan``: None/"auto" (a transformers model's own plan) or
     ``{module glob: style}`` (see ``strategies/parallel/tp.py``). ``activation_checkpointing``: as
     ``FSDPStrategy``'s (False, True = the repeated blocks, a set of classes, a callable)."""
 
@@ -200,7 +223,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             head = split.prefix + "."
             mine = {n for s in local for n in split.stages[s]}
             self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: not n.startswith(head) or
-                                        _child(n[len(head):], split.blocks) in mine)
+                                        child_of(n[len(head):], split.blocks) in mine)
         ac = self.activation_checkpointing  # 3. activation checkpointing
         if ac is True:
             ac = {type(m) for _, m in select_modules(module, None)} or None
@@ -236,7 +259,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if self.accumulation_steps > 1:
             raise ConfigurationError(f"{where} with accumulate_grad_batches={self.accumulation_steps}: with pipeline "
                                      "parallelism the micro-batches are the accumulation; use num_microbatches (and a "
-                                     "loader batch of num_microbatches x micro-batch size) and accumulate_grad_batches=1")
+                                     "loader batch of num_microbatches x micro-batch size) and "
+                                     "accumulate_grad_batches=1")
         if getattr(self.precision, "scaler", None) is not None:
             raise ConfigurationError(f"{where} with precision={self.precision.name!r}: the fp16 grad scaler is not "
                                      "built into the pipeline schedule yet; use 'bf16-mixed' or '32'")

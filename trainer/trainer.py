@@ -486,6 +486,9 @@ class Trainer(MetricLogging, Evaluation):
 
 def _check_pipelined(trainer: Trainer, manual: bool, val_loaders: Any) -> None:
     """What pipeline parallelism does not run (yet), refused before any work."""
+    if trainer.compile:
+        raise ConfigurationError("compile=True with pipeline parallelism is not built yet (each stage would need "
+                                 "its own compiled forward); train with compile=False")
     if manual:
         raise ConfigurationError("automatic_optimization=False with pipeline parallelism: the schedule runs forward "
                                  "and backward itself; use automatic optimization (and define loss_fn)")

@@ -188,13 +188,13 @@ def _tied(root: nn.Module, split: PipelineSplit) -> List[List[Tuple[int, str]]]:
         if outside:
             raise ConfigurationError(f"parameter {names[0]!r} is shared with {outside[0]!r}, outside the pipelined "
                                      f"model {split.prefix}; pipeline stages can only share parameters inside it")
-        placed = sorted({(split.stage_of(_child(n[len(head):], split.blocks)), n) for n in names})
+        placed = sorted({(split.stage_of(child_of(n[len(head):], split.blocks)), n) for n in names})
         if len({s for s, _ in placed}) > 1:
             tied.append(placed)
     return tied
 
 
-def _child(name: str, blocks: str) -> str:
+def child_of(name: str, blocks: str) -> str:
     parts = name.split(".")
     return ".".join(parts[:2]) if parts[0] == blocks else parts[0]
 

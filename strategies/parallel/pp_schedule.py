@@ -38,7 +38,8 @@ class PipelineRunner:
         except (ValueError, RuntimeError, AssertionError) as e:
             raise ConfigurationError(f"schedule={schedule!r} with num_microbatches={num_microbatches} on "
                                      f"pipeline_parallel_size={self.pp} ({self.num_stages} stages): {e}; choose "
-                                     f"num_microbatches as a multiple of {self.pp}, at least {self.num_stages}") from None
+                                     f"num_microbatches as a multiple of {self.pp}, at least {self.num_stages}"
+                                     ) from None
         self.tied: List[Tuple[List[str], Any, bool]] = []  # (local names, group, counted in the norm here)
 
     # ---- tied parameters (Megatron's embedding group) -------------------------------------------
@@ -50,9 +51,10 @@ class PipelineRunner:
             holders = sorted({s % self.pp for s, _ in placed})
             if len(holders) < len({s for s, _ in placed}):
                 names = [n for _, n in placed]
-                raise ConfigurationError(f"tied parameter {' = '.join(names)} is used by stages {[s for s, _ in placed]}, "
-                                         f"two of which run on one pipeline rank (schedule with {self.num_stages} stages "
-                                         f"on {self.pp} ranks); untie it, or choose pp_split/schedule so that each "
+                raise ConfigurationError(f"tied parameter {' = '.join(names)} is used by stages "
+                                         f"{[s for s, _ in placed]}, two of which run on one pipeline rank (schedule "
+                                         f"with {self.num_stages} stages on {self.pp} ranks); untie it, or choose "
+                                         "pp_split/schedule so that each "
                                          "rank holds at most one of those stages")
             mine = None
             for d in range(ranks.shape[1]):

@@ -146,7 +146,7 @@ def test_megatron_section_of_the_launch_config():
 def test_parallel_benchmark_smoke():
     out = run([sys.executable, str(SCRIPTS.parents[1] / "benchmarks" / "parallel.py"), "--processes", "2", "--dim", "16",
                "--depth", "2", "--vocab", "32", "--seq", "8", "--steps", "1", "--warmup", "0"], timeout=300).stdout
-    for layout in ("dp2 ", "tp2 "):
+    for layout in ("dp2 ", "tp2 ", "pp2 "):
         line = next(line for line in out.splitlines() if line.startswith(layout))
         assert "per-rank MiB [" in line and "formula" in line and " ms" in line, out[-2000:]
 

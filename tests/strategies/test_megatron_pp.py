@@ -75,12 +75,14 @@ def test_checkpoints_resume_reshard_and_merge(runs, tmp_path):
     # one process: merge-weights of the tp2 x pp2 checkpoint gives exactly the weights it saved,
     # under the original model's names (loadable into the unsplit model)
     assert cli_main(["merge-weights", str(out / "ckpt_tp2pp2"), str(tmp_path / "merged")]) == 0
-    merged, saved = load_file(str(tmp_path / "merged" / "model.safetensors")), load_file(str(out / "tp2pp2.safetensors"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    saved = load_file(str(out / "tp2pp2.safetensors"))
     assert sorted(merged) == sorted(saved) == sorted(LitGPT().state_dict())
     assert all(torch.equal(merged[k], v) for k, v in saved.items())
     # the pp2 checkpoint (step 3) on one process equals a single-process run of 3 steps
     assert cli_main(["merge-weights", str(out / "ckpt_pp2"), str(tmp_path / "merged_pp2")]) == 0
-    merged, ref = load_file(str(tmp_path / "merged_pp2" / "model.safetensors")), load_file(str(out / "ref_step3.safetensors"))
+    merged = load_file(str(tmp_path / "merged_pp2" / "model.safetensors"))
+    ref = load_file(str(out / "ref_step3.safetensors"))
     module = LitGPT()
     module.load_state_dict(merged)
     assert max(float((merged[k] - ref[k]).abs().max()) for k in ref) < 1e-5
