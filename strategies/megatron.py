@@ -212,22 +212,22 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if dims.tp > 1:  # resolved on the whole model, so a glob is checked against every stage
             from strategies.parallel.tp import resolve_plan
             plan = resolve_plan(module, self.tp_plan, dims.tp)
+        ac = self.activation_checkpointing
+        if ac is True:  # the block classes, found on the whole model (a pruned block list mixes in identities)
+            ac = {type(m) for _, m in select_modules(module, None)} or None
         if self.is_global_zero:
             log.info("trainforge: pipeline %s, %d stage(s) on %d rank(s), %s micro-batches: %s", self.schedule,
                      num_stages, dims.pp, self.num_microbatches or num_stages, split.describe())
+        prune(module, split, local)  # 1. pipeline split, before the move: only this rank's stages reach the device
         module = module.to(self.root_device)
         if self.precision is not None:
             module = self.precision.convert_module(module)
-        prune(module, split, local)  # 1. pipeline split
         if plan is not None:  # 2. tensor parallelism on the modules this rank kept
             head = split.prefix + "."
             mine = {n for s in local for n in split.stages[s]}
             self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: not n.startswith(head) or
                                         child_of(n[len(head):], split.blocks) in mine)
-        ac = self.activation_checkpointing  # 3. activation checkpointing
-        if ac is True:
-            ac = {type(m) for _, m in select_modules(module, None)} or None
-        if ac not in (False, None):
+        if ac not in (False, None):  # 3. activation checkpointing
             apply_activation_checkpointing(module, select_modules(module, ac))
         stages = {s: stage_module(module, split, s) for s in local}
         if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 per stage, its blocks then the stage

@@ -116,6 +116,12 @@ def plan_split(root: nn.Module, num_stages: int, pp_split: Optional[Sequence[str
         raise ConfigurationError(f"{prefix} ({type(model).__name__}) has parameters of its own ({', '.join(own[:3])}); "
                                  "pipeline stages hold whole submodules: move them into a submodule (e.g. the "
                                  "embedding) so that one stage owns them")
+    outside = [n for n, _ in root.named_parameters() if not n.startswith(prefix + ".")]
+    if outside:
+        raise ConfigurationError(f"{type(root).__name__} has parameters outside the pipelined model {prefix} (the owner "
+                                 f"of the block list): {', '.join(outside[:3])}; pipeline stages split one model whose "
+                                 "forward is embed -> blocks -> head, all inside it (a transformers *ForCausalLM, "
+                                 "whose head sits outside its base model, is not supported by the pipeline split yet)")
     children = list(model.named_children())
     at = [n for n, _ in children].index(attr)
     pre, post = [n for n, _ in children[:at]], [n for n, _ in children[at + 1:]]

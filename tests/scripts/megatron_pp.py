@@ -124,6 +124,11 @@ def pp2(out: Path) -> Dict[str, Any]:
         res[f"{schedule}_stages"] = [s.stage_index for s in strategy.pipeline.stages]
         res[f"{schedule}_local_params"] = sorted({n.split(".")[1] + (("." + n.split(".")[2]) if ".blocks." in n else "")
                                                    for n in strategy._params})
+    # activation checkpointing of each stage's blocks: the same numbers
+    strategy = MegatronStrategy(pipeline_parallel_size=2, activation_checkpointing=True)
+    trainer, _, losses = fit(strategy, out / "run_ac", 6)
+    res["ac_loss_diff"], res["ac_weights_diff"] = diff(losses, ref["losses"]), state_diff(trainer, ref["state"])
+    res["ac_wrapped"] = sum(type(b).__name__ == "CheckpointWrapper" for b in strategy.pipeline.stages[0].submod.blocks)
     # tied input/output embeddings: one copy on the first stage, one on the last, gradients summed
     tied_ref = reference(6, tied=True)
     strategy = MegatronStrategy(pipeline_parallel_size=2, schedule="1f1b", pp_split=["net.blocks.1"])

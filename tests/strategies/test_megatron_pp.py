@@ -48,6 +48,7 @@ def test_pp2_schedules_match_single_process(runs):
     assert res["1f1b_stages"] == [0] and res["1f1b_local_params"] == ["blocks.0", "blocks.1", "embed"]
     assert res["interleaved_1f1b_stages"] == [0, 2]
     assert res["interleaved_1f1b_local_params"] == ["blocks.0", "blocks.2", "embed"]
+    assert res["ac_wrapped"] == 2 and res["ac_loss_diff"] < 1e-5 and res["ac_weights_diff"] < 1e-5  # + checkpointing
 
 
 @pytest.mark.slow
@@ -155,6 +156,10 @@ def test_bad_splits_of_the_model():
     with pytest.raises(ConfigurationError, match=r"Plain has no nn.ModuleList of blocks"):
         plan_split(Plain(), 2)
     lit = LitGPT()
+    lit.extra_head = nn.Linear(16, 2)
+    with pytest.raises(ConfigurationError, match=r"parameters outside the pipelined model net .*: extra_head.weight"):
+        plan_split(lit, 2)
+    lit = LitGPT()
     lit.net.scale = nn.Parameter(torch.ones(()))
     with pytest.raises(ConfigurationError, match=r"net \(GPT\) has parameters of its own \(scale\)"):
         plan_split(lit, 2)
@@ -170,6 +175,17 @@ class NoLoss(TrainingModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = GPT()
+
+
+def test_pipeline_settings_from_the_launch_config():
+    from trainer.launch_config import strategy_kwargs
+
+    kwargs = strategy_kwargs("megatron", {"megatron": {"pipeline_parallel_size": 2, "schedule": "interleaved_1f1b",
+                                                       "num_microbatches": 4, "pp_split": ["net.blocks.1",
+                                                                                           "net.blocks.2",
+                                                                                           "net.blocks.3"]}})
+    strategy = MegatronStrategy(**kwargs)
+    assert strategy.sizes["pp"] == 2 and strategy.num_microbatches == 4 and len(strategy.pp_split) == 3
 
 
 def test_pipeline_needs_loss_fn_trainer_and_no_extra_accumulation():
