@@ -29,7 +29,8 @@ Data: each dp rank reads its shard of the loader; the tp and pp ranks of one dp 
 Checkpoints: ``dcp/`` (torch.distributed.checkpoint) in trainforge's checkpoint directory, the same
 layout as ``FSDPStrategy``'s sharded one, keyed by the original model's names, so it loads on
 another (tp, dp, pp) layout, under FSDP, and through ``trainforge merge-weights`` on one process
-(under pipelining the optimizer state is saved flat, keyed per parameter name).
+(the optimizer state is saved flat, keyed per parameter name, so it resumes on any (pp, dp, tp)
+layout; FSDPStrategy's nested checkpoints load without pipelining, and ours load under FSDPStrategy).
 
 Not built yet (clear errors): sizes "auto", data_parallel="ddp", the V-shaped schedules (zbv,
 dualpipev), sequence_parallel=True / loss_parallel=True as strategy switches (``"sequence_parallel"``
@@ -52,7 +53,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from strategies.base import Optimizers, Strategy, build_optimizers
-from strategies.dcp_safe import DCP_ERRORS, safe_load
+from strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
 from strategies.ddp import ProcessGroupMixin
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_optimizers
@@ -145,7 +146,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
         from strategies.data import prepare_dataloader
 
-        n = self.num_microbatches or (num_stages_for(self.schedule, self.dims.pp, self.pp_split) if self.pipelined else 1)
+        n = self.num_microbatches or (num_stages_for(self.schedule, self.dims.pp, self.pp_split)
+                                      if self.pipelined else 1)
         size = getattr(dataloader, "batch_size", None)
         if self.pipelined and size is not None and size % n:
             raise ConfigurationError(f"the loader's batch_size={size} does not split into num_microbatches={n} equal "
@@ -182,11 +184,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             module = self.precision.convert_module(module)
         if self.dims.tp > 1:  # 1. (pp split: not built) 2. tensor parallelism
             self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan)
-            if self.is_global_zero:
-                c = self.tp_coverage
-                log.info("trainforge: tensor parallel plan shards %d module(s), %d of %d parameters (%.0f%%): %s",
-                         c["modules"], c["sharded_numel"], c["total_numel"], 100 * c["fraction"],
-                         ", ".join(c["sharded_params"][:8]) + (" ..." if len(c["sharded_params"]) > 8 else ""))
+            self._log_coverage()
         units = select_modules(module, None)  # 3. activation checkpointing
         ac = self.activation_checkpointing
         if ac is True:
@@ -199,6 +197,13 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             fully_shard(module, **kwargs)
         module._trainforge_megatron = True
         return module
+
+    def _log_coverage(self) -> None:
+        if self.is_global_zero:  # under pipelining: the first stage's share
+            c = self.tp_coverage
+            log.info("trainforge: tensor parallel plan shards %d module(s), %d of %d parameters (%.0f%%): %s",
+                     c["modules"], c["sharded_numel"], c["total_numel"], 100 * c["fraction"],
+                     ", ".join(c["sharded_params"][:8]) + (" ..." if len(c["sharded_params"]) > 8 else ""))
 
     def _setup_pipeline(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[Any]]:
         """Checks first (nothing moved yet), then the fixed order on this rank's stages: split (prune
@@ -227,6 +232,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             mine = {n for s in local for n in split.stages[s]}
             self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: not n.startswith(head) or
                                         child_of(n[len(head):], split.blocks) in mine)
+            self._log_coverage()
         if ac not in (False, None):  # 3. activation checkpointing
             apply_activation_checkpointing(module, select_modules(module, ac))
         stages = {s: stage_module(module, split, s) for s in local}
@@ -346,7 +352,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         return out
 
     def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        dcp.save(_sharded_state(module, optimizers, self.pipelined), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
+        dcp.save(_sharded_state(module, optimizers, flat=True), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """A ``dcp/`` checkpoint from any (tp, dp) layout or from FSDPStrategy; DCP reshards on read."""
@@ -354,7 +360,12 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if not folder.is_dir():
             raise CheckpointError(f"{path}: no {DCP_DIR}/ folder; MegatronStrategy loads sharded checkpoints "
                                   "(written by MegatronStrategy or FSDPStrategy(state_dict_type='sharded'))")
-        state = _sharded_state(module, optimizers, self.pipelined)
+        flat = bool(optimizers) and flat_optimizer_state(folder)  # ours are flat; FSDPStrategy's nested
+        if optimizers and self.pipelined and not flat:
+            raise CheckpointError(f"{folder}: its optimizer state is nested (written by FSDPStrategy), which cannot be "
+                                  "split between pipeline stages; resume it without pipeline parallelism, or load the "
+                                  "weights only (load_checkpoint with no optimizers / trainforge merge-weights)")
+        state = _sharded_state(module, optimizers, flat)
         try:
             safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
         except CheckpointError:
@@ -365,15 +376,16 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         set_model_state_dict(module, state["model"])
         for i, opt in enumerate(optimizers):
             set_optimizer_state_dict(module, opt, state["optimizers"][str(i)],
-                                     options=StateDictOptions(flatten_optimizer_state_dict=self.pipelined))
+                                     options=StateDictOptions(flatten_optimizer_state_dict=flat))
 
     def __repr__(self) -> str:
         return f"MegatronStrategy({self.dims or self.sizes}, device={self.root_device})"
 
 
 def _sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool = False) -> Dict[str, Any]:
-    """``flat`` (pipeline parallelism): optimizer settings keyed per parameter name, since each
-    pipeline rank's parameter groups hold other parameters (DCP would keep one rank's list)."""
+    """``flat``: optimizer settings keyed per parameter name (what MegatronStrategy writes): each
+    pipeline rank's parameter groups hold other parameters, so the nested form's ``params`` lists
+    differ between ranks (DCP would keep one rank's list); flat loads on any (pp, dp, tp) layout."""
     options = StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
     return {"model": get_model_state_dict(module),
             "optimizers": {str(i): get_optimizer_state_dict(module, opt, options=options)

@@ -168,6 +168,21 @@ def pp2(out: Path) -> Dict[str, Any]:
         loaded = strategy.module_state_dict(module)
         saved = load_file(str(out / "tp2pp2.safetensors"))
         res["tp2pp2_to_pp2_diff"] = max(float((loaded[k] - saved[k]).abs().max()) for k in saved)
+        # the same checkpoint's weights on dp2 (FSDP2 only), and a full resume (optimizer too) on pp2
+        strategy = MegatronStrategy(tensor_parallel_size=1)
+        strategy.setup_environment()
+        module = strategy.setup_module(LitGPT())
+        strategy.load_checkpoint(out / "ckpt_tp2pp2", module, [])
+        loaded = strategy.module_state_dict(module)
+        res["tp2pp2_to_dp2_layout"] = str(strategy.dims)
+        res["tp2pp2_to_dp2_diff"] = max(float((loaded[k] - saved[k]).abs().max()) for k in saved)
+        _, _, resumed_losses = fit(MegatronStrategy(pipeline_parallel_size=2), out / "run_tp2pp2_on_pp2", 24,
+                                   ckpt_path=str(out / "ckpt_tp2pp2"))
+        res["tp2pp2_resumed_on_pp2_loss_diff"] = diff(resumed_losses, reference(24)["losses"][20:])
+    # the pp2 checkpoint (step 3) resumed on tp2 (no pipeline): the uninterrupted pp2 run's losses
+    _, _, tp_losses = fit(MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN), out / "run_pp2_on_tp2", 6,
+                          ckpt_path=str(out / "ckpt_pp2"))
+    res["pp2_resumed_on_tp2_loss_diff"] = diff(tp_losses, losses[3:])
     return res
 
 

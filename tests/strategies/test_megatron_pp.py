@@ -73,6 +73,9 @@ def test_checkpoints_resume_reshard_and_merge(runs, tmp_path):
     out, res, _ = runs
     assert res["resume_losses_equal"] and res["resume_weights_diff"] == 0.0
     assert res["tp2pp2_to_pp2_diff"] == 0.0  # tp2 x pp2 -> pp2 through DCP
+    assert res["tp2pp2_to_dp2_layout"] == "pp=1 x dp=2 x tp=1" and res["tp2pp2_to_dp2_diff"] == 0.0
+    # resume with the optimizer state on another layout: tp2 x pp2 -> pp2, and pp2 -> tp2
+    assert res["tp2pp2_resumed_on_pp2_loss_diff"] < 1e-4 and res["pp2_resumed_on_tp2_loss_diff"] < 1e-5
     # one process: merge-weights of the tp2 x pp2 checkpoint gives exactly the weights it saved,
     # under the original model's names (loadable into the unsplit model)
     assert cli_main(["merge-weights", str(out / "ckpt_tp2pp2"), str(tmp_path / "merged")]) == 0
