@@ -208,6 +208,17 @@ def tp2pp2(out: Path) -> Dict[str, Any]:
     res = {"layout": str(strategy.dims), "steps": len(losses), "loss_diff": diff(losses, ref["losses"]),
            "weights_diff": max(float((full[k] - ref["state"][k]).abs().max()) for k in ref["state"]),
            "placements": str(next(p.placements for n, p in strategy._params.items() if "mlp.0.weight" in n))}
+    # the tp2 x pp2 checkpoint, optimizer state included, resumed under FSDPStrategy on the 4 processes
+    from strategies.fsdp import FSDPStrategy
+    fsdp = FSDPStrategy()
+    fsdp.setup_environment()
+    lit = LitGPT()
+    module, opts = fsdp.setup(lit, lambda: [lit.configure_optimizers()])
+    fsdp.load_checkpoint(out / "ckpt_tp2pp2", module, opts)
+    loaded = fsdp.module_state_dict(module)
+    if dist.get_rank() == 0:
+        res["tp2pp2_to_fsdp_diff"] = max(float((loaded[k] - full[k]).abs().max()) for k in full)
+    res["tp2pp2_to_fsdp_steps"] = sorted({int(s["step"]) for s in opts[0].state.values()})
     # pp2 x dp2: FSDP2 per stage; each dp rank its half of a global batch of 8, tied embeddings
     strategy = MegatronStrategy(pipeline_parallel_size=2, schedule="1f1b")
     trainer, _, losses = fit(strategy, out / "run_pp2dp2", 6, tied=True)

@@ -70,9 +70,10 @@ def test_tp2_x_pp2_20_steps_match_single_process(runs):
 
 @pytest.mark.slow
 def test_checkpoints_resume_reshard_and_merge(runs, tmp_path):
-    out, res, _ = runs
+    out, res, tp = runs
     assert res["resume_losses_equal"] and res["resume_weights_diff"] == 0.0
     assert res["tp2pp2_to_pp2_diff"] == 0.0  # tp2 x pp2 -> pp2 through DCP
+    assert tp["tp2pp2_to_fsdp_diff"] == 0.0 and tp["tp2pp2_to_fsdp_steps"] == [20]  # and under FSDPStrategy
     assert res["tp2pp2_to_dp2_layout"] == "pp=1 x dp=2 x tp=1" and res["tp2pp2_to_dp2_diff"] == 0.0
     # resume with the optimizer state on another layout: tp2 x pp2 -> pp2, and pp2 -> tp2
     assert res["tp2pp2_resumed_on_pp2_loss_diff"] < 1e-4 and res["pp2_resumed_on_tp2_loss_diff"] < 1e-5
