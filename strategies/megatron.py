@@ -153,7 +153,19 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             raise ConfigurationError(f"the loader's batch_size={size} does not split into num_microbatches={n} equal "
                                      f"micro-batches; use a batch_size that is a multiple of {n} (or set "
                                      "num_microbatches to a divisor of it)")
-        return prepare_dataloader(dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size, seed=seed)
+        loader = prepare_dataloader(dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size,
+                                    seed=seed)
+        if self.pipelined and size and not loader.drop_last:
+            try:
+                samples = len(loader.sampler)
+            except TypeError:  # an iterable dataset: PipelineRunner.step checks each batch
+                samples = 0
+            if samples % size:
+                raise ConfigurationError(
+                    f"each dp rank reads {samples} samples an epoch, so its last batch holds {samples % size} instead "
+                    f"of batch_size={size}; pipeline stages keep the micro-batch shape of the first batch: pass "
+                    "drop_last=True to the DataLoader (or use a dataset that divides into whole batches)")
+        return loader
 
     @property
     def pipelined(self) -> bool:
@@ -179,10 +191,13 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if self.mesh is None:
             raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
                                      "Trainer or Accelerator, or call strategy.setup_environment() first")
+        if self.pipelined:
+            raise ConfigurationError(f"setup_module with pipeline_parallel_size={self.dims.pp}: the pipeline needs "
+                                     "setup(module, optimizer builder) (the Trainer's path), which builds the stages")
         module = module.to(self.root_device)
         if self.precision is not None:
             module = self.precision.convert_module(module)
-        if self.dims.tp > 1:  # 1. (pp split: not built) 2. tensor parallelism
+        if self.dims.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
             self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan)
             self._log_coverage()
         units = select_modules(module, None)  # 3. activation checkpointing

@@ -41,6 +41,7 @@ class PipelineRunner:
                                      f"num_microbatches as a multiple of {self.pp}, at least {self.num_stages}"
                                      ) from None
         self.tied: List[Tuple[List[str], Any, bool]] = []  # (local names, group, counted in the norm here)
+        self.rows: Optional[int] = None  # samples per batch, fixed by the first one (the stages' shapes)
 
     # ---- tied parameters (Megatron's embedding group) -------------------------------------------
     def setup_tied(self, split: PipelineSplit, local: Sequence[int]) -> None:
@@ -92,10 +93,13 @@ class PipelineRunner:
     def step(self, inputs: Tuple[Any, ...], target: Any) -> torch.Tensor:
         n = self.num_microbatches
         rows = _rows(inputs[0] if inputs else target)
-        if rows is not None and rows % n:
-            raise ConfigurationError(f"a batch of {rows} samples does not split into num_microbatches={n} equal "
-                                     f"micro-batches; use a batch size that is a multiple of {n} (drop_last=True "
-                                     "drops a smaller last batch)")
+        if self.rows is None:
+            self.rows = rows
+        if rows is not None and (rows % n or rows != self.rows):
+            raise ConfigurationError(f"a batch of {rows} samples: the pipeline stages were built for batches of "
+                                     f"{self.rows} samples in num_microbatches={n} equal micro-batches, and keep that "
+                                     "shape; give every batch that size (DataLoader(drop_last=True) drops a smaller "
+                                     "last batch)")
         losses: List[torch.Tensor] = []
         kwargs: Dict[str, Any] = {"return_outputs": False}
         if self.has_last:

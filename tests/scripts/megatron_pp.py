@@ -158,6 +158,8 @@ def pp2(out: Path) -> Dict[str, Any]:
         save_file({k: v.contiguous() for k, v in at3.items()}, str(out / "ref_step3.safetensors"))
     res["bad_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2, num_microbatches=3))
     res["validation"] = refused(MegatronStrategy(pipeline_parallel_size=2), val=True)
+    short = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*next(iter(loader(10)))), batch_size=4)
+    res["last_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2), data=short)
     # the tp2 x pp2 checkpoint (4 processes, written first) loaded on pp2: the weights it was saved with
     if (out / "ckpt_tp2pp2").is_dir():
         strategy = MegatronStrategy(pipeline_parallel_size=2)
@@ -186,13 +188,13 @@ def pp2(out: Path) -> Dict[str, Any]:
     return res
 
 
-def refused(strategy: Any, val: bool = False) -> str:
+def refused(strategy: Any, val: bool = False, data: Any = None) -> str:
     """The ConfigurationError a fit raises before its first step."""
     record = Record()
     trainer = Trainer(strategy=strategy, max_steps=1, default_root_dir="/nonexistent-never-written",
                       enable_progress_bar=False, enable_checkpointing=False, callbacks=[record])
     try:
-        trainer.fit(LitGPT(), loader(4), loader(4) if val else None)
+        trainer.fit(LitGPT(), data or loader(4), loader(4) if val else None)
     except ConfigurationError as e:
         return str(e) if not record.losses else "error after a step"
     return "no error"

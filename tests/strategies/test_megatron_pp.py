@@ -98,6 +98,7 @@ def test_refusals_inside_a_run(runs):
     _, res, _ = runs
     assert "batch_size=4 does not split into num_microbatches=3" in res["bad_batch"]
     assert "validation with pipeline parallelism is not built yet" in res["validation"]
+    assert "reads 10 samples an epoch, so its last batch holds 2 instead of batch_size=4" in res["last_batch"]
 
 
 # ---- the split, and bad input: clear errors before any process starts or any weight moves --------
