@@ -22,8 +22,11 @@ unpipelined ones (``scale_grads`` over micro-batches, FSDP's mean over dp); tied
 (input/output embeddings) live on the first and last stage with their gradients summed over those
 ranks; gradient-norm clipping combines the stages' norms (tied copies counted once). The loader's
 batch is split into ``num_microbatches`` (default: the number of stages) equal micro-batches, which
-are the gradient accumulation: ``accumulate_grad_batches`` must be 1. Refused with a clear error:
-validation, manual optimization, ``Accelerator.prepare`` and fp16 (``16-mixed``) under pipelining.
+are the gradient accumulation: ``accumulate_grad_batches`` must be 1; every batch must have the
+first one's size (the stages keep its shapes: ``drop_last=True``). Validation and test run
+``loss_fn`` through the stages forward only (``evaluate_batch``, ``schedule.eval``), logged as
+``val/loss``/``test/loss``. Refused with a clear error under pipelining: predict, manual
+optimization, ``Accelerator.prepare``, ``compile=True`` and fp16 (``16-mixed``).
 
 Data: each dp rank reads its shard of the loader; the tp and pp ranks of one dp group read the same batch.
 Checkpoints: ``dcp/`` (torch.distributed.checkpoint) in trainforge's checkpoint directory, the same
@@ -271,8 +274,9 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def _check_pipeline_inputs(self, module: nn.Module, optimizers: Optimizers) -> None:
         where = f"pipeline_parallel_size={self.dims.pp}"
         if not callable(optimizers):
-            raise ConfigurationError(f"{where}: Accelerator.prepare with pipeline parallelism is not built yet; train "
-                                     "with the Trainer (its step runs the pipeline schedule)")
+            raise ConfigurationError(f"{where}: Accelerator.prepare (and Trainer.validate/test before fit) with "
+                                     "pipeline parallelism is not built yet; train with Trainer.fit (its step runs the "
+                                     "pipeline schedule, and its validation the stages' loss)")
         if not callable(getattr(module, "loss_fn", None)):
             raise ConfigurationError(f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
                                      "loss: the pipeline computes the loss on its last stage from the model's output "
@@ -293,6 +297,16 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         ``batch`` is ``(inputs, target)`` or what ``module.pipeline_batch(batch)`` makes of it."""
         if self.pipeline is None:
             return super().forward_backward(module, step_fn, batch, batch_idx, backward)
+        loss = self._run_pipeline(module, batch, train=True)
+        self.pipeline.reduce_tied_grads(self._params)
+        return loss
+
+    def evaluate_batch(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        """Pipeline parallelism: the batch's mean ``loss_fn`` through the stages, forward only (the
+        Trainer's validation/test step under pipelining)."""
+        return self._run_pipeline(module, batch, train=False)
+
+    def _run_pipeline(self, module: nn.Module, batch: Any, train: bool) -> torch.Tensor:
         split_batch = getattr(module, "pipeline_batch", None)
         parts = split_batch(batch) if callable(split_batch) else batch
         if not isinstance(parts, (tuple, list)) or len(parts) != 2:
@@ -302,9 +316,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         inputs, target = parts
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         with (self.precision.autocast() if self.precision is not None else contextlib.nullcontext()):
-            loss = self.pipeline.step(inputs, target)
-        self.pipeline.reduce_tied_grads(self._params)
-        return loss
+            return self.pipeline.step(inputs, target, train=train)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
         dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))

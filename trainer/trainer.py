@@ -175,7 +175,7 @@ class Trainer(MetricLogging, Evaluation):
             check_manual_config(self)
         self._pipelined = bool(getattr(self.strategy, "pipelined", False))
         if self._pipelined:
-            _check_pipelined(self, manual, val_loaders)
+            _check_pipelined(self, manual)
         # Lightning's order, for every strategy: place and wrap first, then build the optimizers, so
         # configure_optimizers sees the final device and parameters (fused AdamW on CUDA, FSDP's
         # DTensors, bf16-true weights) and nothing has to be remapped.
@@ -280,6 +280,22 @@ class Trainer(MetricLogging, Evaluation):
                     opt.zero_grad()
             self._optimizer_step()
         self.progress.accumulation_step = acc.step
+
+    def _pipeline_eval_step(self, step_name: str) -> Any:
+        """Validation/test under pipeline parallelism: ``module.loss_fn`` through the stages (forward
+        only; validation_step/test_step are not called), logged as ``val/loss`` / ``test/loss``, the
+        mean over the epoch and the data-parallel ranks."""
+        name = {"validation_step": "val/loss", "test_step": "test/loss"}.get(step_name)
+        if name is None:
+            raise ConfigurationError(f"{step_name} with pipeline parallelism is not built yet (the stages compute "
+                                     "the loss only); predict on one process from the merged weights")
+
+        def step(batch: Any, batch_idx: int) -> Any:
+            loss = self.strategy.evaluate_batch(self.model, batch)
+            self.module.log(name, loss, sync_dist=True)
+            return loss
+
+        return step
 
     def _loss_of(self, output: Any, batch_idx: int) -> Optional[torch.Tensor]:
         """The loss in what training_step returned, or a ConfigurationError at the first bad batch."""
@@ -484,7 +500,7 @@ class Trainer(MetricLogging, Evaluation):
                                      f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data")
 
 
-def _check_pipelined(trainer: Trainer, manual: bool, val_loaders: Any) -> None:
+def _check_pipelined(trainer: Trainer, manual: bool) -> None:
     """What pipeline parallelism does not run (yet), refused before any work."""
     if trainer.compile:
         raise ConfigurationError("compile=True with pipeline parallelism is not built yet (each stage would need "
@@ -492,9 +508,6 @@ def _check_pipelined(trainer: Trainer, manual: bool, val_loaders: Any) -> None:
     if manual:
         raise ConfigurationError("automatic_optimization=False with pipeline parallelism: the schedule runs forward "
                                  "and backward itself; use automatic optimization (and define loss_fn)")
-    if val_loaders is not None and _as_list(val_loaders) and trainer.config.limit_val_batches != 0:
-        raise ConfigurationError("validation with pipeline parallelism is not built yet; pass no val_dataloaders "
-                                 "(or limit_val_batches=0) and evaluate the merged weights on one process")
 
 
 def _overrides(target: Any, hook: str) -> bool:

@@ -241,7 +241,8 @@ def guard_forward(root: nn.Module, split: PipelineSplit) -> None:
 
     def split_forward(*args: Any, **kwargs: Any) -> Any:
         raise ConfigurationError(f"{split.prefix} ({type(model).__name__}) is split into pipeline stages; it cannot be "
-                                 "called directly (validation/prediction under pipeline parallelism is not built yet: "
-                                 "evaluate after training on one process, e.g. from the merged weights)")
+                                 "called directly (the Trainer's validation/test run the stages' loss_fn; prediction "
+                                 "under pipeline parallelism is not built yet: predict on one process from the "
+                                 "merged weights)")
 
     model.forward = split_forward

@@ -90,7 +90,9 @@ class PipelineRunner:
         return {id(params[names[0]]) for names, _, counted in self.tied if not counted}
 
     # ---- one batch ------------------------------------------------------------------------------
-    def step(self, inputs: Tuple[Any, ...], target: Any) -> torch.Tensor:
+    def step(self, inputs: Tuple[Any, ...], target: Any, train: bool = True) -> torch.Tensor:
+        """One batch: forward, loss and backward of every micro-batch (``train=False``: forward and
+        loss only, ``schedule.eval``); returns the batch's mean loss on every pipeline rank."""
         n = self.num_microbatches
         rows = _rows(inputs[0] if inputs else target)
         if self.rows is None:
@@ -104,7 +106,12 @@ class PipelineRunner:
         kwargs: Dict[str, Any] = {"return_outputs": False}
         if self.has_last:
             kwargs.update(target=target, losses=losses)
-        self.schedule.step(*(inputs if self.has_first else ()), **kwargs)
+        args = inputs if self.has_first else ()
+        if train:
+            self.schedule.step(*args, **kwargs)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(*args, **kwargs)
         if self.has_last:
             loss = torch.stack([l.detach().float() for l in losses]).mean()
         else:

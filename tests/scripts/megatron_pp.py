@@ -1,7 +1,7 @@
 """MegatronStrategy pipeline parallelism on real gloo processes, for tests/strategies/test_megatron_pp.py.
 
-    torchrun --nproc-per-node 2 megatron_pp.py pp2 OUT     # gpipe, 1f1b, interleaved_1f1b, tied, resume, save
-    torchrun --nproc-per-node 4 megatron_pp.py tp2pp2 OUT  # TP=2 x PP=2, 20 steps, saves OUT/ckpt_tp2pp2
+    torchrun --nproc-per-node 4 megatron_pp.py tp2pp2 OUT  # TP=2 x PP=2, 20 steps, saves OUT/ckpt_tp2pp2; pp2 x dp2
+    torchrun --nproc-per-node 2 megatron_pp.py pp2 OUT     # schedules, validation, tied, resume, layouts
 
 Every rank also trains the single-process reference itself (same seed, same batches, same
 clipping), so parity is computed in-process; rank 0 writes OUT/<mode>.json.
@@ -124,6 +124,18 @@ def pp2(out: Path) -> Dict[str, Any]:
         res[f"{schedule}_stages"] = [s.stage_index for s in strategy.pipeline.stages]
         res[f"{schedule}_local_params"] = sorted({n.split(".")[1] + (("." + n.split(".")[2]) if ".blocks." in n else "")
                                                    for n in strategy._params})
+    # validation through the stages (forward only): the sanity check, then after steps 3 and 6
+    record = Record()
+    trainer = Trainer(strategy=MegatronStrategy(pipeline_parallel_size=2), max_steps=6, val_check_interval=3,
+                      limit_val_batches=2, default_root_dir=str(out / "run_val"), enable_progress_bar=False,
+                      enable_checkpointing=False, seed=0, gradient_clip_val=0.5, callbacks=[record])
+    trainer.fit(LitGPT(), loader(4), loader(4))
+    trained = LitGPT()
+    trained.load_state_dict(ref["state"])
+    with torch.no_grad():
+        expected = sum(float(trained.training_step(b, i)) for i, b in zip(range(2), loader(4))) / 2
+    res["val_loss_diff"] = abs(float(trainer.callback_metrics["val/loss"]) - expected)
+    res["val_train_loss_diff"] = diff(record.losses, ref["losses"])  # validation leaves training as it was
     # activation checkpointing of each stage's blocks: the same numbers
     strategy = MegatronStrategy(pipeline_parallel_size=2, activation_checkpointing=True)
     trainer, _, losses = fit(strategy, out / "run_ac", 6)
@@ -157,7 +169,6 @@ def pp2(out: Path) -> Dict[str, Any]:
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in at3.items()}, str(out / "ref_step3.safetensors"))
     res["bad_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2, num_microbatches=3))
-    res["validation"] = refused(MegatronStrategy(pipeline_parallel_size=2), val=True)
     short = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*next(iter(loader(10)))), batch_size=4)
     res["last_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2), data=short)
     # the tp2 x pp2 checkpoint (4 processes, written first) loaded on pp2: the weights it was saved with
@@ -188,13 +199,13 @@ def pp2(out: Path) -> Dict[str, Any]:
     return res
 
 
-def refused(strategy: Any, val: bool = False, data: Any = None) -> str:
+def refused(strategy: Any, data: Any = None) -> str:
     """The ConfigurationError a fit raises before its first step."""
     record = Record()
     trainer = Trainer(strategy=strategy, max_steps=1, default_root_dir="/nonexistent-never-written",
                       enable_progress_bar=False, enable_checkpointing=False, callbacks=[record])
     try:
-        trainer.fit(LitGPT(), data or loader(4), loader(4) if val else None)
+        trainer.fit(LitGPT(), data or loader(4))
     except ConfigurationError as e:
         return str(e) if not record.losses else "error after a step"
     return "no error"
