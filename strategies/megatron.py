@@ -12,7 +12,7 @@ model's block list is cut into stages (balanced by parameter count, or at ``pp_s
 keeps only its stages' modules under their original names, and ``forward_backward`` runs the
 ``torch.distributed.pipelining`` schedule on each training batch (``gpipe``, ``1f1b``; the looped
 ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb`` run two stages per rank unless ``pp_split``
-says otherwise). Contract for the TrainingModule: it holds the model in an attribute whose forward
+says otherwise; the V-shaped ``zbv``, ``dualpipev`` run stages r and 2 pp - 1 - r on rank r). Contract for the TrainingModule: it holds the model in an attribute whose forward
 is a chain of its children (embedding, blocks, norm, head), defines ``loss_fn(output, target)`` (the
 loss of one micro-batch, a mean), and its batches are ``(inputs, target)`` (or it defines
 ``pipeline_batch(batch) -> (inputs, target)``). Under the Trainer, ``training_step`` is not called:
@@ -20,7 +20,8 @@ the schedule computes ``loss_fn`` on the last stage; the batch loss (mean over m
 broadcast from the last stage, is returned and logged as ``train/loss``. Gradients equal the
 unpipelined ones (``scale_grads`` over micro-batches, FSDP's mean over dp); tied parameters
 (input/output embeddings) live on the first and last stage with their gradients summed over those
-ranks; gradient-norm clipping combines the stages' norms (tied copies counted once). The loader's
+ranks (refused for V-shaped schedules, which put both on rank 0); gradient-norm clipping combines
+the stages' norms (tied copies counted once). The loader's
 batch is split into ``num_microbatches`` (default: the number of stages) equal micro-batches, which
 are the gradient accumulation: ``accumulate_grad_batches`` must be 1; every batch must have the
 first one's size (the stages keep its shapes: ``drop_last=True``). Validation and test run
@@ -35,9 +36,8 @@ another (tp, dp, pp) layout, under FSDP, and through ``trainforge merge-weights`
 (the optimizer state is saved flat, keyed per parameter name, so it resumes on any (pp, dp, tp)
 layout; FSDPStrategy's nested checkpoints load without pipelining, and ours load under FSDPStrategy).
 
-Not built yet (clear errors): sizes "auto", data_parallel="ddp", the V-shaped schedules (zbv,
-dualpipev), sequence_parallel=True / loss_parallel=True as strategy switches (``"sequence_parallel"``
-styles in ``tp_plan`` work).
+Not built yet (clear errors): sizes "auto", data_parallel="ddp", sequence_parallel=True /
+loss_parallel=True as strategy switches (``"sequence_parallel"`` styles in ``tp_plan`` work).
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_op
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 from strategies.parallel import ParallelDims, apply_tp
 from strategies.parallel.dims import _positive
-from strategies.parallel.pp import (SCHEDULES, child_of, guard_forward, num_stages_for, plan_split, prune,
+from strategies.parallel.pp import (SCHEDULES, check_tied_placement, child_of, guard_forward, num_stages_for, plan_split, prune,
                                     schedule_class, stage_ids, stage_module)
 from strategies.parallel.pp_schedule import PipelineRunner
 
@@ -230,7 +230,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         dims, mesh = self.dims, self.mesh
         num_stages = num_stages_for(self.schedule, dims.pp, self.pp_split)
         split = plan_split(module, num_stages, self.pp_split)
-        local = stage_ids(mesh["pp"].get_local_rank(), dims.pp, num_stages)
+        check_tied_placement(split, dims.pp, self.schedule)
+        local = stage_ids(mesh["pp"].get_local_rank(), dims.pp, num_stages, self.schedule)
         plan = None
         if dims.tp > 1:  # resolved on the whole model, so a glob is checked against every stage
             from strategies.parallel.tp import resolve_plan

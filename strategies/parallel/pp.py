@@ -31,8 +31,9 @@ from strategies.errors import ConfigurationError, invalid_choice
 SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
           "interleaved_zb": "ScheduleInterleavedZeroBubble"}
-NOT_BUILT = ("zbv", "dualpipev")  # V-shaped: first and last stage on one rank (ties, FSDP per stage need work)
-SCHEDULES = tuple(SINGLE) + tuple(LOOPED) + NOT_BUILT
+#: V-shaped: two stages per rank, rank r runs stages r and 2 pp - 1 - r (first and last on rank 0)
+V_SHAPED = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+SCHEDULES = tuple(SINGLE) + tuple(LOOPED) + tuple(V_SHAPED)
 STAGES_PER_RANK = 2  # default for looped schedules when pp_split does not fix the number of stages
 
 
@@ -61,17 +62,22 @@ def _span(names: List[str]) -> str:
 def schedule_class(name: str) -> Any:
     import torch.distributed.pipelining.schedules as schedules
 
-    if name in NOT_BUILT:
-        raise ConfigurationError(f"schedule={name!r} (a V-shaped schedule) is not built yet in MegatronStrategy; "
-                                 f"use one of: {', '.join(tuple(SINGLE) + tuple(LOOPED))}")
-    if name not in SINGLE and name not in LOOPED:
+    if name not in SCHEDULES:
         raise invalid_choice("schedule", name, SCHEDULES)
-    return getattr(schedules, SINGLE.get(name) or LOOPED[name])
+    return getattr(schedules, {**SINGLE, **LOOPED, **V_SHAPED}[name])
 
 
-def stage_ids(pp_rank: int, pp: int, num_stages: int) -> List[int]:
-    """The stages a pipeline rank runs: ``pp_rank, pp_rank + pp, ...`` (looped placement)."""
-    return list(range(pp_rank, num_stages, pp))
+def stage_rank(stage: int, pp: int, num_stages: int, schedule: str) -> int:
+    """The pipeline rank running ``stage``: looped ``stage % pp``; V-shaped ``stage`` on the way down,
+    ``2 pp - 1 - stage`` on the way back."""
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def stage_ids(pp_rank: int, pp: int, num_stages: int, schedule: str = "1f1b") -> List[int]:
+    """The stages a pipeline rank runs (``stage_rank`` inverted)."""
+    return [s for s in range(num_stages) if stage_rank(s, pp, num_stages, schedule) == pp_rank]
 
 
 def num_stages_for(schedule: str, pp: int, pp_split: Optional[Sequence[str]]) -> int:
@@ -80,6 +86,9 @@ def num_stages_for(schedule: str, pp: int, pp_split: Optional[Sequence[str]]) ->
         if schedule in SINGLE and n != pp:
             raise ConfigurationError(f"pp_split={list(pp_split)!r} makes {n} stages, but schedule={schedule!r} runs one "
                                      f"stage per rank: give pipeline_parallel_size - 1 = {pp - 1} cut point(s)")
+        if schedule in V_SHAPED and n != 2 * pp:
+            raise ConfigurationError(f"pp_split={list(pp_split)!r} makes {n} stages; schedule={schedule!r} runs two "
+                                     f"stages per rank: give 2 x pipeline_parallel_size - 1 = {2 * pp - 1} cut points")
         if schedule in LOOPED and (n % pp or n < 2 * pp):
             raise ConfigurationError(f"pp_split={list(pp_split)!r} makes {n} stages; schedule={schedule!r} runs several "
                                      f"stages per rank, so give a multiple of pipeline_parallel_size={pp} stages "
@@ -198,6 +207,21 @@ def _tied(root: nn.Module, split: PipelineSplit) -> List[List[Tuple[int, str]]]:
         if len({s for s, _ in placed}) > 1:
             tied.append(placed)
     return tied
+
+
+def check_tied_placement(split: PipelineSplit, pp: int, schedule: str) -> None:
+    """A parameter tied between two stages of one rank would be scaled twice by the schedule (and
+    sharded twice by FSDP): refused before anything moves."""
+    n = len(split.stages)
+    for placed in split.tied:
+        stages = sorted({s for s, _ in placed})
+        ranks = [stage_rank(s, pp, n, schedule) for s in stages]
+        if len(set(ranks)) < len(ranks):
+            names = " = ".join(name for _, name in placed)
+            raise ConfigurationError(f"tied parameter {names} is used by stages {stages}, which run on pipeline ranks "
+                                     f"{ranks} (schedule={schedule!r}, {n} stages on {pp} ranks): two stages on one "
+                                     "rank cannot share it; untie it, or use a schedule that puts the first and last "
+                                     "stage on different ranks (gpipe, 1f1b, interleaved_1f1b, ...)")
 
 
 def child_of(name: str, blocks: str) -> str:

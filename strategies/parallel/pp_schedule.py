@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies.errors import ConfigurationError
-from strategies.parallel.pp import SINGLE, PipelineSplit, schedule_class
+from strategies.parallel.pp import SINGLE, PipelineSplit, schedule_class, stage_rank
 
 
 class PipelineRunner:
@@ -29,7 +29,8 @@ class PipelineRunner:
         self.pp, self.pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
         self.num_stages, self.num_microbatches = len(split.stages), num_microbatches
         self.has_first, self.has_last = 0 in stages, self.num_stages - 1 in stages
-        self.last_rank = (self.num_stages - 1) % self.pp  # pipeline rank of the last stage
+        self.rank_of = lambda s: stage_rank(s, self.pp, self.num_stages, schedule)  # noqa: E731
+        self.last_rank = self.rank_of(self.num_stages - 1)  # pipeline rank of the last stage
         self.stages = [PipelineStage(m, i, self.num_stages, device, group=self.group) for i, m in sorted(stages.items())]
         cls = schedule_class(schedule)
         try:
@@ -49,14 +50,7 @@ class PipelineRunner:
         a copy. Every rank creates every group, in the same order (``new_group`` is collective)."""
         ranks = self.mesh.mesh  # (pp, dp, tp) tensor of global ranks
         for placed in split.tied:
-            holders = sorted({s % self.pp for s, _ in placed})
-            if len(holders) < len({s for s, _ in placed}):
-                names = [n for _, n in placed]
-                raise ConfigurationError(f"tied parameter {' = '.join(names)} is used by stages "
-                                         f"{[s for s, _ in placed]}, two of which run on one pipeline rank (schedule "
-                                         f"with {self.num_stages} stages on {self.pp} ranks); untie it, or choose "
-                                         "pp_split/schedule so that each "
-                                         "rank holds at most one of those stages")
+            holders = sorted({self.rank_of(s) for s, _ in placed})  # one stage per rank: check_tied_placement
             mine = None
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):

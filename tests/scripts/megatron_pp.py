@@ -116,7 +116,7 @@ def state_diff(trainer: Trainer, ref: Dict[str, torch.Tensor]) -> float:
 def pp2(out: Path) -> Dict[str, Any]:
     res: Dict[str, Any] = {}
     ref = reference(6)
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv"):
         strategy = MegatronStrategy(pipeline_parallel_size=2, schedule=schedule)
         trainer, _, losses = fit(strategy, out / f"run_{schedule}", 6)
         res[f"{schedule}_loss_diff"] = diff(losses, ref["losses"])

@@ -22,7 +22,7 @@ from torch import nn
 from strategies.errors import ConfigurationError
 from strategies.megatron import MegatronStrategy
 from strategies.parallel import ParallelDims
-from strategies.parallel.pp import plan_split, stage_module, prune
+from strategies.parallel.pp import check_tied_placement, plan_split, prune, stage_ids, stage_module
 from tests.helpers.procs import run, torchrun
 from trainer import TrainingModule
 from trainer.cli import main as cli_main
@@ -44,12 +44,14 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_pp2_schedules_match_single_process(runs):
     _, res, _ = runs
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv"):
         assert res[f"{schedule}_loss_diff"] < 1e-5 and res[f"{schedule}_weights_diff"] < 1e-5, schedule
     # rank 0 really holds only its stages: embedding + first half (single), stages 0 and 2 (interleaved)
     assert res["1f1b_stages"] == [0] and res["1f1b_local_params"] == ["blocks.0", "blocks.1", "embed"]
     assert res["interleaved_1f1b_stages"] == [0, 2]
     assert res["interleaved_1f1b_local_params"] == ["blocks.0", "blocks.2", "embed"]
+    assert res["zbv_stages"] == [0, 3]  # V-shaped: rank 0 holds the first and the last stage
+    assert res["zbv_local_params"] == ["blocks.0", "blocks.3", "embed", "head", "ln_f"]
     assert res["ac_wrapped"] == 2 and res["ac_loss_diff"] < 1e-5 and res["ac_weights_diff"] < 1e-5  # + checkpointing
 
 
@@ -120,6 +122,11 @@ def test_split_balanced_by_parameter_count_and_by_cut_points():
     assert plan_split(lit, 2).stages[0] == ["embed", "blocks.0"]
     tied = plan_split(LitGPT(tied=True), 2)
     assert tied.tied == [[(0, "net.embed.weight"), (1, "net.head.weight")]]
+    check_tied_placement(tied, 2, "1f1b")  # first and last stage on two ranks: fine
+    assert stage_ids(0, 2, 4, "zbv") == [0, 3] and stage_ids(1, 2, 4, "interleaved_1f1b") == [1, 3]
+    with pytest.raises(ConfigurationError, match=r"tied parameter net.embed.weight = net.head.weight is used by "
+                                                 r"stages \[0, 3\], which run on pipeline ranks \[0, 0\]"):
+        check_tied_placement(plan_split(LitGPT(tied=True), 4), 2, "zbv")
 
 
 def test_stage_modules_keep_original_names_and_compute_the_model():
@@ -134,8 +141,9 @@ def test_stage_modules_keep_original_names_and_compute_the_model():
 
 
 def test_bad_pipeline_settings():
-    with pytest.raises(ConfigurationError, match=r"schedule='zbv' .*not built yet.*gpipe, 1f1b, interleaved_1f1b"):
-        MegatronStrategy(pipeline_parallel_size=2, schedule="zbv")
+    with pytest.raises(ConfigurationError, match=r"makes 2 stages; schedule='zbv' runs two stages per rank: give "
+                                                 r"2 x pipeline_parallel_size - 1 = 3 cut points"):
+        MegatronStrategy(pipeline_parallel_size=2, schedule="zbv", pp_split=["net.blocks.2"])
     with pytest.raises(ConfigurationError, match=r"schedule='fifo' is not one of: gpipe, 1f1b"):
         MegatronStrategy(pipeline_parallel_size=2, schedule="fifo")
     with pytest.raises(ConfigurationError, match=r"num_microbatches=0 must be a positive int"):
