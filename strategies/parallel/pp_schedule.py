@@ -65,7 +65,7 @@ class PipelineRunner:
     def check_tied_shapes(self, params: Dict[str, nn.Parameter]) -> None:
         for names, group, _ in self.tied:
             p = params[names[0]]
-            shape = (tuple(_local(p).shape), str(getattr(p, "placements", "")))
+            shape = (tuple(_local(p).shape), str(getattr(p, "placements", "not sharded")))
             everyone: List[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, shape, group=group)
             if len(set(everyone)) > 1:
@@ -75,9 +75,15 @@ class PipelineRunner:
 
     def reduce_tied_grads(self, params: Dict[str, nn.Parameter]) -> None:
         for names, group, _ in self.tied:
-            grad = params[names[0]].grad
-            if grad is not None:
-                dist.all_reduce(_local(grad), group=group)
+            param = params[names[0]]
+            grad = param.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                # e.g. an embedding_rowwise weight's gradient comes back Replicate: give it the
+                # parameter's sharding, so both copies' local shards line up
+                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+            dist.all_reduce(_local(grad), group=group)
 
     def norm_excluded(self, params: Dict[str, nn.Parameter]) -> Set[int]:
         """Copies of tied parameters counted in the gradient norm on another rank."""

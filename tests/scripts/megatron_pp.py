@@ -199,13 +199,13 @@ def pp2(out: Path) -> Dict[str, Any]:
     return res
 
 
-def refused(strategy: Any, data: Any = None) -> str:
+def refused(strategy: Any, data: Any = None, tied: bool = False) -> str:
     """The ConfigurationError a fit raises before its first step."""
     record = Record()
     trainer = Trainer(strategy=strategy, max_steps=1, default_root_dir="/nonexistent-never-written",
                       enable_progress_bar=False, enable_checkpointing=False, callbacks=[record])
     try:
-        trainer.fit(LitGPT(), data or loader(4))
+        trainer.fit(LitGPT(tied), data or loader(4))
     except ConfigurationError as e:
         return str(e) if not record.losses else "error after a step"
     return "no error"
@@ -232,6 +232,15 @@ def tp2pp2(out: Path) -> Dict[str, Any]:
     if dist.get_rank() == 0:
         res["tp2pp2_to_fsdp_diff"] = max(float((loaded[k] - full[k]).abs().max()) for k in full)
     res["tp2pp2_to_fsdp_steps"] = sorted({int(s["step"]) for s in opts[0].state.values()})
+    # tied embeddings under tp2 x pp2: both uses sharded alike (vocab rows), gradients summed per shard
+    tied_ref = reference(6, tied=True)
+    plan = dict(PLAN, **{"net.embed": "embedding_rowwise"})
+    trainer, _, losses = fit(MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan=plan),
+                             out / "run_tp2pp2_tied", 6, tied=True)
+    res.update(tied_tp2pp2_loss_diff=diff(losses, tied_ref["losses"]),
+               tied_tp2pp2_weights_diff=state_diff(trainer, tied_ref["state"]))
+    res["tied_tp2pp2_mismatch"] = refused(MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                           tp_plan=PLAN), tied=True)
     # pp2 x dp2: FSDP2 per stage; each dp rank its half of a global batch of 8, tied embeddings
     strategy = MegatronStrategy(pipeline_parallel_size=2, schedule="1f1b")
     trainer, _, losses = fit(strategy, out / "run_pp2dp2", 6, tied=True)

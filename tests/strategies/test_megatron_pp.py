@@ -69,6 +69,9 @@ def test_tied_embeddings_stay_tied_across_stages(runs):
     assert res["tied_loss_diff"] < 1e-5 and res["tied_weights_diff"] < 1e-5
     assert tp["pp2dp2_layout"] == "pp=2 x dp=2 x tp=1" and tp["pp2dp2_placements"] == "(Shard(dim=0),)"
     assert tp["pp2dp2_loss_diff"] < 1e-5 and tp["pp2dp2_weights_diff"] < 1e-5  # FSDP2 per stage, tied
+    assert tp["tied_tp2pp2_loss_diff"] < 1e-5 and tp["tied_tp2pp2_weights_diff"] < 1e-4  # TP-sharded tied copies
+    assert "tied parameter 'net.embed.weight' is sharded differently on the stages sharing it" in \
+        tp["tied_tp2pp2_mismatch"] or "'net.head.weight' is sharded differently" in tp["tied_tp2pp2_mismatch"]
 
 
 @pytest.mark.slow
@@ -219,3 +222,15 @@ def test_pipeline_needs_loss_fn_trainer_and_no_extra_accumulation():
     with pytest.raises(ConfigurationError, match=r"accumulate_grad_batches=2: with pipeline parallelism the "
                                                  r"micro-batches are the accumulation"):
         strategy.setup(LitGPT(), lambda: [])
+
+
+def test_base_forward_backward_is_the_plain_step():
+    """Strategies without a pipeline: forward_backward is the Trainer's inline path (step, then backward)."""
+    from strategies.single import SingleDeviceStrategy
+
+    strategy, net = SingleDeviceStrategy(), nn.Linear(3, 1)
+    assert not strategy.pipelined
+    seen = []
+    out = strategy.forward_backward(net, lambda batch, i: net(batch).sum(), torch.ones(2, 3), 0,
+                                    backward=lambda loss: (seen.append(loss), loss.backward()))
+    assert seen == [out] and torch.equal(net.weight.grad, torch.full((1, 3), 2.0))
