@@ -171,6 +171,8 @@ def pp2(out: Path) -> Dict[str, Any]:
     res["bad_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2, num_microbatches=3))
     short = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*next(iter(loader(10)))), batch_size=4)
     res["last_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2), data=short)
+    res["schedule_microbatches"] = refused(MegatronStrategy(pipeline_parallel_size=2, schedule="interleaved_1f1b",
+                                                            num_microbatches=5), data=loader(10))
     # the tp2 x pp2 checkpoint (4 processes, written first) loaded on pp2: the weights it was saved with
     if (out / "ckpt_tp2pp2").is_dir():
         strategy = MegatronStrategy(pipeline_parallel_size=2)

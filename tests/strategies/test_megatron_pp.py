@@ -111,6 +111,8 @@ def test_refusals_inside_a_run(runs):
     _, res, _ = runs
     assert "batch_size=4 does not split into num_microbatches=3" in res["bad_batch"]
     assert "reads 10 samples an epoch, so its last batch holds 2 instead of batch_size=4" in res["last_batch"]
+    assert "schedule='interleaved_1f1b' with num_microbatches=5 on pipeline_parallel_size=2" in \
+        res["schedule_microbatches"] and "choose num_microbatches as a multiple of 2" in res["schedule_microbatches"]
 
 
 # ---- the split, and bad input: clear errors before any process starts or any weight moves --------
