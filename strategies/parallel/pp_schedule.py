@@ -37,8 +37,9 @@ class PipelineRunner:
             target = self.stages[0] if schedule in SINGLE else self.stages
             self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
         except (ValueError, RuntimeError, AssertionError) as e:
+            reason = str(e).rstrip(".")
             raise ConfigurationError(f"schedule={schedule!r} with num_microbatches={num_microbatches} on "
-                                     f"pipeline_parallel_size={self.pp} ({self.num_stages} stages): {str(e).rstrip('.')}; choose "
+                                     f"pipeline_parallel_size={self.pp} ({self.num_stages} stages): {reason}; choose "
                                      f"num_microbatches as a multiple of {self.pp}, at least {self.num_stages}"
                                      ) from None
         self.tied: List[Tuple[List[str], Any, bool]] = []  # (local names, group, counted in the norm here)
