@@ -12,8 +12,9 @@ model's block list is cut into stages (balanced by parameter count, or at ``pp_s
 keeps only its stages' modules under their original names, and ``forward_backward`` runs the
 ``torch.distributed.pipelining`` schedule on each training batch (``gpipe``, ``1f1b``; the looped
 ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb`` run two stages per rank unless ``pp_split``
-says otherwise; the V-shaped ``zbv``, ``dualpipev`` run stages r and 2 pp - 1 - r on rank r). Contract for the TrainingModule: it holds the model in an attribute whose forward
-is a chain of its children (embedding, blocks, norm, head), defines ``loss_fn(output, target)`` (the
+says otherwise; the V-shaped ``zbv``, ``dualpipev`` run stages r and 2 pp - 1 - r on rank r).
+Contract for the TrainingModule: it holds the model in an attribute whose forward is a chain of
+its children (embedding, blocks, norm, head), defines ``loss_fn(output, target)`` (the
 loss of one micro-batch, a mean), and its batches are ``(inputs, target)`` (or it defines
 ``pipeline_batch(batch) -> (inputs, target)``). Under the Trainer, ``training_step`` is not called:
 the schedule computes ``loss_fn`` on the last stage; the batch loss (mean over micro-batches),
@@ -26,8 +27,10 @@ batch is split into ``num_microbatches`` (default: the number of stages) equal m
 are the gradient accumulation: ``accumulate_grad_batches`` must be 1; every batch must have the
 first one's size (the stages keep its shapes: ``drop_last=True``). Validation and test run
 ``loss_fn`` through the stages forward only (``evaluate_batch``, ``schedule.eval``), logged as
-``val/loss``/``test/loss``. Refused with a clear error under pipelining: predict, manual
-optimization, ``Accelerator.prepare``, ``compile=True`` and fp16 (``16-mixed``).
+``val/loss``/``test/loss``. With the Accelerator, ``accelerator.forward_backward(model, batch,
+loss_fn)`` runs the schedule; the prepared model may itself own the block list, and optimizers built
+before ``prepare`` keep this rank's parameters. Refused with a clear error under pipelining: predict,
+manual optimization, ``backward(loss)``, ``compile=True`` and fp16 (``16-mixed``).
 
 Data: each dp rank reads its shard of the loader; the tp and pp ranks of one dp group read the same batch.
 Checkpoints: ``dcp/`` (torch.distributed.checkpoint) in trainforge's checkpoint directory, the same
@@ -63,8 +66,8 @@ from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_op
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 from strategies.parallel import ParallelDims, apply_tp
 from strategies.parallel.dims import _positive
-from strategies.parallel.pp import (SCHEDULES, check_tied_placement, child_of, guard_forward, num_stages_for, plan_split, prune,
-                                    schedule_class, stage_ids, stage_module)
+from strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
+                                    prune, schedule_class, stage_ids, stage_module)
 from strategies.parallel.pp_schedule import PipelineRunner
 
 log = logging.getLogger("trainforge")
@@ -227,9 +230,11 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         """Checks first (nothing moved yet), then the fixed order on this rank's stages: split (prune
         the module to its stages) -> TP -> activation checkpointing -> FSDP2 per stage -> schedule."""
         self._check_pipeline_inputs(module, optimizers)
-        dims, mesh = self.dims, self.mesh
+        dims, mesh, trainer = self.dims, self.mesh, callable(optimizers)
         num_stages = num_stages_for(self.schedule, dims.pp, self.pp_split)
-        split = plan_split(module, num_stages, self.pp_split)
+        # the Trainer's module holds the model in an attribute; a plain model (Accelerator) may be it
+        split = plan_split(module, num_stages, self.pp_split, allow_root=not trainer)
+        before = [(clean_name(n), p) for n, p in module.named_parameters()]
         check_tied_placement(split, dims.pp, self.schedule)
         local = stage_ids(mesh["pp"].get_local_rank(), dims.pp, num_stages, self.schedule)
         plan = None
@@ -247,10 +252,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if self.precision is not None:
             module = self.precision.convert_module(module)
         if plan is not None:  # 2. tensor parallelism on the modules this rank kept
-            head = split.prefix + "."
             mine = {n for s in local for n in split.stages[s]}
-            self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: not n.startswith(head) or
-                                        child_of(n[len(head):], split.blocks) in mine)
+            self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: split.child(n) in mine)
             self._log_coverage()
         if ac not in (False, None):  # 3. activation checkpointing
             apply_activation_checkpointing(module, select_modules(module, ac))
@@ -263,22 +266,22 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                         fully_shard(block, **kwargs)
                 fully_shard(stage, **kwargs)
         guard_forward(module, split)
-        runner = PipelineRunner(stages, split, self.schedule, self.num_microbatches or num_stages, module.loss_fn,
-                                mesh, self.root_device)
+        runner = PipelineRunner(stages, split, self.schedule, self.num_microbatches or num_stages,
+                                getattr(module, "loss_fn", None), mesh, self.root_device)
         runner.setup_tied(split, local)
         self._params = {clean_name(n): p for n, p in module.named_parameters()}
         runner.check_tied_shapes(self._params)
         self.pipeline, self._norm_excluded = runner, runner.norm_excluded(self._params)
         module._trainforge_megatron = True
-        return module, build_optimizers(optimizers)  # on this rank's own (sharded) parameters
+        if trainer:
+            return module, build_optimizers(optimizers)  # on this rank's own (sharded) parameters
+        _keep_local_parameters(before, self._params, optimizers)  # built before on the whole model (Accelerate)
+        return module, list(optimizers)
 
     def _check_pipeline_inputs(self, module: nn.Module, optimizers: Optimizers) -> None:
         where = f"pipeline_parallel_size={self.dims.pp}"
-        if not callable(optimizers):
-            raise ConfigurationError(f"{where}: Accelerator.prepare (and Trainer.validate/test before fit) with "
-                                     "pipeline parallelism is not built yet; train with Trainer.fit (its step runs the "
-                                     "pipeline schedule, and its validation the stages' loss)")
-        if not callable(getattr(module, "loss_fn", None)):
+        # the Trainer's module must define loss_fn; the Accelerator may pass it with each batch
+        if callable(optimizers) and not callable(getattr(module, "loss_fn", None)):
             raise ConfigurationError(f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
                                      "loss: the pipeline computes the loss on its last stage from the model's output "
                                      "and the batch's target (training_step is not called)")
@@ -292,12 +295,14 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                                      "built into the pipeline schedule yet; use 'bf16-mixed' or '32'")
 
     def forward_backward(self, module: nn.Module, step_fn: Any, batch: Any, batch_idx: int,
-                         backward: Any = None) -> Any:
-        """Pipeline parallelism: the schedule runs forward, ``module.loss_fn(output, target)`` and
-        backward of every micro-batch; returns the batch's mean loss (the same on every rank).
-        ``batch`` is ``(inputs, target)`` or what ``module.pipeline_batch(batch)`` makes of it."""
+                         backward: Any = None, loss_fn: Any = None) -> Any:
+        """Pipeline parallelism: the schedule runs forward, ``loss_fn(output, target)`` (default
+        ``module.loss_fn``) and backward of every micro-batch; returns the batch's mean loss (the same
+        on every rank). ``batch`` is ``(inputs, target)`` or what ``module.pipeline_batch(batch)`` makes of it."""
         if self.pipeline is None:
             return super().forward_backward(module, step_fn, batch, batch_idx, backward)
+        if loss_fn is not None:
+            self.pipeline.loss_fn = loss_fn
         loss = self._run_pipeline(module, batch, train=True)
         self.pipeline.reduce_tied_grads(self._params)
         return loss
@@ -318,6 +323,13 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         with (self.precision.autocast() if self.precision is not None else contextlib.nullcontext()):
             return self.pipeline.step(inputs, target, train=train)
+
+    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+        if self.pipeline is not None:
+            raise ConfigurationError("backward(loss) with pipeline parallelism: the loss exists on the last stage only "
+                                     "and the schedule runs the backward itself; call accelerator.forward_backward("
+                                     "model, batch, loss_fn) instead of computing the loss and calling backward")
+        super().backward(loss, module)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
         dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))
@@ -408,6 +420,21 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
 
     def __repr__(self) -> str:
         return f"MegatronStrategy({self.dims or self.sizes}, device={self.root_device})"
+
+
+def _keep_local_parameters(before: List[Tuple[str, nn.Parameter]], after: Dict[str, nn.Parameter],
+                           optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Optimizers built on the whole model (Accelerate's order) keep this rank's parameters, now
+    sharded (matched by name), and drop the other stages' (their state, if any, is discarded)."""
+    names = {id(p): n for n, p in before}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+            if unknown:
+                raise ConfigurationError(f"{type(opt).__name__} holds parameters of shapes {unknown[:3]} that are not "
+                                         "in the prepared model; prepare the model together with its own optimizer")
+            group["params"] = [after[names[id(p)]] for p in group["params"] if names[id(p)] in after]
+        opt.state.clear()
 
 
 def _sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool = False) -> Dict[str, Any]:

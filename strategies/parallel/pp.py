@@ -2,7 +2,8 @@
 schedule (the first step of the order in ``strategies/parallel/__init__.py``).
 
 The pipelined model is the module that owns the largest ``nn.ModuleList`` of blocks inside the
-``TrainingModule`` (``self.net`` of a GPT: ``net.blocks``). Its children registered before the
+``TrainingModule`` (``self.net`` of a GPT: ``net.blocks``), or, through the Accelerator, the
+prepared model itself. Its children registered before the
 block list (embedding) go to the first stage, those after it (final norm, head) to the last one;
 the blocks are cut into contiguous groups balanced by parameter count, or where ``pp_split``
 names the first block of each later stage (``["net.blocks.4"]``).
@@ -49,6 +50,15 @@ class PipelineSplit:
 
     def stage_of(self, child: str) -> int:
         return next(i for i, names in enumerate(self.stages) if child in names)
+
+    def child(self, name: str) -> Optional[str]:
+        """The pipelined model's child (``embed``, ``blocks.3``) that a root-level name lies in;
+        None outside the pipelined model."""
+        head = self.prefix + "." if self.prefix else ""
+        return child_of(name[len(head):], self.blocks) if name.startswith(head) else None
+
+    def qualified(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
 
     def describe(self) -> str:
         return "; ".join(f"stage {i}: {_span(names)} ({n} params)" for i, (names, n) in
@@ -97,8 +107,9 @@ def num_stages_for(schedule: str, pp: int, pp_split: Optional[Sequence[str]]) ->
     return pp if schedule in SINGLE else STAGES_PER_RANK * pp
 
 
-def find_blocks(root: nn.Module) -> Tuple[str, str]:
-    """(path of the pipelined model, attribute of its block list): the ModuleList with most parameters."""
+def find_blocks(root: nn.Module, allow_root: bool = False) -> Tuple[str, str]:
+    """(path of the pipelined model, attribute of its block list): the ModuleList with most parameters.
+    ``allow_root``: the root itself may be the pipelined model (a plain model through the Accelerator)."""
     best: Optional[Tuple[int, str]] = None
     for name, module in root.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) >= 1 and name:
@@ -109,23 +120,26 @@ def find_blocks(root: nn.Module) -> Tuple[str, str]:
         raise ConfigurationError(f"{type(root).__name__} has no nn.ModuleList of blocks to split into pipeline stages; "
                                  "keep the repeated blocks in an nn.ModuleList (e.g. self.net.blocks)")
     prefix, _, attr = best[1].rpartition(".")
-    if not prefix:
+    if not prefix and not allow_root:
         raise ConfigurationError(f"the block list {best[1]!r} sits directly on {type(root).__name__}; pipeline "
                                  "parallelism splits a model held by the TrainingModule: put the model in an attribute "
                                  "(self.net = GPT(...)) whose forward is embed -> blocks -> head")
     return prefix, attr
 
 
-def plan_split(root: nn.Module, num_stages: int, pp_split: Optional[Sequence[str]] = None) -> PipelineSplit:
+def plan_split(root: nn.Module, num_stages: int, pp_split: Optional[Sequence[str]] = None,
+               allow_root: bool = False) -> PipelineSplit:
     """The stages of ``root``'s pipelined model; every error names the sizes and the fix."""
-    prefix, attr = find_blocks(root)
+    prefix, attr = find_blocks(root, allow_root)
     model = root.get_submodule(prefix)
+    split = PipelineSplit(prefix, attr, [], [])
     own = [n for n, _ in model.named_parameters(recurse=False)]
     if own:
-        raise ConfigurationError(f"{prefix} ({type(model).__name__}) has parameters of its own ({', '.join(own[:3])}); "
+        raise ConfigurationError(f"{prefix or 'the model'} ({type(model).__name__}) has parameters of its own "
+                                 f"({', '.join(own[:3])}); "
                                  "pipeline stages hold whole submodules: move them into a submodule (e.g. the "
                                  "embedding) so that one stage owns them")
-    outside = [n for n, _ in root.named_parameters() if not n.startswith(prefix + ".")]
+    outside = [n for n, _ in root.named_parameters() if split.child(n) is None]
     if outside:
         raise ConfigurationError(f"{type(root).__name__} has parameters outside the pipelined model {prefix} (the owner "
                                  f"of the block list): {', '.join(outside[:3])}; pipeline stages split one model whose "
@@ -138,18 +152,19 @@ def plan_split(root: nn.Module, num_stages: int, pp_split: Optional[Sequence[str
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     count = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters())  # noqa: E731
     if num_stages > len(blocks):
-        raise ConfigurationError(f"{num_stages} pipeline stages but {prefix}.{attr} has only {len(blocks)} block(s); "
+        raise ConfigurationError(f"{num_stages} pipeline stages but {split.qualified(attr)} has only {len(blocks)} "
+                                 "block(s); "
                                  "each stage needs at least one block: lower pipeline_parallel_size (or the stages "
                                  "per rank of an interleaved schedule) or use a deeper model")
     if pp_split is not None:
-        cuts = _cut_indices(pp_split, f"{prefix}.{attr}", len(blocks))
+        cuts = _cut_indices(pp_split, split.qualified(attr), len(blocks))
     else:
         cuts = _balanced_cuts(sizes, num_stages, count(pre), count(post))
     bounds = [0, *cuts, len(blocks)]
     stages = [[f"{attr}.{i}" for i in range(lo, hi)] for lo, hi in zip(bounds, bounds[1:])]
     stages[0][:0] = pre
     stages[-1].extend(post)
-    split = PipelineSplit(prefix, attr, stages, [count(s) for s in stages])
+    split.stages, split.numels = stages, [count(s) for s in stages]
     split.tied = _tied(root, split)
     return split
 
@@ -195,15 +210,14 @@ def _tied(root: nn.Module, split: PipelineSplit) -> List[List[Tuple[int, str]]]:
     for name, p in root.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
     tied = []
-    head = split.prefix + "."
     for names in by_id.values():
         if len(names) < 2:
             continue
-        outside = [n for n in names if not n.startswith(head)]
+        outside = [n for n in names if split.child(n) is None]
         if outside:
             raise ConfigurationError(f"parameter {names[0]!r} is shared with {outside[0]!r}, outside the pipelined "
                                      f"model {split.prefix}; pipeline stages can only share parameters inside it")
-        placed = sorted({(split.stage_of(child_of(n[len(head):], split.blocks)), n) for n in names})
+        placed = sorted({(split.stage_of(split.child(n)), n) for n in names})
         if len({s for s, _ in placed}) > 1:
             tied.append(placed)
     return tied
@@ -264,7 +278,8 @@ def guard_forward(root: nn.Module, split: PipelineSplit) -> None:
     model = root.get_submodule(split.prefix)
 
     def split_forward(*args: Any, **kwargs: Any) -> Any:
-        raise ConfigurationError(f"{split.prefix} ({type(model).__name__}) is split into pipeline stages; it cannot be "
+        raise ConfigurationError(f"{split.prefix or 'the model'} ({type(model).__name__}) is split into pipeline "
+                                 "stages; it cannot be "
                                  "called directly (the Trainer's validation/test run the stages' loss_fn; prediction "
                                  "under pipeline parallelism is not built yet: predict on one process from the "
                                  "merged weights)")

@@ -22,7 +22,7 @@ from strategies.parallel.pp import SINGLE, PipelineSplit, schedule_class, stage_
 
 class PipelineRunner:
     def __init__(self, stages: Dict[int, nn.Module], split: PipelineSplit, schedule: str, num_microbatches: int,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], mesh: Any, device: torch.device) -> None:
+                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], mesh: Any, device: torch.device) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         self.mesh, self.group = mesh, mesh["pp"].get_group()
@@ -35,15 +35,19 @@ class PipelineRunner:
         cls = schedule_class(schedule)
         try:
             target = self.stages[0] if schedule in SINGLE else self.stages
-            self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
+            self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=True)
         except (ValueError, RuntimeError, AssertionError) as e:
             reason = str(e).rstrip(".")
             raise ConfigurationError(f"schedule={schedule!r} with num_microbatches={num_microbatches} on "
                                      f"pipeline_parallel_size={self.pp} ({self.num_stages} stages): {reason}; choose "
                                      f"num_microbatches as a multiple of {self.pp}, at least {self.num_stages}"
                                      ) from None
+        self.loss_fn = loss_fn  # the module's; the Accelerator may pass another per batch
         self.tied: List[Tuple[List[str], Any, bool]] = []  # (local names, group, counted in the norm here)
         self.rows: Optional[int] = None  # samples per batch, fixed by the first one (the stages' shapes)
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        return self.loss_fn(output, target)
 
     # ---- tied parameters (Megatron's embedding group) -------------------------------------------
     def setup_tied(self, split: PipelineSplit, local: Sequence[int]) -> None:
@@ -94,6 +98,10 @@ class PipelineRunner:
     def step(self, inputs: Tuple[Any, ...], target: Any, train: bool = True) -> torch.Tensor:
         """One batch: forward, loss and backward of every micro-batch (``train=False``: forward and
         loss only, ``schedule.eval``); returns the batch's mean loss on every pipeline rank."""
+        if self.loss_fn is None:
+            raise ConfigurationError("pipeline parallelism needs a loss function over (output, target): define "
+                                     "loss_fn(output, target) on the module, or pass loss_fn= to "
+                                     "accelerator.forward_backward")
         n = self.num_microbatches
         rows = _rows(inputs[0] if inputs else target)
         if self.rows is None:

@@ -23,7 +23,7 @@ from torch import nn
 from callbacks.base import Callback
 from strategies.errors import ConfigurationError
 from strategies.megatron import MegatronStrategy
-from trainer import Trainer, TrainingModule
+from trainer import Accelerator, Trainer, TrainingModule
 
 VOCAB, DIM, DEPTH = 32, 16, 4
 PLAN = {"net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise", "net.head": "colwise_rep"}
@@ -168,6 +168,7 @@ def pp2(out: Path) -> Dict[str, Any]:
     at3 = reference(3)["state"]  # the weights the checkpoint holds, for the one-process load in the test
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in at3.items()}, str(out / "ref_step3.safetensors"))
+    accelerator_run(res)
     res["bad_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2, num_microbatches=3))
     short = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*next(iter(loader(10)))), batch_size=4)
     res["last_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2), data=short)
@@ -199,6 +200,35 @@ def pp2(out: Path) -> Dict[str, Any]:
                           ckpt_path=str(out / "ckpt_pp2"))
     res["pp2_resumed_on_tp2_loss_diff"] = diff(tp_losses, losses[3:])
     return res
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def accelerator_run(res: Dict[str, Any]) -> None:
+    """The thin API on a plain model: optimizer built before prepare, one forward_backward per batch."""
+    acc = Accelerator(strategy=MegatronStrategy(pipeline_parallel_size=2))
+    torch.manual_seed(0)
+    net = GPT()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+    net, opt, dl = acc.prepare(net, opt, loader(4))
+    res["accelerator_param_groups"] = len(opt.param_groups[0]["params"])  # this rank's stage only
+    losses = []
+    for i, batch in enumerate(dl):
+        if i == 3:
+            break
+        loss = acc.forward_backward(net, batch, cross_entropy)
+        acc.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    res["accelerator_loss_diff"] = diff(losses, reference(3)["losses"])
+    try:
+        acc.backward(torch.ones((), requires_grad=True))
+        res["accelerator_backward"] = "no error"
+    except ConfigurationError as e:
+        res["accelerator_backward"] = str(e)
 
 
 def refused(strategy: Any, data: Any = None, tied: bool = False) -> str:

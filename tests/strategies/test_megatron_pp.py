@@ -56,6 +56,14 @@ def test_pp2_schedules_match_single_process(runs):
 
 
 @pytest.mark.slow
+def test_accelerator_loop_on_a_plain_model(runs):
+    _, res, _ = runs
+    assert res["accelerator_loss_diff"] < 1e-5
+    assert res["accelerator_param_groups"] == 1 + 2 * 10  # rank 0: the embedding and two blocks of 10 tensors
+    assert "backward(loss) with pipeline parallelism" in res["accelerator_backward"]
+
+
+@pytest.mark.slow
 def test_validation_runs_the_loss_through_the_stages(runs):
     _, res, _ = runs
     assert res["val_loss_diff"] < 1e-5 and res["val_train_loss_diff"] < 1e-5
@@ -213,13 +221,11 @@ def test_pipeline_settings_from_the_launch_config():
     assert strategy.sizes["pp"] == 2 and strategy.num_microbatches == 4 and len(strategy.pp_split) == 3
 
 
-def test_pipeline_needs_loss_fn_trainer_and_no_extra_accumulation():
+def test_pipeline_needs_loss_fn_and_no_extra_accumulation():
     strategy = MegatronStrategy(pipeline_parallel_size=2)
     strategy.dims = ParallelDims.resolve(tp=1, pp=2, dp="auto", world_size=2)  # as setup_environment would
     with pytest.raises(ConfigurationError, match=r"NoLoss must define loss_fn\(self, output, target\)"):
         strategy.setup(NoLoss(), lambda: [])
-    with pytest.raises(ConfigurationError, match=r"Accelerator.prepare .*with pipeline parallelism is not built yet"):
-        strategy.setup(LitGPT(), [])
     strategy.accumulation_steps = 2
     with pytest.raises(ConfigurationError, match=r"accumulate_grad_batches=2: with pipeline parallelism the "
                                                  r"micro-batches are the accumulation"):
@@ -236,3 +242,19 @@ def test_base_forward_backward_is_the_plain_step():
     out = strategy.forward_backward(net, lambda batch, i: net(batch).sum(), torch.ones(2, 3), 0,
                                     backward=lambda loss: (seen.append(loss), loss.backward()))
     assert seen == [out] and torch.equal(net.weight.grad, torch.full((1, 3), 2.0))
+
+
+def test_accelerator_forward_backward_without_a_pipeline():
+    """The same loop runs without pipelining: loss_fn(model(inputs), target), then backward."""
+    from trainer import Accelerator
+
+    acc, net = Accelerator(strategy="single"), nn.Linear(3, 1)
+    ref = nn.Linear(3, 1)
+    ref.load_state_dict(net.state_dict())
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    net = acc.prepare(net)
+    loss = acc.forward_backward(net, (x, y), torch.nn.functional.mse_loss)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    assert torch.allclose(net.weight.grad, ref.weight.grad) and loss.requires_grad
+    with pytest.raises(ConfigurationError, match=r"needs loss_fn\(output, target\): pass loss_fn= or define"):
+        acc.forward_backward(net, (x, y))
