@@ -59,6 +59,10 @@ class LitGPT(TrainingModule):
         x, y = batch
         return self.loss_fn(self.net(x), y)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:  # without pipelining; with it, loss_fn
+        x, y = batch
+        self.log("val/loss", self.loss_fn(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
@@ -169,6 +173,16 @@ def pp2(out: Path) -> Dict[str, Any]:
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in at3.items()}, str(out / "ref_step3.safetensors"))
     accelerator_run(res)
+    res["compile"] = refused(MegatronStrategy(pipeline_parallel_size=2), compile=True)
+    res["manual"] = refused(MegatronStrategy(pipeline_parallel_size=2), manual=True)
+    # Trainer.validate on its own (no fit): the module is split then, the loss runs through the stages
+    metrics = Trainer(strategy=MegatronStrategy(pipeline_parallel_size=2), limit_val_batches=2, max_steps=1,
+                      enable_progress_bar=False, enable_checkpointing=False,
+                      default_root_dir=str(out / "run_validate")).validate(LitGPT(), loader(4))
+    fresh = LitGPT()
+    with torch.no_grad():
+        expected = sum(float(fresh.training_step(b, i)) for i, b in zip(range(2), loader(4))) / 2
+    res["validate_diff"] = abs(metrics["val/loss"] - expected)
     res["bad_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2, num_microbatches=3))
     short = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*next(iter(loader(10)))), batch_size=4)
     res["last_batch"] = refused(MegatronStrategy(pipeline_parallel_size=2), data=short)
@@ -231,13 +245,15 @@ def accelerator_run(res: Dict[str, Any]) -> None:
         res["accelerator_backward"] = str(e)
 
 
-def refused(strategy: Any, data: Any = None, tied: bool = False) -> str:
+def refused(strategy: Any, data: Any = None, tied: bool = False, manual: bool = False, **kwargs: Any) -> str:
     """The ConfigurationError a fit raises before its first step."""
     record = Record()
     trainer = Trainer(strategy=strategy, max_steps=1, default_root_dir="/nonexistent-never-written",
-                      enable_progress_bar=False, enable_checkpointing=False, callbacks=[record])
+                      enable_progress_bar=False, enable_checkpointing=False, callbacks=[record], **kwargs)
+    module = LitGPT(tied)
+    module.automatic_optimization = not manual
     try:
-        trainer.fit(LitGPT(tied), data or loader(4))
+        trainer.fit(module, data or loader(4))
     except ConfigurationError as e:
         return str(e) if not record.losses else "error after a step"
     return "no error"

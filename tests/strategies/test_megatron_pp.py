@@ -67,6 +67,7 @@ def test_accelerator_loop_on_a_plain_model(runs):
 def test_validation_runs_the_loss_through_the_stages(runs):
     _, res, _ = runs
     assert res["val_loss_diff"] < 1e-5 and res["val_train_loss_diff"] < 1e-5
+    assert res["validate_diff"] < 1e-5  # Trainer.validate without fit
 
 
 @pytest.mark.slow
@@ -119,6 +120,8 @@ def test_refusals_inside_a_run(runs):
     _, res, _ = runs
     assert "batch_size=4 does not split into num_microbatches=3" in res["bad_batch"]
     assert "reads 10 samples an epoch, so its last batch holds 2 instead of batch_size=4" in res["last_batch"]
+    assert "compile=True with pipeline parallelism is not built yet" in res["compile"]
+    assert "automatic_optimization=False with pipeline parallelism" in res["manual"]
     assert "schedule='interleaved_1f1b' with num_microbatches=5 on pipeline_parallel_size=2" in \
         res["schedule_microbatches"] and "choose num_microbatches as a multiple of 2" in res["schedule_microbatches"]
 
