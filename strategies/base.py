@@ -110,6 +110,22 @@ class Strategy:
         """Release what ``setup_environment`` took."""
 
     # ---- the step -------------------------------------------------------------------------
+    #: True when ``forward_backward`` runs a pipeline schedule; only then does the Trainer send its
+    #: training batches through it (elsewhere the loop's inline forward + backward is this same path).
+    pipelined = False
+
+    def forward_backward(self, module: nn.Module, step_fn: Callable[..., Any], batch: Any, batch_idx: int,
+                         backward: Optional[Callable[[Any], None]] = None) -> Any:
+        """One training batch: ``step_fn(batch, batch_idx)`` under the precision's autocast, then
+        ``backward(output)`` (the caller's loss extraction and backward); returns the step's output.
+        A pipeline strategy runs its micro-batch schedule here instead (forward, the module's loss
+        and backward on every stage) and returns the batch's loss."""
+        with self.precision.autocast() if self.precision is not None else contextlib.nullcontext():
+            output = step_fn(batch, batch_idx)
+        if backward is not None:
+            backward(output)
+        return output
+
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
         if self.precision is not None:
             self.precision.backward(loss)

@@ -142,3 +142,14 @@ def _ours_inside(e: BaseException) -> Any:
                 return exc
             exc = getattr(exc, "__cause__", None) or getattr(exc, "__context__", None)
     return None
+
+
+def flat_optimizer_state(folder: Any) -> bool:
+    """Whether a DCP checkpoint's optimizer state is flat (``flatten_optimizer_state_dict``: settings
+    keyed per parameter name, as MegatronStrategy writes) rather than nested (``param_groups.<i>.params``
+    lists, as FSDPStrategy writes). Read through the restricted unpickler."""
+    import re
+
+    nested = re.compile(r"^optimizers\.\d+\.param_groups\.\d+\.params$")
+    keys = list(SafeFileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    return any(k.startswith("optimizers.") for k in keys) and not any(nested.match(k) for k in keys)

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from strategies.base import Optimizers, Strategy, build_optimizers
-from strategies.dcp_safe import DCP_ERRORS, safe_load
+from strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
 from strategies.ddp import ProcessGroupMixin, check_timeout
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
@@ -241,7 +241,8 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         folder = Path(path) / DCP_DIR
         if not folder.is_dir():
             return super().load_checkpoint(path, module, optimizers)
-        state = self._sharded_state(module, optimizers)
+        flat = bool(optimizers) and flat_optimizer_state(folder)  # MegatronStrategy writes it flat
+        state = self._sharded_state(module, optimizers, flat)
         try:
             safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
         except CheckpointError:
@@ -251,13 +252,18 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                                   f"({type(e).__name__}: {str(e).strip()[:500]}); was it saved from the same "
                                   "model and optimizers?") from None
         set_model_state_dict(module, state["model"])
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
         for i, opt in enumerate(optimizers):
-            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)])
+            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)], options=options)
 
-    def _sharded_state(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, Any]:
-        """``{"model": sharded state, "optimizers": {"0": ..}}``, DTensors keyed by parameter name."""
+    def _sharded_state(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                       flat: bool = False) -> Dict[str, Any]:
+        """``{"model": sharded state, "optimizers": {"0": ..}}``, DTensors keyed by parameter name
+        (``flat``: optimizer settings keyed per parameter, MegatronStrategy's form)."""
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
         return {"model": get_model_state_dict(module),
-                "optimizers": {str(i): get_optimizer_state_dict(module, opt) for i, opt in enumerate(optimizers)}}
+                "optimizers": {str(i): get_optimizer_state_dict(module, opt, options=options)
+                               for i, opt in enumerate(optimizers)}}
 
     def __repr__(self) -> str:
         return (f"FSDPStrategy(sharding_strategy={self.sharding_strategy!r}, device={self.root_device}, "

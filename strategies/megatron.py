@@ -1,18 +1,46 @@
-"""Megatron-style tensor parallelism composed with FSDP2 on one ``DeviceMesh`` (``strategy="megatron"``).
+"""Megatron-style tensor and pipeline parallelism composed with FSDP2 on one ``DeviceMesh`` over
+(pp, dp, tp) (``strategy="megatron"``).
 
 ``setup`` applies the steps of ``strategies/parallel`` in their fixed order: precision conversion
--> ``apply_tp`` on the ``tp`` mesh dimension -> activation checkpointing -> ``fully_shard`` of each
-repeated block, then the root, on the ``dp`` dimension (skipped when dp=1). Parameters end up as
+-> pipeline split (``pipeline_parallel_size > 1``, ``parallel/pp.py``) -> ``apply_tp`` on the ``tp``
+mesh dimension -> activation checkpointing -> ``fully_shard`` of each repeated block, then the root
+(under pipelining: each stage), on the ``dp`` dimension (skipped when dp=1). Parameters end up as
 ``DTensor``s: ``Shard`` on tp for the planned layers, ``Shard(0)`` on dp for all (FSDP2 x TP).
 
-Data: each dp rank reads its shard of the loader; the tp ranks of one dp group read the same batch.
-Checkpoints: ``dcp/`` (torch.distributed.checkpoint) in trainforge's checkpoint directory, the same
-layout as ``FSDPStrategy``'s sharded one, so it loads on another (tp, dp) layout, under FSDP, and
-through ``trainforge merge-weights`` on one process.
+Pipeline parallelism (``pipeline_parallel_size=2, schedule="1f1b", num_microbatches=4``): the
+model's block list is cut into stages (balanced by parameter count, or at ``pp_split``), each rank
+keeps only its stages' modules under their original names, and ``forward_backward`` runs the
+``torch.distributed.pipelining`` schedule on each training batch (``gpipe``, ``1f1b``; the looped
+``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zb`` run two stages per rank unless ``pp_split``
+says otherwise; the V-shaped ``zbv``, ``dualpipev`` run stages r and 2 pp - 1 - r on rank r).
+Contract for the TrainingModule: it holds the model in an attribute whose forward is a chain of
+its children (embedding, blocks, norm, head), defines ``loss_fn(output, target)`` (the
+loss of one micro-batch, a mean), and its batches are ``(inputs, target)`` (or it defines
+``pipeline_batch(batch) -> (inputs, target)``). Under the Trainer, ``training_step`` is not called:
+the schedule computes ``loss_fn`` on the last stage; the batch loss (mean over micro-batches),
+broadcast from the last stage, is returned and logged as ``train/loss``. Gradients equal the
+unpipelined ones (``scale_grads`` over micro-batches, FSDP's mean over dp); tied parameters
+(input/output embeddings) live on the first and last stage with their gradients summed over those
+ranks (refused for V-shaped schedules, which put both on rank 0); gradient-norm clipping combines
+the stages' norms (tied copies counted once). The loader's
+batch is split into ``num_microbatches`` (default: the number of stages) equal micro-batches, which
+are the gradient accumulation: ``accumulate_grad_batches`` must be 1; every batch must have the
+first one's size (the stages keep its shapes: ``drop_last=True``). Validation and test run
+``loss_fn`` through the stages forward only (``evaluate_batch``, ``schedule.eval``), logged as
+``val/loss``/``test/loss``. With the Accelerator, ``accelerator.forward_backward(model, batch,
+loss_fn)`` runs the schedule; the prepared model may itself own the block list, and optimizers built
+before ``prepare`` keep this rank's parameters. Refused with a clear error under pipelining: predict,
+manual optimization, ``backward(loss)``, ``compile=True`` and fp16 (``16-mixed``).
 
-Not built yet (clear errors): pipeline_parallel_size > 1, sizes "auto", data_parallel="ddp",
-sequence_parallel=True / loss_parallel=True as strategy switches (``"sequence_parallel"`` styles
-in ``tp_plan`` work).
+Data: each dp rank reads its shard of the loader; the tp and pp ranks of one dp group read the same batch.
+Checkpoints: ``dcp/`` (torch.distributed.checkpoint) in trainforge's checkpoint directory, the same
+layout as ``FSDPStrategy``'s sharded one, keyed by the original model's names, so it loads on
+another (tp, dp, pp) layout, under FSDP, and through ``trainforge merge-weights`` on one process
+(the optimizer state is saved flat, keyed per parameter name, so it resumes on any (pp, dp, tp)
+layout; FSDPStrategy's nested checkpoints load without pipelining, and ours load under FSDPStrategy).
+
+Not built yet (clear errors): sizes "auto", data_parallel="ddp", sequence_parallel=True /
+loss_parallel=True as strategy switches (``"sequence_parallel"`` styles in ``tp_plan`` work).
 """
 from __future__ import annotations
 
@@ -25,28 +53,33 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, U
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from strategies.base import Optimizers, Strategy, build_optimizers
+from strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
 from strategies.ddp import ProcessGroupMixin
 from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_optimizers
-from strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
+from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 from strategies.parallel import ParallelDims, apply_tp
 from strategies.parallel.dims import _positive
+from strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
+                                    prune, schedule_class, stage_ids, stage_module)
+from strategies.parallel.pp_schedule import PipelineRunner
 
 log = logging.getLogger("trainforge")
 
 DATA_PARALLEL = ("fsdp",)
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 
 
 class MegatronStrategy(ProcessGroupMixin, Strategy):
-    """``MegatronStrategy(tensor_parallel_size=2, tp_plan="auto")``; ``data_parallel_size="auto"``
-    takes the processes tp x pp leave. ``tp_plan``: None/"auto" (a transformers model's own plan) or
+    """``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan="auto")``;
+    ``data_parallel_size="auto"`` takes the processes tp x pp leave. ``schedule``, ``num_microbatches``
+    and ``pp_split`` (first block of each later stage, e.g. ``["net.blocks.4"]``) apply when pp > 1.
+    ``tp_plan``: None/"auto" (a transformers model's own plan) or
     ``{module glob: style}`` (see ``strategies/parallel/tp.py``). ``activation_checkpointing``: as
     ``FSDPStrategy``'s (False, True = the repeated blocks, a set of classes, a callable)."""
 
@@ -65,11 +98,21 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                                  "data parallelism over the dp mesh dimension is FSDP2 (ddp is not built yet)")
         if schedule not in SCHEDULES:
             raise invalid_choice("schedule", schedule, SCHEDULES)
-        if pipeline_parallel_size not in (1, "1") or pp_split is not None or num_microbatches is not None:
-            raise ConfigurationError(f"pipeline_parallel_size={pipeline_parallel_size!r} (pp_split={pp_split!r}, "
-                                     f"num_microbatches={num_microbatches!r}): pipeline parallelism is not built yet "
-                                     "in MegatronStrategy; use pipeline_parallel_size=1 and scale with "
-                                     "tensor_parallel_size and data_parallel_size")
+        _positive("pipeline_parallel_size", pipeline_parallel_size, True)  # 'auto': refused by ParallelDims
+        if pipeline_parallel_size == "auto":
+            ParallelDims.resolve(tp=1, pp="auto", dp="auto", world_size=1)
+        if num_microbatches is not None:
+            _positive("num_microbatches", num_microbatches, False)
+        if pp_split is not None and (isinstance(pp_split, str) or not isinstance(pp_split, (list, tuple))
+                                     or not all(isinstance(n, str) for n in pp_split)):
+            raise ConfigurationError(f"pp_split={pp_split!r} must be None (balanced by parameter count) or a list of "
+                                     "block names, each the first block of a new stage, e.g. ['net.blocks.4']")
+        if pipeline_parallel_size == 1 and (pp_split or num_microbatches is not None):
+            raise ConfigurationError(f"pp_split={pp_split!r} / num_microbatches={num_microbatches!r} need "
+                                     "pipeline_parallel_size > 1; set it, or leave them unset")
+        if pipeline_parallel_size != 1:
+            schedule_class(schedule)  # V-shaped schedules: a clear "not built yet" now
+            num_stages_for(schedule, pipeline_parallel_size, pp_split)
         for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
             if value:
                 raise ConfigurationError(f"{flag}=True is not built yet as a switch; leave it False (a "
@@ -79,12 +122,16 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             ParallelDims.resolve(tp="auto", pp=1, dp="auto", world_size=1)
         _positive("tensor_parallel_size", tensor_parallel_size, False)
         _positive("data_parallel_size", data_parallel_size, True)
-        self.sizes = {"tp": tensor_parallel_size, "pp": 1, "dp": data_parallel_size}
+        self.sizes = {"tp": tensor_parallel_size, "pp": pipeline_parallel_size, "dp": data_parallel_size}
+        self.pp_split, self.num_microbatches = list(pp_split) if pp_split is not None else None, num_microbatches
+        self.pipeline: Optional[PipelineRunner] = None
         self.tp_plan, self.activation_checkpointing, self.schedule = tp_plan, activation_checkpointing, schedule
         self.backend, self.timeout = process_group_backend, timeout
         self.dims: Optional[ParallelDims] = None
         self.mesh: Any = None
         self.tp_coverage: Dict[str, Any] = {}
+        self._params: Dict[str, nn.Parameter] = {}  # this rank's parameters by name (pipeline)
+        self._norm_excluded: set = set()             # tied copies counted in the grad norm on another rank
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -105,11 +152,37 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
         from strategies.data import prepare_dataloader
 
-        return prepare_dataloader(dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size, seed=seed)
+        n = self.num_microbatches or (num_stages_for(self.schedule, self.dims.pp, self.pp_split)
+                                      if self.pipelined else 1)
+        size = getattr(dataloader, "batch_size", None)
+        if self.pipelined and size is not None and size % n:
+            raise ConfigurationError(f"the loader's batch_size={size} does not split into num_microbatches={n} equal "
+                                     f"micro-batches; use a batch_size that is a multiple of {n} (or set "
+                                     "num_microbatches to a divisor of it)")
+        loader = prepare_dataloader(dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size,
+                                    seed=seed)
+        if self.pipelined and size and not loader.drop_last:
+            try:
+                samples = len(loader.sampler)
+            except TypeError:  # an iterable dataset: PipelineRunner.step checks each batch
+                samples = 0
+            if samples % size:
+                raise ConfigurationError(
+                    f"each dp rank reads {samples} samples an epoch, so its last batch holds {samples % size} instead "
+                    f"of batch_size={size}; pipeline stages keep the micro-batch shape of the first batch: pass "
+                    "drop_last=True to the DataLoader (or use a dataset that divides into whole batches)")
+        return loader
+
+    @property
+    def pipelined(self) -> bool:
+        """The Trainer sends training batches through ``forward_backward`` (the schedule)."""
+        return self.dims is not None and self.dims.pp > 1
 
     def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         if getattr(module, "_trainforge_megatron", False):  # parallelized before
             return module, build_optimizers(optimizers)
+        if self.pipelined:
+            return self._setup_pipeline(module, optimizers)
         before = list(module.named_parameters())
         module = self.setup_module(module)
         if callable(optimizers):  # built now, on the DTensor parameters (the Trainer's order)
@@ -124,16 +197,15 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if self.mesh is None:
             raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
                                      "Trainer or Accelerator, or call strategy.setup_environment() first")
+        if self.pipelined:
+            raise ConfigurationError(f"setup_module with pipeline_parallel_size={self.dims.pp}: the pipeline needs "
+                                     "setup(module, optimizer builder) (the Trainer's path), which builds the stages")
         module = module.to(self.root_device)
         if self.precision is not None:
             module = self.precision.convert_module(module)
-        if self.dims.tp > 1:  # 1. (pp split: not built) 2. tensor parallelism
+        if self.dims.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
             self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan)
-            if self.is_global_zero:
-                c = self.tp_coverage
-                log.info("trainforge: tensor parallel plan shards %d module(s), %d of %d parameters (%.0f%%): %s",
-                         c["modules"], c["sharded_numel"], c["total_numel"], 100 * c["fraction"],
-                         ", ".join(c["sharded_params"][:8]) + (" ..." if len(c["sharded_params"]) > 8 else ""))
+            self._log_coverage()
         units = select_modules(module, None)  # 3. activation checkpointing
         ac = self.activation_checkpointing
         if ac is True:
@@ -147,6 +219,118 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         module._trainforge_megatron = True
         return module
 
+    def _log_coverage(self) -> None:
+        if self.is_global_zero:  # under pipelining: the first stage's share
+            c = self.tp_coverage
+            log.info("trainforge: tensor parallel plan shards %d module(s), %d of %d parameters (%.0f%%): %s",
+                     c["modules"], c["sharded_numel"], c["total_numel"], 100 * c["fraction"],
+                     ", ".join(c["sharded_params"][:8]) + (" ..." if len(c["sharded_params"]) > 8 else ""))
+
+    def _setup_pipeline(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[Any]]:
+        """Checks first (nothing moved yet), then the fixed order on this rank's stages: split (prune
+        the module to its stages) -> TP -> activation checkpointing -> FSDP2 per stage -> schedule."""
+        self._check_pipeline_inputs(module, optimizers)
+        dims, mesh, trainer = self.dims, self.mesh, callable(optimizers)
+        num_stages = num_stages_for(self.schedule, dims.pp, self.pp_split)
+        # the Trainer's module holds the model in an attribute; a plain model (Accelerator) may be it
+        split = plan_split(module, num_stages, self.pp_split, allow_root=not trainer)
+        before = [(clean_name(n), p) for n, p in module.named_parameters()]
+        check_tied_placement(split, dims.pp, self.schedule)
+        local = stage_ids(mesh["pp"].get_local_rank(), dims.pp, num_stages, self.schedule)
+        plan = None
+        if dims.tp > 1:  # resolved on the whole model, so a glob is checked against every stage
+            from strategies.parallel.tp import resolve_plan
+            plan = resolve_plan(module, self.tp_plan, dims.tp)
+        ac = self.activation_checkpointing
+        if ac is True:  # the block classes, found on the whole model (a pruned block list mixes in identities)
+            ac = {type(m) for _, m in select_modules(module, None)} or None
+        if self.is_global_zero:
+            log.info("trainforge: pipeline %s, %d stage(s) on %d rank(s), %s micro-batches: %s", self.schedule,
+                     num_stages, dims.pp, self.num_microbatches or num_stages, split.describe())
+        prune(module, split, local)  # 1. pipeline split, before the move: only this rank's stages reach the device
+        module = module.to(self.root_device)
+        if self.precision is not None:
+            module = self.precision.convert_module(module)
+        if plan is not None:  # 2. tensor parallelism on the modules this rank kept
+            mine = {n for s in local for n in split.stages[s]}
+            self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: split.child(n) in mine)
+            self._log_coverage()
+        if ac not in (False, None):  # 3. activation checkpointing
+            apply_activation_checkpointing(module, select_modules(module, ac))
+        stages = {s: stage_module(module, split, s) for s in local}
+        if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 per stage, its blocks then the stage
+            kwargs = {"mesh": mesh["dp"], "mp_policy": self._mp_policy(), "reshard_after_forward": False}
+            for stage in stages.values():
+                for block in getattr(stage, split.blocks):
+                    if not isinstance(block, nn.Identity):
+                        fully_shard(block, **kwargs)
+                fully_shard(stage, **kwargs)
+        guard_forward(module, split)
+        runner = PipelineRunner(stages, split, self.schedule, self.num_microbatches or num_stages,
+                                getattr(module, "loss_fn", None), mesh, self.root_device)
+        runner.setup_tied(split, local)
+        self._params = {clean_name(n): p for n, p in module.named_parameters()}
+        runner.check_tied_shapes(self._params)
+        self.pipeline, self._norm_excluded = runner, runner.norm_excluded(self._params)
+        module._trainforge_megatron = True
+        if trainer:
+            return module, build_optimizers(optimizers)  # on this rank's own (sharded) parameters
+        _keep_local_parameters(before, self._params, optimizers)  # built before on the whole model (Accelerate)
+        return module, list(optimizers)
+
+    def _check_pipeline_inputs(self, module: nn.Module, optimizers: Optimizers) -> None:
+        where = f"pipeline_parallel_size={self.dims.pp}"
+        # the Trainer's module must define loss_fn; the Accelerator may pass it with each batch
+        if callable(optimizers) and not callable(getattr(module, "loss_fn", None)):
+            raise ConfigurationError(f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
+                                     "loss: the pipeline computes the loss on its last stage from the model's output "
+                                     "and the batch's target (training_step is not called)")
+        if self.accumulation_steps > 1:
+            raise ConfigurationError(f"{where} with accumulate_grad_batches={self.accumulation_steps}: with pipeline "
+                                     "parallelism the micro-batches are the accumulation; use num_microbatches (and a "
+                                     "loader batch of num_microbatches x micro-batch size) and "
+                                     "accumulate_grad_batches=1")
+        if getattr(self.precision, "scaler", None) is not None:
+            raise ConfigurationError(f"{where} with precision={self.precision.name!r}: the fp16 grad scaler is not "
+                                     "built into the pipeline schedule yet; use 'bf16-mixed' or '32'")
+
+    def forward_backward(self, module: nn.Module, step_fn: Any, batch: Any, batch_idx: int,
+                         backward: Any = None, loss_fn: Any = None) -> Any:
+        """Pipeline parallelism: the schedule runs forward, ``loss_fn(output, target)`` (default
+        ``module.loss_fn``) and backward of every micro-batch; returns the batch's mean loss (the same
+        on every rank). ``batch`` is ``(inputs, target)`` or what ``module.pipeline_batch(batch)`` makes of it."""
+        if self.pipeline is None:
+            return super().forward_backward(module, step_fn, batch, batch_idx, backward)
+        if loss_fn is not None:
+            self.pipeline.loss_fn = loss_fn
+        loss = self._run_pipeline(module, batch, train=True)
+        self.pipeline.reduce_tied_grads(self._params)
+        return loss
+
+    def evaluate_batch(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        """Pipeline parallelism: the batch's mean ``loss_fn`` through the stages, forward only (the
+        Trainer's validation/test step under pipelining)."""
+        return self._run_pipeline(module, batch, train=False)
+
+    def _run_pipeline(self, module: nn.Module, batch: Any, train: bool) -> torch.Tensor:
+        split_batch = getattr(module, "pipeline_batch", None)
+        parts = split_batch(batch) if callable(split_batch) else batch
+        if not isinstance(parts, (tuple, list)) or len(parts) != 2:
+            raise ConfigurationError(f"pipeline parallelism needs each batch as (inputs, target), got "
+                                     f"{type(parts).__name__}; define {type(module).__name__}.pipeline_batch(batch) "
+                                     "-> (inputs, target)")
+        inputs, target = parts
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        with (self.precision.autocast() if self.precision is not None else contextlib.nullcontext()):
+            return self.pipeline.step(inputs, target, train=train)
+
+    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+        if self.pipeline is not None:
+            raise ConfigurationError("backward(loss) with pipeline parallelism: the loss exists on the last stage only "
+                                     "and the schedule runs the backward itself; call accelerator.forward_backward("
+                                     "model, batch, loss_fn) instead of computing the loss and calling backward")
+        super().backward(loss, module)
+
     def _mp_policy(self) -> MixedPrecisionPolicy:
         dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))
         return MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype,
@@ -156,7 +340,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         return module  # everything is applied in place
 
     def teardown(self) -> None:
-        self.mesh = None
+        self.mesh, self.pipeline, self._params = None, None, {}
         self._stop_process_group()
 
     # ---- the step -----------------------------------------------------------------------------
@@ -168,12 +352,15 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
                        clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
         """Gradients live on different meshes (tp+dp, dp only, none): the norm of each mesh's group is
-        reduced over that mesh, then the groups combine into the norm of the unsharded model."""
+        reduced over that mesh, then the groups combine into the norm of the unsharded model; under
+        pipeline parallelism the stages' norms combine over the pipeline (tied copies counted once)."""
         params = [p for p in parameters if p.grad is not None]
         if clip_value is not None or max_norm is None:
             return super().clip_gradients(params, max_norm=max_norm, clip_value=clip_value, norm_type=norm_type)
         groups: Dict[Any, List[torch.Tensor]] = {}
         for p in params:
+            if id(p) in self._norm_excluded:
+                continue
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p)
         norms = []
@@ -181,6 +368,11 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = torch.nn.utils.get_total_norm(norms, norm_type)
+        if self.pipeline is not None:
+            total = self.pipeline.total_norm(total, norm_type)
+            excluded = [p for p in params if id(p) in self._norm_excluded]
+            if excluded:
+                groups.setdefault("tied", []).extend(excluded)
         for group in groups.values():  # one call per kind: foreach kernels do not mix DTensor and Tensor
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
@@ -193,10 +385,14 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         for name, value in get_model_state_dict(module).items():
             full = value.full_tensor() if isinstance(value, DTensor) else value
             out[name] = full.detach().cpu()
+        if self.pipeline is not None:  # each pipeline rank holds its stages: gather them (original names)
+            parts: List[Any] = [None] * self.dims.pp
+            torch.distributed.all_gather_object(parts, out, group=self.pipeline.group)
+            out = {k: v for part in parts for k, v in part.items()}
         return out
 
     def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        dcp.save(_sharded_state(module, optimizers), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
+        dcp.save(_sharded_state(module, optimizers, flat=True), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """A ``dcp/`` checkpoint from any (tp, dp) layout or from FSDPStrategy; DCP reshards on read."""
@@ -204,20 +400,48 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if not folder.is_dir():
             raise CheckpointError(f"{path}: no {DCP_DIR}/ folder; MegatronStrategy loads sharded checkpoints "
                                   "(written by MegatronStrategy or FSDPStrategy(state_dict_type='sharded'))")
-        state = _sharded_state(module, optimizers)
+        flat = bool(optimizers) and flat_optimizer_state(folder)  # ours are flat; FSDPStrategy's nested
+        if optimizers and self.pipelined and not flat:
+            raise CheckpointError(f"{folder}: its optimizer state is nested (written by FSDPStrategy), which cannot be "
+                                  "split between pipeline stages; resume it without pipeline parallelism, or load the "
+                                  "weights only (load_checkpoint with no optimizers / trainforge merge-weights)")
+        state = _sharded_state(module, optimizers, flat)
         try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:
+            safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
+        except CheckpointError:
+            raise
+        except DCP_ERRORS as e:
             raise CheckpointError(f"{folder}: cannot load into {type(module).__name__} ({type(e).__name__}: "
                                   f"{str(e).strip()[:500]}); was it saved from the same model and optimizers?") from None
         set_model_state_dict(module, state["model"])
         for i, opt in enumerate(optimizers):
-            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)])
+            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)],
+                                     options=StateDictOptions(flatten_optimizer_state_dict=flat))
 
     def __repr__(self) -> str:
         return f"MegatronStrategy({self.dims or self.sizes}, device={self.root_device})"
 
 
-def _sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Dict[str, Any]:
+def _keep_local_parameters(before: List[Tuple[str, nn.Parameter]], after: Dict[str, nn.Parameter],
+                           optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Optimizers built on the whole model (Accelerate's order) keep this rank's parameters, now
+    sharded (matched by name), and drop the other stages' (their state, if any, is discarded)."""
+    names = {id(p): n for n, p in before}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+            if unknown:
+                raise ConfigurationError(f"{type(opt).__name__} holds parameters of shapes {unknown[:3]} that are not "
+                                         "in the prepared model; prepare the model together with its own optimizer")
+            group["params"] = [after[names[id(p)]] for p in group["params"] if names[id(p)] in after]
+        opt.state.clear()
+
+
+def _sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool = False) -> Dict[str, Any]:
+    """``flat``: optimizer settings keyed per parameter name (what MegatronStrategy writes): each
+    pipeline rank's parameter groups hold other parameters, so the nested form's ``params`` lists
+    differ between ranks (DCP would keep one rank's list); flat loads on any (pp, dp, tp) layout."""
+    options = StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
     return {"model": get_model_state_dict(module),
-            "optimizers": {str(i): get_optimizer_state_dict(module, opt) for i, opt in enumerate(optimizers)}}
+            "optimizers": {str(i): get_optimizer_state_dict(module, opt, options=options)
+                           for i, opt in enumerate(optimizers)}}

@@ -232,6 +232,27 @@ class Accelerator(ProcessControl):
             loss = loss / self.gradient_accumulation_steps
         self.strategy.backward(loss, model if model is not None else (self._models[0] if self._models else None))
 
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], Any]] = None
+                         ) -> torch.Tensor:
+        """Forward, loss and backward of one batch ``(inputs, target)``: ``loss_fn(model(*inputs),
+        target)`` (default ``model.loss_fn``) under autocast, then ``backward``; returns the loss. With
+        pipeline parallelism the strategy's schedule runs it over micro-batches, stage by stage, and
+        the loss returned is the batch mean, the same on every rank: one loop for both."""
+        loss_fn = loss_fn if loss_fn is not None else getattr(self.unwrap_model(model), "loss_fn", None)
+        if self.strategy.pipelined:
+            return self.strategy.forward_backward(model, None, batch, 0, loss_fn=loss_fn)
+        if not callable(loss_fn):
+            raise ConfigurationError("forward_backward(model, batch) needs loss_fn(output, target): pass loss_fn= or "
+                                     "define model.loss_fn")
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ConfigurationError(f"forward_backward needs each batch as (inputs, target), got "
+                                     f"{type(batch).__name__}")
+        inputs, target = batch
+        with self.autocast():
+            loss = loss_fn(model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,))), target)
+        self.backward(loss, model)
+        return loss
+
     def accumulate(self, *models: nn.Module) -> ContextManager:
         """Inside: gradients sync (and optimizers step) only on the window's last micro-batch or the
         dataloader's last batch."""

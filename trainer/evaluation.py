@@ -37,7 +37,8 @@ class Evaluation:
         self._fire(start)
         self._fire(epoch_start)
         with torch.no_grad():
-            step = self.accelerator.step_function(self.model, step_name)
+            step = self._pipeline_eval_step(step_name) if getattr(self.strategy, "pipelined", False) else \
+                self.accelerator.step_function(self.model, step_name)
             for loader in loaders:
                 try:
                     count: Optional[int] = len(loader)

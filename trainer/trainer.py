@@ -89,6 +89,7 @@ class Trainer(MetricLogging, Evaluation):
         self._batch: Any = None
         self._listeners: Dict[Event, List[Any]] = {event: [] for event in Event}
         self._training_step: Any = None
+        self._pipelined = False  # the strategy runs a pipeline schedule (see _pipeline_batch)
         self._pending_rng: Optional[Dict[str, Any]] = None
         self._nonfinite_flag: Optional[torch.Tensor] = None  # see _check_loss_async
         self._last_flag_check = 0
@@ -179,6 +180,9 @@ class Trainer(MetricLogging, Evaluation):
         manual = not module.automatic_optimization
         if manual:
             check_manual_config(self)
+        self._pipelined = bool(getattr(self.strategy, "pipelined", False))
+        if self._pipelined:
+            _check_pipelined(self, manual)
         # Lightning's order, for every strategy: place and wrap first, then build the optimizers, so
         # configure_optimizers sees the final device and parameters (fused AdamW on CUDA, FSDP's
         # DTensors, bf16-true weights) and nothing has to be remapped.
@@ -260,6 +264,8 @@ class Trainer(MetricLogging, Evaluation):
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches or self._data_ended
         if not self.module.automatic_optimization:
             return run_manual_step(self, batch, batch_idx)
+        if self._pipelined:
+            return self._pipeline_batch(batch, batch_idx)
         with acc.accumulate(self.model):
             with acc.autocast():
                 output = self._training_step(batch, batch_idx)
@@ -272,6 +278,39 @@ class Trainer(MetricLogging, Evaluation):
             if acc.sync_gradients:
                 self._optimizer_step()
         p.accumulation_step = acc.step
+
+    def _pipeline_batch(self, batch: Any, batch_idx: int) -> None:
+        """Pipeline parallelism: the strategy's schedule runs forward, ``module.loss_fn`` and backward
+        of every micro-batch (training_step is not called); the batch loss, the same on every rank,
+        is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
+        acc = self.accelerator
+        with acc.accumulate(self.model):  # accumulate_grad_batches is 1: the micro-batches accumulate
+            loss = self.strategy.forward_backward(self.model, self._training_step, batch, batch_idx)
+            self._last_output = loss
+            self.module.log("train/loss", loss)
+            if self._check_loss(loss, batch_idx):
+                self._fire(Event.AFTER_BACKWARD)
+            else:
+                for opt in self.optimizers:
+                    opt.zero_grad()
+            self._optimizer_step()
+        self.progress.accumulation_step = acc.step
+
+    def _pipeline_eval_step(self, step_name: str) -> Any:
+        """Validation/test under pipeline parallelism: ``module.loss_fn`` through the stages (forward
+        only; validation_step/test_step are not called), logged as ``val/loss`` / ``test/loss``, the
+        mean over the epoch and the data-parallel ranks."""
+        name = {"validation_step": "val/loss", "test_step": "test/loss"}.get(step_name)
+        if name is None:
+            raise ConfigurationError(f"{step_name} with pipeline parallelism is not built yet (the stages compute "
+                                     "the loss only); predict on one process from the merged weights")
+
+        def step(batch: Any, batch_idx: int) -> Any:
+            loss = self.strategy.evaluate_batch(self.model, batch)
+            self.module.log(name, loss, sync_dist=True)
+            return loss
+
+        return step
 
     def _loss_of(self, output: Any, batch_idx: int) -> Optional[torch.Tensor]:
         """The loss in what training_step returned, or a ConfigurationError at the first bad batch."""
@@ -484,6 +523,16 @@ def _length(loader: Any) -> Optional[int]:
         return len(loader)
     except TypeError:  # an IterableDataset without __len__
         return None
+
+
+def _check_pipelined(trainer: Trainer, manual: bool) -> None:
+    """What pipeline parallelism does not run (yet), refused before any work."""
+    if trainer.compile:
+        raise ConfigurationError("compile=True with pipeline parallelism is not built yet (each stage would need "
+                                 "its own compiled forward); train with compile=False")
+    if manual:
+        raise ConfigurationError("automatic_optimization=False with pipeline parallelism: the schedule runs forward "
+                                 "and backward itself; use automatic optimization (and define loss_fn)")
 
 
 def _overrides(target: Any, hook: str) -> bool:

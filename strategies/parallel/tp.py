@@ -10,7 +10,7 @@ rowwise layer stay sharded, so a block costs one all-reduce forward and one back
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List, Mapping, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
@@ -121,11 +121,13 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                                          f"tensor_parallel_size that divides {value}")
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan) -> Dict[str, Any]:
-    """Shard ``model`` in place; returns the coverage report (which weights are sharded)."""
+def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan, only: Optional[Callable[[str], bool]] = None) -> Dict[str, Any]:
+    """Shard ``model`` in place; returns the coverage report (which weights are sharded). ``plan``
+    may be resolved already (``resolve_plan``); ``only`` keeps the modules this rank holds (pipeline)."""
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    resolved = resolve_plan(model, plan, tp_mesh.size())
+    resolved = resolve_plan(model, plan, tp_mesh.size()) if only is None else \
+        {name: style for name, style in plan.items() if only(name)}
     total = sum(p.numel() for p in model.parameters())
     sharded_names = [f"{m}.{p}" for m, style in resolved.items() if not isinstance(style, SequenceParallel)
                      for p, _ in model.get_submodule(m).named_parameters()]
