@@ -8,7 +8,11 @@ to continue the same run.
 
 Hooks never call the backend themselves: they queue records, and one daemon writer thread per tracker
 makes the backend calls in order. A slow or dead backend (MLflow's HTTP client alone retries a dead
-server for about four minutes by default) therefore never stalls the training loop.
+server for about four minutes by default) therefore never stalls the training loop. Metric records
+are written in batches, at most every ``write_interval_s`` (1 s; 0: at once), and queuing one does not
+wake the writer: each wake-up and each write takes the GIL from the training thread (measured on a
+small CPU model: a write per ``log_every_n_steps=50`` cost the loop ~55 us per step, 12 %). A flush,
+the hyperparameters and the end of the run are written at once.
 
 Failure policy (``FailurePolicy``), the same for every tracker:
 
@@ -59,6 +63,7 @@ class FailurePolicy:
     max_backoff_s: float = 60.0
     flush_timeout_s: float = 5.0
     open_wait_s: float = 2.0  # once per run, at the first checkpoint save: see the module docstring
+    write_interval_s: float = 1.0  # metric records are written in batches at most this often (0: at once)
     max_pending: int = 10_000  # records queued; beyond this new metric records are dropped
     clock: Callable[[], float] = time.monotonic
 
@@ -67,8 +72,10 @@ class FailurePolicy:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigurationError(f"FailurePolicy({name}={value!r}) must be a positive number")
-        if not isinstance(self.open_wait_s, (int, float)) or isinstance(self.open_wait_s, bool) or self.open_wait_s < 0:
-            raise ConfigurationError(f"FailurePolicy(open_wait_s={self.open_wait_s!r}) must be a number >= 0")
+        for name in ("open_wait_s", "write_interval_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigurationError(f"FailurePolicy({name}={value!r}) must be a number >= 0 (seconds)")
         if self.max_backoff_s < self.initial_backoff_s:
             raise ConfigurationError(
                 f"FailurePolicy(max_backoff_s={self.max_backoff_s!r}) must be >= "
@@ -123,6 +130,8 @@ class _Writer:
         self.params: Optional[Dict[str, Any]] = None
         self.param_attempts = 0
         self.inflight = 0  # metric values in the batch being written
+        self.urgent = False  # a flush waits: write what is queued now
+        self.next_write = 0.0  # monotonic time before which queued metric records wait (write_interval_s)
         self.thread = threading.Thread(target=self._run, name=f"trainforge-{tracker.name}", daemon=True)
         self.thread.start()
 
@@ -134,13 +143,17 @@ class _Writer:
                 return
             self.items.append((kind, payload, n_values))
             self.submitted += 1
-            self.cond.notify_all()
+            if kind != "metrics" or len(self.items) == 1:  # a metric joining a queued batch wakes nobody
+                self.cond.notify_all()
 
     def flush(self, timeout: float) -> bool:
         """Wait until everything queued so far was handled; False on timeout."""
         deadline = time.monotonic() + timeout
         with self.cond:
             target = self.submitted
+            if self.done < target:
+                self.urgent = True
+                self.cond.notify_all()
             while self.done < target:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.thread.is_alive():
@@ -165,11 +178,13 @@ class _Writer:
     def _run(self) -> None:
         while True:
             with self.cond:
-                while not self.items and not self.abandoned:
-                    self.cond.wait()
+                while not self.abandoned and not self._due():
+                    wait = None if not self.items else self.next_write - time.monotonic()
+                    self.cond.wait(wait)
                 if self.abandoned:
                     return
-                batch, self.items = self.items, []
+                batch, self.items, self.urgent = self.items, [], False
+                self.next_write = time.monotonic() + self.policy.write_interval_s
                 self.inflight = sum(n for _, _, n in batch)
             for kind, payload, n_values in _coalesce(batch):
                 if kind == "stop":
@@ -181,6 +196,13 @@ class _Writer:
                         return
                     self.inflight -= n_values
             self._finished(len(batch))
+
+    def _due(self) -> bool:
+        """Queued records to write now: a flush waits, a record other than metrics, or the interval passed."""
+        items = self.items
+        if not items:
+            return False
+        return self.urgent or time.monotonic() >= self.next_write or any(k != "metrics" for k, _, _ in items)
 
     def _finished(self, count: int) -> None:
         with self.cond:

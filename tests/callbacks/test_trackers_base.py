@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List
@@ -240,6 +241,39 @@ def test_a_blocked_backend_never_blocks_the_training_thread(tmp_path):
     assert "50 metric value(s)" in report and "still pending" in report
 
 
+class CountingTracker(ListTracker):
+    def __init__(self, policy):
+        super().__init__(policy)
+        self.writes = []  # number of records per backend write
+
+    def _write_metrics(self, records):
+        self.writes.append(len(records))
+        super()._write_metrics(records)
+
+
+def test_metric_records_are_written_in_batches_and_a_flush_writes_at_once(tmp_path):
+    """Each backend write (and each wake-up of the writer) takes the GIL from the training thread: records
+    queued within write_interval_s go out in one write; flush and the end of the run do not wait for it."""
+    tracker, trainer = CountingTracker(FailurePolicy(write_interval_s=30)), StandIn(tmp_path)
+    tracker.on_fit_start(trainer, None)
+    tracker.on_log(trainer, None, {"x": 0.0}, 0)
+    assert tracker.flush(timeout=5)  # the first record: written at once
+    for step in range(1, 41):
+        tracker.on_log(trainer, None, {"x": float(step)}, step)
+    time.sleep(0.3)
+    assert tracker.writes == [1]  # the next 40 wait for the interval, not one write each
+    started = time.monotonic()
+    assert tracker.flush(timeout=5) and time.monotonic() - started < 5  # a flush does not wait 30 s
+    tracker.on_fit_end(trainer, None)
+    assert tracker.writes == [1, 40] and [s for s, _ in tracker.metrics] == list(range(41))
+    eager = CountingTracker(FailurePolicy(write_interval_s=0))
+    eager.on_fit_start(trainer, None)
+    for step in range(3):
+        eager.on_log(trainer, None, {"x": float(step)}, step)
+        assert eager.flush(timeout=5)
+    assert eager.writes == [1, 1, 1]
+
+
 def test_too_many_pending_records_are_dropped_and_counted(tmp_path):
     tracker = ListTracker(FailurePolicy(max_pending=5, flush_timeout_s=5))
     tracker.gate = threading.Event()
@@ -281,7 +315,8 @@ def test_only_global_zero_writes_and_exceptions_mark_the_run_failed(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [dict(initial_backoff_s=0), dict(flush_timeout_s=-1), dict(max_pending=0),
-                                 dict(initial_backoff_s=10, max_backoff_s=1)])
+                                 dict(initial_backoff_s=10, max_backoff_s=1), dict(write_interval_s=-1),
+                                 dict(write_interval_s="1")])
 def test_bad_policy_is_rejected_with_the_value(bad):
     with pytest.raises(ConfigurationError, match=repr(list(bad.values())[-1])):
         FailurePolicy(**bad)
