@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import copy
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -178,7 +179,8 @@ class AsyncCheckpointer:
                      "every save (logged once)", _nbytes(staged) / 1e6, pinned)
             self._logged_size = True
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainforge-async-ckpt")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainforge-async-ckpt",
+                                                initializer=_lower_priority)
             # Run before concurrent.futures' own exit hook (threading's exit hooks run last-registered
             # first): after that one, the writer's checksum threads could no longer be started.
             getattr(threading, "_register_atexit", atexit.register)(self._at_exit)
@@ -285,6 +287,21 @@ class StagingWriter:
         saver._submit(writer.final_dir, job, self._staged)
         saver.stage_seconds = time.perf_counter() - self._started
         return writer.final_dir
+
+
+WRITER_NICENESS = 10  # added to the nice value; measured on a 2-core CPU run: window throughput with one async save 0.63 -> 0.74
+
+
+def _lower_priority() -> None:
+    """The background writer (and the checksum threads it starts, which inherit this) yields the
+    CPU to the training threads: on a busy host a write that competes at equal priority slows every
+    step (a CPU run's intra-op threads wait at their barriers for a descheduled peer). Linux
+    threads have their own nice value; elsewhere this does nothing."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICENESS))
+    except (AttributeError, OSError):
+        pass
 
 
 def _nbytes(obj: Any) -> int:

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from callbacks import ModelCheckpoint
 from strategies import resolve_strategy
-from strategies.async_save import AsyncCheckpointer, resolve_async_save
+from strategies.async_save import WRITER_NICENESS, AsyncCheckpointer, resolve_async_save
 from strategies.checkpoint_io import (list_checkpoints, load_object, load_tensors, read_latest_pointer,
                                       resolve_checkpoint, verify_checkpoint)
 from tests.helpers import procs
@@ -72,6 +72,10 @@ def test_staged_state_is_the_state_at_save_time_with_buffers_reused(tmp_path):
         assert load_object(tmp_path / f"step-{step}", "optimizer")["step"] == step
         assert read_latest_pointer(tmp_path) == f"step-{step}"
     assert ptrs[0] == ptrs[1] == ptrs[2], "the staging buffer of the weights must be reused between saves"
+    writers = [t for t in threading.enumerate() if t.name.startswith("trainforge-async-ckpt")]
+    if sys.platform.startswith("linux"):  # the writer yields the CPU to the training threads
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert writers and os.getpriority(os.PRIO_PROCESS, writers[0].native_id) == min(19, base + WRITER_NICENESS)
     saver.close()
 
 
