@@ -197,6 +197,7 @@ class AsyncCheckpointer:
                     log.warning("trainforge: after committing %s: %s: %s", path, type(e).__name__, e)
 
         self._path, self._after, self._after_closed = path, after, False
+        self._last_staged = staged  # what the newest save staged (tests look at its buffers)
         self._future = self._executor.submit(run)
 
     def _at_exit(self) -> None:

@@ -101,6 +101,15 @@ def test_deepspeed_zero_in_bf16(tmp_path, stage):
     assert_trained(res, "bf16-mixed")
 
 
+def test_async_checkpoints_on_cuda_stage_in_pinned_buffers_and_resume(tmp_path):
+    res = gpu_check(tmp_path, "async-ckpt")
+    assert res["async_used"] and res["pinned"], res  # the CUDA default: asynchronous, pinned staging
+    kept = [k for k in res["kept"] if k != "latest"]  # keep_last_k=2: pruned only after each commit
+    assert len(kept) == 2 and kept[-1].endswith("step=40"), res
+    assert res["resumed_equal"], res
+    assert_trained(res, "bf16-mixed")
+
+
 def test_exact_resume_after_sigkill_on_cuda_is_bit_identical(tmp_path):
     """The resume tests' run (dropout, shuffle) in bf16-mixed on CUDA: killed right after a checkpoint,
     resumed, same final weights bit for bit as the run that never stopped."""

@@ -128,6 +128,42 @@ def check_memory(out):
             "snapshot_sizes": [os.path.getsize(p) for p in monitor.snapshots if os.path.exists(p)]}
 
 
+def check_async_ckpt(out):
+    """ModelCheckpoint's default on CUDA: asynchronous saves staged in reused pinned host buffers; the
+    checkpoint of the last step resumes to the same weights."""
+    from callbacks import ModelCheckpoint
+
+    root = os.path.join(os.path.dirname(out), "async")
+    module = Net()
+    ckpt = ModelCheckpoint(every_n_steps=10, keep_last_k=2)
+    trainer = Trainer(max_steps=40, enable_progress_bar=False, log_every_n_steps=10, default_root_dir=root,
+                      precision="bf16-mixed", callbacks=[ckpt])
+    trainer.fit(module, DataLoader(data(), batch_size=32, shuffle=True))
+    saver = trainer.accelerator._async_checkpointer
+    staged = [t for t in _tensors(getattr(saver, "_last_staged", None) or [])]
+    res = summary(trainer, module)
+    res["async_used"] = saver is not None
+    res["pinned"] = bool(staged) and all(t.is_pinned() for t in staged)
+    res["kept"] = sorted(os.listdir(os.path.join(root, "checkpoints")))
+    fresh = Net()
+    again = Trainer(max_steps=40, enable_progress_bar=False, enable_checkpointing=False, precision="bf16-mixed")
+    again.fit(fresh, DataLoader(data(), batch_size=32, shuffle=True), ckpt_path=ckpt.last_path)
+    a, b = module.state_dict(), fresh.state_dict()
+    res["resumed_equal"] = all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
+    return res
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
 def simple(**kwargs):
     def check(out):
         module = Net()
@@ -157,6 +193,7 @@ CHECKS = {
     "fp8": check_fp8,
     "compile": simple(precision="bf16-mixed", compile=True),
     "memory": check_memory,
+    "async-ckpt": check_async_ckpt,
     "ddp-nccl": lambda out: simple(strategy=strategy("DDPStrategy", comm_hook="bf16"), precision="bf16-mixed")(out),
     "fsdp-bf16": simple(strategy="fsdp", precision="bf16-mixed"),
     "deepspeed-2": lambda out: simple(strategy=strategy("DeepSpeedStrategy", stage=2), precision="bf16-mixed")(out),
