@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from typing import Any, List, Mapping, Sequence
 
 from strategies.environment import port_is_free
 from strategies.errors import ConfigurationError, LaunchError
 from trainer.launch_xla import run_xla
-from trainer.launch_config import (LAUNCH_CONFIG_ENV, add_setting_arguments, default_config_path,
-                                   flags_given, load_config, save_config, validate)
+from trainer.launch_config import (add_setting_arguments, default_config_path, flags_given, load_config,
+                                   settings_for_workers, validate)
 
 HELP = "run a training script on N processes per node (torchrun underneath)"
 TORCHRUN_DEFAULT_PORT = 29500
@@ -119,26 +118,16 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     parsed = torchrun.parse_args(torchrun_argv(settings, args.script, args.script_args))
-    fd, path = tempfile.mkstemp(prefix="trainforge-launch-", suffix=".yaml")
-    os.close(fd)
-    save_config(settings, path)
-    previous = os.environ.get(LAUNCH_CONFIG_ENV)
-    os.environ[LAUNCH_CONFIG_ENV] = path  # inherited by every worker torchrun starts
-    try:
-        torchrun.run(parsed)
-    except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        print(error.format_msg(), file=sys.stderr)
-        print(f"trainforge launch: rank {rank} (local rank {failure.local_rank}) failed with exit code "
-              f"{failure.exitcode}; the other ranks were stopped. Its traceback is above.", file=sys.stderr)
-        return failure.exitcode if 0 < failure.exitcode < 256 else 1
-    except SignalException as error:  # the launcher got SIGTERM/SIGINT/...; torchrun stopped the workers
-        print(f"trainforge launch: stopped by {error.sigval.name}; the workers were stopped", file=sys.stderr)
-        return 128 + int(error.sigval)
-    finally:
-        os.remove(path)
-        if previous is None:
-            os.environ.pop(LAUNCH_CONFIG_ENV, None)
-        else:
-            os.environ[LAUNCH_CONFIG_ENV] = previous
+    with settings_for_workers(settings):  # read by every worker torchrun starts
+        try:
+            torchrun.run(parsed)
+        except ChildFailedError as error:
+            rank, failure = error.get_first_failure()
+            print(error.format_msg(), file=sys.stderr)
+            print(f"trainforge launch: rank {rank} (local rank {failure.local_rank}) failed with exit code "
+                  f"{failure.exitcode}; the other ranks were stopped. Its traceback is above.", file=sys.stderr)
+            return failure.exitcode if 0 < failure.exitcode < 256 else 1
+        except SignalException as error:  # the launcher got SIGTERM/SIGINT/...; torchrun stopped the workers
+            print(f"trainforge launch: stopped by {error.sigval.name}; the workers were stopped", file=sys.stderr)
+            return 128 + int(error.sigval)
     return 0

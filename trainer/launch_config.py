@@ -26,12 +26,13 @@ File layout (every key optional)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import yaml
 
@@ -230,6 +231,25 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
             raise invalid_choice(f"key in {path}", key, _BY_KEY, "Remove or rename it")
         settings[key] = _BY_KEY[key].parse(f"{key} (in {path})", value)
     return validate(settings, str(path))
+
+
+@contextlib.contextmanager
+def settings_for_workers(settings: Mapping[str, Any]) -> Iterator[str]:
+    """The launch settings in a temporary YAML file that ``LAUNCH_CONFIG_ENV`` names while the block runs
+    (inherited by every worker process a launcher starts); removed and the variable restored after."""
+    fd, path = tempfile.mkstemp(prefix="trainforge-launch-", suffix=".yaml")
+    os.close(fd)
+    previous = os.environ.get(LAUNCH_CONFIG_ENV)
+    try:
+        save_config(settings, path)
+        os.environ[LAUNCH_CONFIG_ENV] = path
+        yield path
+    finally:
+        os.remove(path)
+        if previous is None:
+            os.environ.pop(LAUNCH_CONFIG_ENV, None)
+        else:
+            os.environ[LAUNCH_CONFIG_ENV] = previous
 
 
 def save_config(settings: Mapping[str, Any], path: "str | os.PathLike[str]") -> Path:

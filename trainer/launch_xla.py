@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-import tempfile
 from typing import Any, Dict, List, Mapping, Sequence
 
 from strategies.errors import ConfigurationError, LaunchError
@@ -56,27 +55,17 @@ def check_xla_environment(environ: Mapping[str, str] = os.environ) -> None:
 
 def run_xla(settings: Mapping[str, Any], flags: Mapping[str, Any], script: str, script_args: Sequence[str]) -> int:
     from strategies.xla import import_torch_xla
-    from trainer.launch_config import LAUNCH_CONFIG_ENV, save_config
+    from trainer.launch_config import settings_for_workers
 
     worker_settings = xla_settings(settings, flags)
     check_xla_environment()
     torch_xla = import_torch_xla()
-    fd, path = tempfile.mkstemp(prefix="trainforge-launch-", suffix=".yaml")
-    os.close(fd)
-    save_config(worker_settings, path)
-    previous = os.environ.get(LAUNCH_CONFIG_ENV)
-    os.environ[LAUNCH_CONFIG_ENV] = path  # inherited by every process torch_xla starts
-    try:
-        torch_xla.launch(run_script, args=(os.path.abspath(script), list(script_args)))
-    except Exception as error:  # a worker failed; torch_xla stopped the others
-        print(f"trainforge launch --xla: a worker failed: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    finally:
-        os.remove(path)
-        if previous is None:
-            os.environ.pop(LAUNCH_CONFIG_ENV, None)
-        else:
-            os.environ[LAUNCH_CONFIG_ENV] = previous
+    with settings_for_workers(worker_settings):  # read by every process torch_xla starts
+        try:
+            torch_xla.launch(run_script, args=(os.path.abspath(script), list(script_args)))
+        except Exception as error:  # a worker failed; torch_xla stopped the others
+            print(f"trainforge launch --xla: a worker failed: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
     return 0
 
 
