@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp_common import LitLM, TinyLM, full_state, lm_loss, loader, make_trainer, write_json
+from fsdp_common import SEQ, LitLM, TinyLM, full_state, lm_loss, loader, make_trainer, write_json
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -173,6 +173,8 @@ def tp2(out: Path) -> Dict[str, Any]:
     res["llama_loss_diff"] = max(abs(a - b) for a, b in zip(module3.losses,
                                                             reference(LitLlama, llama_loss, 3, 4)["losses"]))
 
+    res.update(auto_layouts(out, module3.losses))
+
     # the tp2 x dp2 checkpoint loaded on dp2 (tp=1): weights equal the ones it was saved with
     ckpt = out / "ckpt_tp2dp2"
     if ckpt.is_dir():
@@ -187,6 +189,51 @@ def tp2(out: Path) -> Dict[str, Any]:
         res["dp2_layout"] = str(dp2.dims)
         if dist.get_rank() == 0:
             res["dp2_load_diff"] = max_diff(loaded, load_file(str(out / "tp2dp2.safetensors")))
+    return res
+
+
+def forcing_tp2_memory() -> int:
+    """A device size between the tp2 layout's bytes and dp2's (dp2 holds more activations)."""
+    from strategies.memory_estimate import DEFAULT_HEADROOM
+    from strategies.parallel.layout import ModelShape, estimate_layouts, measure_activation_bytes
+
+    net = LitLlama().net
+    rows = {r.name: r.total for r in estimate_layouts(
+        ModelShape.of(net, sum(p.numel() for p in net.parameters())), 2, seq_len=SEQ, micro_batch_size=4,
+        precision="32", ranks_per_node=2, measured_activations=measure_activation_bytes(net, SEQ, 4, "32"))}
+    tp2, dp2 = rows["pp=1 x dp=1 x tp=2"], rows["pp=1 x dp=2 x tp=1"]
+    assert tp2 < dp2, rows
+    return int((tp2 + dp2) / 2 / (1 - DEFAULT_HEADROOM))
+
+
+def auto_layouts(out: Path, explicit_tp2_losses: List[float]) -> Dict[str, Any]:
+    """'auto' sizes: the Trainer (loader prepared before the model) with a device that only tp2 fits,
+    against the explicit tp=2 run; the Accelerator with room for dp2 (each rank its own shard); a
+    loader prepared alone before the model is refused."""
+    from strategies.errors import ConfigurationError
+
+    res: Dict[str, Any] = {}
+    memory = forcing_tp2_memory()
+    auto = MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto", device_memory=memory)
+    trainer, module = fit(auto, out / "run_auto", max_steps=3, module=LitLlama())
+    res["auto_layout"] = str(trainer.strategy.dims)
+    res["auto_loss_diff"] = max(abs(a - b) for a, b in zip(module.losses, explicit_tp2_losses))
+    res["auto_steps"] = len(module.losses)
+
+    acc = Accelerator(strategy=MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto",
+                                                device_memory=10 * memory))
+    net = LitLlama().net
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net, opt, dl = acc.prepare(net, opt, loader(4))
+    first = next(iter(dl))[0]
+    res["acc_auto_layout"] = str(acc.strategy.dims)
+    res["acc_auto_batches"] = len(dl)
+    res["acc_auto_ranks_differ"] = not all(torch.equal(first, b) for b in gathered(first)[1:])
+    try:
+        Accelerator(strategy=MegatronStrategy(tensor_parallel_size="auto", seq_len=SEQ)).prepare(loader(4))
+        res["acc_loader_first_error"] = ""
+    except ConfigurationError as e:
+        res["acc_loader_first_error"] = str(e)
     return res
 
 

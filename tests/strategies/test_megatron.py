@@ -54,6 +54,17 @@ def test_tp2_llama_auto_plan_matches_single_process(runs):
 
 
 @pytest.mark.slow
+def test_auto_sizes_choose_the_layout_that_fits(runs):
+    _, _, tp2 = runs
+    # a device only tp2 fits: the same losses as the explicit tensor_parallel_size=2 run
+    assert tp2["auto_layout"] == "pp=1 x dp=1 x tp=2" and tp2["auto_steps"] == 3 and tp2["auto_loss_diff"] < 1e-6
+    # Accelerator.prepare(model, optimizer, loader), room for all: dp2, each rank reads its own half
+    assert tp2["acc_auto_layout"] == "pp=1 x dp=2 x tp=1" and tp2["acc_auto_batches"] == 20
+    assert tp2["acc_auto_ranks_differ"]
+    assert "prepare the model before (or together with) its loaders" in tp2["acc_loader_first_error"]
+
+
+@pytest.mark.slow
 def test_fsdp_x_tp_20_steps_match_single_process(runs):
     _, res, _ = runs
     assert res["layout"] == "pp=1 x dp=2 x tp=2"
@@ -93,9 +104,44 @@ def test_unknown_choices_and_unbuilt_options():
     with pytest.raises(ConfigurationError, match=r"data_parallel='zero' is not one of: fsdp"):
         MegatronStrategy(data_parallel="zero")
     assert MegatronStrategy(pipeline_parallel_size=2, schedule="dualpipev").schedule == "dualpipev"
-    with pytest.raises(ConfigurationError, match=r"'auto'.*not built yet"):
-        MegatronStrategy(tensor_parallel_size="auto")
+    assert MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto").sizes["tp"] == "auto"
     assert isinstance(resolve_strategy("megatron", tensor_parallel_size=2), MegatronStrategy)
+
+
+def test_auto_layout_bad_inputs():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from strategies.parallel.auto import choose_auto_layout
+
+    for kwargs, match in (({"seq_len": 0}, r"seq_len=0 must be None or an int >= 1"),
+                          ({"device_memory": "80GB"}, r"device_memory='80GB' must be None or an int >= 1 \(bytes"),
+                          ({"model_shape": {"layers": 2}}, r"model_shape=\{'layers': 2\} must be a dict of positive "
+                                                           r"ints with keys layers, hidden, heads"),
+                          ({"tensor_parallel_size": "max"}, r"tensor_parallel_size='max' must be a positive int or "
+                                                            r"'auto'")):
+        with pytest.raises(ConfigurationError, match=match):
+            MegatronStrategy(**kwargs)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    common = dict(world_size=2, device="cpu", precision="32", device_memory=None, model_shape=None, schedule="1f1b",
+                  num_microbatches=None, activation_checkpointing=False, sequence_parallel=False, log_table=False)
+    auto = {"tp": "auto", "pp": "auto", "dp": "auto"}
+    with pytest.raises(ConfigurationError, match=r"sequence length \(None\).*pass MegatronStrategy\(\.\.\., "
+                                                 r"seq_len=TOKENS\)"):
+        choose_auto_layout(llama, auto, seq_len=None, micro_batch_size=4, **common)
+    with pytest.raises(ConfigurationError, match=r"TinyLM holds no transformers model.*model_shape="):
+        choose_auto_layout(TinyLM(), auto, seq_len=8, micro_batch_size=4, **common)
+    with pytest.raises(ConfigurationError, match=r"(?s)no \(pp, dp, tp\) layout fits .*pp=1 x dp=2 x tp=1 .* no\n"):
+        choose_auto_layout(llama, auto, seq_len=8, micro_batch_size=4, **{**common, "device_memory": 1000})
+    with pytest.raises(ConfigurationError, match=r"no \(pp, dp, tp\) layout of world_size=2 matches the sizes given "
+                                                 r"\(tp=3"):
+        choose_auto_layout(llama, {**auto, "tp": 3}, seq_len=8, micro_batch_size=4, **common)
+    # plenty of memory: the fastest (data parallel); a plain model with model_shape uses the formula
+    assert str(choose_auto_layout(llama, auto, seq_len=8, micro_batch_size=4, **{**common, "device_memory": 2**30})) \
+        == "pp=1 x dp=2 x tp=1"
+    shape = {"layers": 3, "hidden": 16, "heads": 2}
+    assert choose_auto_layout(TinyLM(), {**auto, "tp": 2}, seq_len=8, micro_batch_size=4,
+                              **{**common, "device_memory": 2**30, "model_shape": shape}).tp == 2
 
 
 def test_model_without_plan_lists_its_linear_layers():
