@@ -48,8 +48,13 @@ local process), sizes given as ints kept. Sequence length and batch size come fr
 loader (``seq_len=`` otherwise); the table it chose from is logged on rank 0. A loader prepared
 alone before the model is refused (its dp shard depends on the layout).
 
-Not built yet (clear errors): data_parallel="ddp", sequence_parallel=True / loss_parallel=True as
-strategy switches (``"sequence_parallel"`` styles in ``tp_plan`` work).
+``sequence_parallel=True`` / ``loss_parallel=True`` (tp > 1, pp = 1; ``parallel/sp.py``) rewrite the
+plan: the residual stream between TP regions is sharded on the sequence dimension (norms run as
+``SequenceParallel``), and the head's logits stay sharded on the vocabulary, the cross-entropy
+computed under torch's ``loss_parallel()`` (entered around the root module's forward and in
+``backward``; the module's loss must be ``F.cross_entropy`` on the reshaped logits: see sp.py).
+
+Not built yet (clear errors): data_parallel="ddp"; sequence/loss parallel with pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -76,6 +81,7 @@ from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, sel
 from strategies.parallel import ParallelDims, apply_tp
 from strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
 from strategies.parallel.dims import _positive
+from strategies.parallel.sp import install_loss_parallel, loss_parallel_context
 from strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
                                     prune, schedule_class, stage_ids, stage_module)
 from strategies.parallel.pp_schedule import PipelineRunner
@@ -126,9 +132,17 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if isinstance(pipeline_parallel_size, int) and pipeline_parallel_size > 1:
             num_stages_for(schedule, pipeline_parallel_size, pp_split)
         for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-            if value:
-                raise ConfigurationError(f"{flag}=True is not built yet as a switch; leave it False (a "
-                                         "'sequence_parallel' style in tp_plan shards norms' activations)")
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{flag}={value!r} must be True or False")
+            if value and tensor_parallel_size == 1:
+                raise ConfigurationError(f"{flag}=True shards activations over the tensor-parallel ranks, but "
+                                         "tensor_parallel_size=1; set tensor_parallel_size > 1 (or 'auto') or "
+                                         f"{flag}=False")
+            if value and pipeline_parallel_size != 1:
+                raise ConfigurationError(f"{flag}=True with pipeline_parallel_size={pipeline_parallel_size!r} is not "
+                                         "built yet (stages would pass DTensors); use pipeline_parallel_size=1 or "
+                                         f"{flag}=False")
+        self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         # types checked now, before any process starts; against the world size in setup_environment
         _positive("tensor_parallel_size", tensor_parallel_size, True)
         _positive("data_parallel_size", data_parallel_size, True)
@@ -173,7 +187,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             precision=getattr(self.precision, "name", "32"), seq_len=self.seq_len or seq,
             micro_batch_size=batch or self.micro_batch_size, device_memory=self.device_memory,
             model_shape=self.model_shape, schedule=self.schedule, num_microbatches=self.num_microbatches,
-            activation_checkpointing=ac, sequence_parallel=False, log_table=self.is_global_zero))
+            activation_checkpointing=ac, sequence_parallel=self.sequence_parallel, log_table=self.is_global_zero))
 
     @property
     def data_parallel_rank(self) -> int:
@@ -245,8 +259,11 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if self.precision is not None:
             module = self.precision.convert_module(module)
         if self.dims.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
-            self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan)
+            self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan, sequence_parallel=self.sequence_parallel,
+                                        loss_parallel=self.loss_parallel)
             self._log_coverage()
+            if self.loss_parallel:
+                install_loss_parallel(module)
         units = select_modules(module, None)  # 3. activation checkpointing
         ac = self.activation_checkpointing
         if ac is True:
@@ -370,7 +387,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             raise ConfigurationError("backward(loss) with pipeline parallelism: the loss exists on the last stage only "
                                      "and the schedule runs the backward itself; call accelerator.forward_backward("
                                      "model, batch, loss_fn) instead of computing the loss and calling backward")
-        super().backward(loss, module)
+        with loss_parallel_context() if self.loss_parallel and self.dims.tp > 1 else contextlib.nullcontext():
+            super().backward(loss, module)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
         dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))

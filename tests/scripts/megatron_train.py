@@ -79,16 +79,31 @@ def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def grad_diff(make_net: Any, loss_fn: Any, plan: Any) -> float:
-    """First-step gradients of the TP=2 model (gathered) against the unsharded model's."""
-    strategy = MegatronStrategy(tensor_parallel_size=2, tp_plan=plan)
+def grad_diff(make_net: Any, loss_fn: Any, plan: Any, **kwargs: Any) -> Any:
+    """First-step gradients of the TP=2 model (gathered) against the unsharded model's; with
+    ``kwargs`` (sequence/loss parallel) also the loss difference."""
+    from strategies.parallel.sp import loss_parallel_context
+
+    strategy = MegatronStrategy(tensor_parallel_size=2, tp_plan=plan, **kwargs)
     strategy.setup_environment()
     ref, tp = make_net(), strategy.setup_module(make_net())
     batch = next(iter(loader(4)))
-    loss_fn(ref, batch).backward()
-    loss_fn(tp, batch).backward()
+    ref_loss = loss_fn(ref, batch)
+    ref_loss.backward()
+    with loss_parallel_context():  # the Trainer's step runs under it (forward hooks + backward)
+        loss = loss_fn(tp, batch)
+        loss.backward()
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in tp.named_parameters()}
-    return max_diff(grads, {n: p.grad for n, p in ref.named_parameters()})
+    diff = max_diff(grads, {n: p.grad for n, p in ref.named_parameters()})
+    if not kwargs:
+        return diff
+    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    seen: List[str] = []
+    tp.get_submodule("model.layers.0.input_layernorm").register_forward_hook(
+        lambda m, i, o: seen.append(str(getattr(o, "placements", None))))
+    logits = tp(batch[0]).logits
+    return {"grad": diff, "loss": abs(float(loss) - float(ref_loss)), "logits": str(getattr(logits, "placements", None)),
+            "norm_out": seen[0]}
 
 
 class LitLlama(TrainingModule):
@@ -174,6 +189,13 @@ def tp2(out: Path) -> Dict[str, Any]:
                                                             reference(LitLlama, llama_loss, 3, 4)["losses"]))
 
     res.update(auto_layouts(out, module3.losses))
+    for name, kwargs in (("sp", {"sequence_parallel": True}), ("lp", {"loss_parallel": True}),
+                         ("splp", {"sequence_parallel": True, "loss_parallel": True})):
+        res[name] = grad_diff(lambda: LitLlama().net, llama_loss, "auto", **kwargs)
+    trainer4, module4 = fit(MegatronStrategy(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True),
+                            out / "run_splp", max_steps=3, module=LitLlama())
+    res["splp_trainer_loss_diff"] = max(abs(a - b) for a, b in zip(module4.losses, module3.losses))
+    res["splp_trainer_steps"] = len(module4.losses)
 
     # the tp2 x dp2 checkpoint loaded on dp2 (tp=1): weights equal the ones it was saved with
     ckpt = out / "ckpt_tp2dp2"

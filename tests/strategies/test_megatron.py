@@ -65,6 +65,18 @@ def test_auto_sizes_choose_the_layout_that_fits(runs):
 
 
 @pytest.mark.slow
+def test_sequence_and_loss_parallel_switches_match_single_process(runs):
+    _, _, tp2 = runs
+    for name in ("sp", "lp", "splp"):  # transformers Llama, tp_plan="auto": first-step loss and gradients
+        assert tp2[name]["grad"] < 1e-5 and tp2[name]["loss"] < 1e-5, (name, tp2[name])
+    # sequence parallel: the norms between the TP regions see 1/tp of the tokens
+    assert tp2["sp"]["norm_out"] == "(Shard(dim=1),)" and tp2["lp"]["norm_out"] == "None"
+    # loss parallel: the logits stay sharded on the vocabulary
+    assert tp2["lp"]["logits"] == "(Shard(dim=2),)" and tp2["sp"]["logits"] == "None"
+    assert tp2["splp_trainer_steps"] == 3 and tp2["splp_trainer_loss_diff"] < 1e-5  # through the Trainer
+
+
+@pytest.mark.slow
 def test_fsdp_x_tp_20_steps_match_single_process(runs):
     _, res, _ = runs
     assert res["layout"] == "pp=1 x dp=2 x tp=2"
@@ -142,6 +154,29 @@ def test_auto_layout_bad_inputs():
     shape = {"layers": 3, "hidden": 16, "heads": 2}
     assert choose_auto_layout(TinyLM(), {**auto, "tp": 2}, seq_len=8, micro_batch_size=4,
                               **{**common, "device_memory": 2**30, "model_shape": shape}).tp == 2
+
+
+def test_sequence_and_loss_parallel_bad_inputs():
+    from strategies.parallel.sp import rewrite_plan
+
+    with pytest.raises(ConfigurationError, match=r"sequence_parallel='yes' must be True or False"):
+        MegatronStrategy(tensor_parallel_size=2, sequence_parallel="yes")
+    with pytest.raises(ConfigurationError, match=r"loss_parallel=True .* tensor_parallel_size=1; set "
+                                                 r"tensor_parallel_size > 1"):
+        MegatronStrategy(loss_parallel=True)
+    with pytest.raises(ConfigurationError, match=r"sequence_parallel=True with pipeline_parallel_size=2 is not built"):
+        MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True)
+    plan = resolve_plan(TinyLM(), {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}, 2)
+    with pytest.raises(ConfigurationError, match=r"loss_parallel=True .* no colwise layer with a replicated output.*"
+                                                 r"\{'lm_head': 'colwise_rep'\}"):
+        rewrite_plan(TinyLM(), plan, sequence_parallel=False, loss_parallel=True)
+    with pytest.raises(ConfigurationError, match=r"sequence_parallel=True .* tp_plan has no rowwise Linear"):
+        rewrite_plan(TinyLM(), resolve_plan(TinyLM(), {"head": "colwise_rep"}, 2), sequence_parallel=True,
+                     loss_parallel=False)
+    sp = rewrite_plan(TinyLM(), plan, sequence_parallel=True, loss_parallel=False)
+    assert {type(sp[n]).__name__ for n in ("ln_f", "blocks.0.ln1", "blocks.2.ln2")} == {"SequenceParallel"}
+    assert type(sp["embed"]).__name__ == "PrepareModuleOutput" and str(sp["blocks.0.mlp.2"].output_layouts) == \
+        "(Shard(dim=1),)"
 
 
 def test_model_without_plan_lists_its_linear_layers():
