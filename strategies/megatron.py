@@ -54,7 +54,10 @@ plan: the residual stream between TP regions is sharded on the sequence dimensio
 computed under torch's ``loss_parallel()`` (entered around the root module's forward and in
 ``backward``; the module's loss must be ``F.cross_entropy`` on the reshaped logits: see sp.py).
 
-Not built yet (clear errors): data_parallel="ddp"; sequence/loss parallel with pipeline parallelism.
+``data_parallel="ddp"`` replicates instead of sharding on dp (``parallel/dp.py``: FSDP2's
+``replicate``, per block then root/stage; gradients all-reduced, checkpoints the same ``dcp/``).
+
+Not built yet (clear errors): sequence/loss parallel with pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from strategies.base import Optimizers, Strategy, build_optimizers
@@ -81,6 +84,7 @@ from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, sel
 from strategies.parallel import ParallelDims, apply_tp
 from strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
 from strategies.parallel.dims import _positive
+from strategies.parallel.dp import DATA_PARALLEL, apply_data_parallel
 from strategies.parallel.sp import install_loss_parallel, loss_parallel_context
 from strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
                                     prune, schedule_class, stage_ids, stage_module)
@@ -88,12 +92,10 @@ from strategies.parallel.pp_schedule import PipelineRunner
 
 log = logging.getLogger("trainforge")
 
-DATA_PARALLEL = ("fsdp",)
-
-
 class MegatronStrategy(ProcessGroupMixin, Strategy):
     """``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan="auto")``;
-    ``data_parallel_size="auto"`` takes the processes tp x pp leave. ``schedule``, ``num_microbatches``
+    ``data_parallel_size="auto"`` takes the processes tp x pp leave; ``data_parallel``: "fsdp" (FSDP2,
+    sharded) or "ddp" (replicated) on the dp dimension. ``schedule``, ``num_microbatches``
     and ``pp_split`` (first block of each later stage, e.g. ``["net.blocks.4"]``) apply when pp > 1.
     ``tp_plan``: None/"auto" (a transformers model's own plan) or
     ``{module glob: style}`` (see ``strategies/parallel/tp.py``). ``activation_checkpointing``: as
@@ -114,7 +116,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         super().__init__(device)
         if data_parallel not in DATA_PARALLEL:
             raise invalid_choice("data_parallel", data_parallel, DATA_PARALLEL,
-                                 "data parallelism over the dp mesh dimension is FSDP2 (ddp is not built yet)")
+                                 "over the dp mesh dimension: FSDP2 (sharded) or DDP-style replication")
+        self.data_parallel = data_parallel
         if schedule not in SCHEDULES:
             raise invalid_choice("schedule", schedule, SCHEDULES)
         _positive("pipeline_parallel_size", pipeline_parallel_size, True)
@@ -269,11 +272,9 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if ac is True:
             ac = {type(m) for _, m in units} or None
         wrappers = apply_activation_checkpointing(module, select_modules(module, ac)) if ac not in (False, None) else {}
-        if self.dims.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 on the dp dimension
-            kwargs = {"mesh": self.mesh["dp"], "mp_policy": self._mp_policy()}
-            for _, unit in units:
-                fully_shard(wrappers.get(id(unit), unit), **kwargs)
-            fully_shard(module, **kwargs)
+        if self.dims.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 / DDP on the dp dimension
+            apply_data_parallel(self.data_parallel, [wrappers.get(id(unit), unit) for _, unit in units], module,
+                                self.mesh["dp"], self._mp_policy())
         module._trainforge_megatron = True
         return module
 
@@ -316,13 +317,11 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if ac not in (False, None):  # 3. activation checkpointing
             apply_activation_checkpointing(module, select_modules(module, ac))
         stages = {s: stage_module(module, split, s) for s in local}
-        if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 per stage, its blocks then the stage
-            kwargs = {"mesh": mesh["dp"], "mp_policy": self._mp_policy(), "reshard_after_forward": False}
+        if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 / DDP per stage, its blocks then the stage
             for stage in stages.values():
-                for block in getattr(stage, split.blocks):
-                    if not isinstance(block, nn.Identity):
-                        fully_shard(block, **kwargs)
-                fully_shard(stage, **kwargs)
+                blocks = [b for b in getattr(stage, split.blocks) if not isinstance(b, nn.Identity)]
+                apply_data_parallel(self.data_parallel, blocks, stage, mesh["dp"], self._mp_policy(),
+                                    reshard_after_forward=False)
         guard_forward(module, split)
         runner = PipelineRunner(stages, split, self.schedule, self.num_microbatches or num_stages,
                                 getattr(module, "loss_fn", None), mesh, self.root_device)

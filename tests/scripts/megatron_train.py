@@ -141,7 +141,20 @@ def tp2dp2(out: Path) -> Dict[str, Any]:
     ref = reference(LitLM, lm_loss, 20, 8)
     # ranks 0,1 are dp rank 0 (tp 0,1), ranks 2,3 dp rank 1: the global loss is the mean over dp ranks
     mean = [(a + b) / 2 for a, b in zip(per_rank[0], per_rank[2])]
-    return {"layout": str(dims), "tp_ranks_equal": per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3],
+    # data_parallel="ddp": the same layout with replicated (not sharded) parameters on dp, same losses
+    trainer_ddp, ddp = fit(MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN, data_parallel="ddp"),
+                           out / "run_ddp", max_steps=5, callbacks=[SaveAt(5, out / "ckpt_ddp")])
+    ddp_losses = gathered(ddp.losses)
+    ddp_weights = full_state(trainer_ddp)
+    fsdp = MegatronStrategy(tensor_parallel_size=2, tp_plan=NET_PLAN)  # its checkpoint loads under FSDP2 x TP
+    fsdp.setup_environment()
+    wrapper = torch.nn.Module()
+    wrapper.net = fsdp.setup_module(seeded_tinylm())
+    fsdp.load_checkpoint(out / "ckpt_ddp", wrapper, [])
+    return {"ddp_loss_diff": max(abs(a - b) for r in (0, 2) for a, b in zip(ddp_losses[r], per_rank[r][:5])),
+            "ddp_steps": len(ddp.losses), "ddp_ckpt_diff": max_diff(fsdp.module_state_dict(wrapper), ddp_weights),
+            "ddp_placements": str(trainer_ddp.model.net.blocks[0].mlp[0].weight.placements),
+            "layout": str(dims), "tp_ranks_equal": per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3],
             "loss_diff": max(abs(a - b) for a, b in zip(mean, ref["losses"])), "steps": len(mean),
             "placements": str(trainer.model.net.blocks[0].mlp[0].weight.placements)}
 

@@ -82,6 +82,9 @@ def test_fsdp_x_tp_20_steps_match_single_process(runs):
     assert res["layout"] == "pp=1 x dp=2 x tp=2"
     assert res["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # dp (FSDP) over tp shards
     assert res["tp_ranks_equal"] and res["steps"] == 20 and res["loss_diff"] < 1e-4
+    # data_parallel="ddp": parameters replicated on dp, the FSDP run's losses; its checkpoint loads under FSDP2
+    assert res["ddp_placements"] == "(Replicate(), Shard(dim=0))"
+    assert res["ddp_steps"] == 5 and res["ddp_loss_diff"] < 1e-5 and res["ddp_ckpt_diff"] == 0.0
 
 
 @pytest.mark.slow
@@ -113,7 +116,7 @@ def test_sizes_that_do_not_multiply_to_the_world():
 def test_unknown_choices_and_unbuilt_options():
     with pytest.raises(ConfigurationError, match=r"schedule='fifo' is not one of: gpipe, 1f1b"):
         MegatronStrategy(schedule="fifo")
-    with pytest.raises(ConfigurationError, match=r"data_parallel='zero' is not one of: fsdp"):
+    with pytest.raises(ConfigurationError, match=r"data_parallel='zero' is not one of: fsdp, ddp"):
         MegatronStrategy(data_parallel="zero")
     assert MegatronStrategy(pipeline_parallel_size=2, schedule="dualpipev").schedule == "dualpipev"
     assert MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto").sizes["tp"] == "auto"
