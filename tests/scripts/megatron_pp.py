@@ -299,6 +299,11 @@ def tp2pp2(out: Path) -> Dict[str, Any]:
     res.update(pp2dp2_layout=str(strategy.dims), pp2dp2_loss_diff=diff(mean, ref["losses"]),
                pp2dp2_weights_diff=state_diff(trainer, ref["state"]),
                pp2dp2_placements=str(next(p.placements for n, p in strategy._params.items() if ".mix.weight" in n)))
+    # the same with data_parallel="ddp" (replicated per stage): the same losses
+    ddp = MegatronStrategy(pipeline_parallel_size=2, schedule="1f1b", data_parallel="ddp")
+    _, _, ddp_losses = fit(ddp, out / "run_pp2dp2_ddp", 3, tied=True)
+    res.update(pp2dp2_ddp_loss_diff=diff(ddp_losses, losses[:3]), pp2dp2_ddp_steps=len(ddp_losses),
+               pp2dp2_ddp_placements=str(next(p.placements for n, p in ddp._params.items() if ".mix.weight" in n)))
     return res
 
 

@@ -78,6 +78,9 @@ def test_tied_embeddings_stay_tied_across_stages(runs):
     assert res["tied_loss_diff"] < 1e-5 and res["tied_weights_diff"] < 1e-5
     assert tp["pp2dp2_layout"] == "pp=2 x dp=2 x tp=1" and tp["pp2dp2_placements"] == "(Shard(dim=0),)"
     assert tp["pp2dp2_loss_diff"] < 1e-5 and tp["pp2dp2_weights_diff"] < 1e-5  # FSDP2 per stage, tied
+    # data_parallel="ddp": each stage replicated on dp (not sharded), the same losses
+    assert tp["pp2dp2_ddp_placements"] == "(Replicate(),)" and tp["pp2dp2_ddp_steps"] == 3
+    assert tp["pp2dp2_ddp_loss_diff"] < 1e-6
     assert tp["tied_tp2pp2_loss_diff"] < 1e-5 and tp["tied_tp2pp2_weights_diff"] < 1e-4  # TP-sharded tied copies
     assert "tied parameter 'net.embed.weight' is sharded differently on the stages sharing it" in \
         tp["tied_tp2pp2_mismatch"] or "'net.head.weight' is sharded differently" in tp["tied_tp2pp2_mismatch"]
