@@ -127,6 +127,9 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                                      or not all(isinstance(n, str) for n in pp_split)):
             raise ConfigurationError(f"pp_split={pp_split!r} must be None (balanced by parameter count) or a list of "
                                      "block names, each the first block of a new stage, e.g. ['net.blocks.4']")
+        if pipeline_parallel_size == "auto" and pp_split is not None:
+            raise ConfigurationError(f"pp_split={pp_split!r} with pipeline_parallel_size='auto': cut points fix the "
+                                     "number of stages; give pipeline_parallel_size as an int, or leave pp_split unset")
         if pipeline_parallel_size == 1 and (pp_split or num_microbatches is not None):
             raise ConfigurationError(f"pp_split={pp_split!r} / num_microbatches={num_microbatches!r} need "
                                      "pipeline_parallel_size > 1; set it, or leave them unset")

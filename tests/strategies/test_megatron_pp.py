@@ -169,8 +169,9 @@ def test_bad_pipeline_settings():
         MegatronStrategy(pipeline_parallel_size=2, num_microbatches=0)
     with pytest.raises(ConfigurationError, match=r"pipeline_parallel_size=-1 must be a positive int"):
         MegatronStrategy(pipeline_parallel_size=-1)
-    with pytest.raises(ConfigurationError, match=r"pipeline_parallel_size='auto'.*not built yet"):
-        MegatronStrategy(pipeline_parallel_size="auto")
+    assert MegatronStrategy(pipeline_parallel_size="auto").sizes["pp"] == "auto"  # chosen at setup
+    with pytest.raises(ConfigurationError, match=r"pp_split=\['net.blocks.2'\] with pipeline_parallel_size='auto'"):
+        MegatronStrategy(pipeline_parallel_size="auto", pp_split=["net.blocks.2"])
     with pytest.raises(ConfigurationError, match=r"pp_split='net.blocks.2' must be None .* list of block names"):
         MegatronStrategy(pipeline_parallel_size=2, pp_split="net.blocks.2")
     with pytest.raises(ConfigurationError, match=r"need pipeline_parallel_size > 1"):
