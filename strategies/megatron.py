@@ -15,7 +15,8 @@ keeps only its stages' modules under their original names, and ``forward_backwar
 says otherwise; the V-shaped ``zbv``, ``dualpipev`` run stages r and 2 pp - 1 - r on rank r).
 Contract for the TrainingModule: it holds the model in an attribute whose forward is a chain of
 its children (embedding, blocks, norm, head), defines ``loss_fn(output, target)`` (the
-loss of one micro-batch, a mean), and its batches are ``(inputs, target)`` (or it defines
+loss of one micro-batch, a mean; a transformers ``*ForCausalLM`` in the attribute works too, its
+head on the last stage: ``parallel/pp.py``), and its batches are ``(inputs, target)`` (or it defines
 ``pipeline_batch(batch) -> (inputs, target)``). Under the Trainer, ``training_step`` is not called:
 the schedule computes ``loss_fn`` on the last stage; the batch loss (mean over micro-batches),
 broadcast from the last stage, is returned and logged as ``train/loss``. Gradients equal the
@@ -87,7 +88,8 @@ from strategies.parallel.dims import _positive
 from strategies.parallel.dp import DATA_PARALLEL, apply_data_parallel
 from strategies.parallel.sp import install_loss_parallel, loss_parallel_context
 from strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
-                                    prune, schedule_class, stage_ids, stage_module)
+                                    prune, schedule_class, stage_blocks, stage_ids,
+                                    stage_module)
 from strategies.parallel.pp_schedule import PipelineRunner
 
 log = logging.getLogger("trainforge")
@@ -322,7 +324,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         stages = {s: stage_module(module, split, s) for s in local}
         if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 / DDP per stage, its blocks then the stage
             for stage in stages.values():
-                blocks = [b for b in getattr(stage, split.blocks) if not isinstance(b, nn.Identity)]
+                blocks = stage_blocks(stage, split)
                 apply_data_parallel(self.data_parallel, blocks, stage, mesh["dp"], self._mp_policy(),
                                     reshard_after_forward=False)
         guard_forward(module, split)

@@ -205,6 +205,33 @@ def test_bad_splits_of_the_model():
         plan_split(lit, 2)
 
 
+@pytest.mark.slow
+def test_transformers_causal_lm_head_outside_the_base_model(runs):
+    _, pp, _ = runs
+    for key in ("llama_tied0", "llama_tied1"):  # 1f1b untied, gpipe with tied embeddings
+        res = pp[key]
+        assert res["loss"] < 1e-5 and res["weights"] < 1e-4, (key, res)
+        assert res["embed_on"] == [True, False] and res["head_on"] == [False, True]
+        assert res["layers_on"] == [["0", "1"], ["2", "3"]]
+
+
+def test_causal_lm_split_puts_the_head_on_the_last_stage():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    lit = TrainingModule()
+    lit.net = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=2))
+    split = plan_split(lit, 2)
+    assert (split.prefix, split.blocks, split.heads) == ("net.model", "layers", ["net.lm_head"])
+    assert split.stages == [["embed_tokens", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "net.lm_head"]]
+    assert split.child("net.lm_head.weight") == "net.lm_head"  # rotary_emb (no parameters): on every stage
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    lit.net = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=16))
+    with pytest.raises(ConfigurationError, match=r"GPT2LMHeadModel \(model_type='gpt2'\) is not built yet.*llama"):
+        plan_split(lit, 2)
+
+
 class Plain(TrainingModule):
     def __init__(self) -> None:
         super().__init__()
