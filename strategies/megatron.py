@@ -3,8 +3,9 @@
 
 ``setup`` applies the steps of ``strategies/parallel`` in their fixed order: precision conversion
 -> pipeline split (``pipeline_parallel_size > 1``, ``parallel/pp.py``) -> ``apply_tp`` on the ``tp``
-mesh dimension -> activation checkpointing -> ``fully_shard`` (or ``replicate``, ddp) of each repeated block, then the root
-(under pipelining: each stage), on the ``dp`` dimension (skipped when dp=1). Parameters end up as
+mesh dimension -> activation checkpointing -> ``fully_shard`` (or ``replicate``, ddp) of each
+repeated block, then the root (under pipelining: each stage), on the ``dp`` dimension (skipped when
+dp=1). Parameters end up as
 ``DTensor``s: ``Shard`` on tp for the planned layers, ``Shard(0)`` on dp for all (FSDP2 x TP).
 
 Pipeline parallelism (``pipeline_parallel_size=2, schedule="1f1b", num_microbatches=4``): the

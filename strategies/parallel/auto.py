@@ -74,7 +74,8 @@ def check_auto_options(seq_len: Any, device_memory: Any, model_shape: Any) -> No
     """Types of the 'auto' settings, checked in the constructor (before any process starts)."""
     for name, value in (("seq_len", seq_len), ("device_memory", device_memory)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigurationError(f"{name}={value!r} must be None or an int >= 1 ({'tokens per sequence' if name == 'seq_len' else 'bytes per device'})")
+            unit = "tokens per sequence" if name == "seq_len" else "bytes per device"
+            raise ConfigurationError(f"{name}={value!r} must be None or an int >= 1 ({unit})")
     if model_shape is not None:
         if not isinstance(model_shape, Mapping) or sorted(model_shape) != sorted(SHAPE_KEYS) or \
                 not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in model_shape.values()):

@@ -46,8 +46,8 @@ def rewrite_plan(model: nn.Module, plan: Dict[str, Any], *, sequence_parallel: b
 
     out: Dict[str, Any] = {}
     seq = Shard(1)
-    heads = [n for n, s in plan.items() if isinstance(s, ColwiseParallel) and isinstance(model.get_submodule(n), nn.Linear)
-             and s.output_layouts[0] == Replicate()]
+    heads = [n for n, s in plan.items() if isinstance(s, ColwiseParallel)
+             and isinstance(model.get_submodule(n), nn.Linear) and s.output_layouts[0] == Replicate()]
     if loss_parallel and not heads:
         raise ConfigurationError(
             "loss_parallel=True keeps the output head's logits sharded on the vocabulary, but tp_plan has no colwise "

@@ -135,7 +135,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan, only: Optional[Callable
     if sequence_parallel or loss_parallel:
         resolved = rewrite_plan(model, resolved, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     total = sum(p.numel() for p in model.parameters())
-    sharded_names = [f"{m}.{p}" for m, style in resolved.items() if isinstance(style, (ColwiseParallel, RowwiseParallel))
+    sharded_names = [f"{m}.{p}" for m, style in resolved.items()
+                     if isinstance(style, (ColwiseParallel, RowwiseParallel))
                      for p, _ in model.get_submodule(m).named_parameters()]
     sharded = sum(model.get_parameter(n).numel() for n in sharded_names)
     parallelize_module(model, tp_mesh, resolved)

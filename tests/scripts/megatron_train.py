@@ -249,8 +249,17 @@ def auto_layouts(out: Path, explicit_tp2_losses: List[float]) -> Dict[str, Any]:
 
     res: Dict[str, Any] = {}
     memory = forcing_tp2_memory()
+    import logging
+
+    records: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainforge").addHandler(handler)
+    logging.getLogger("trainforge").setLevel(logging.INFO)
     auto = MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto", device_memory=memory)
     trainer, module = fit(auto, out / "run_auto", max_steps=3, module=LitLlama())
+    logging.getLogger("trainforge").removeHandler(handler)
+    res["auto_table"] = next((r for r in records if "'auto' layout" in r), "")
     res["auto_layout"] = str(trainer.strategy.dims)
     res["auto_loss_diff"] = max(abs(a - b) for a, b in zip(module.losses, explicit_tp2_losses))
     res["auto_steps"] = len(module.losses)

@@ -58,6 +58,9 @@ def test_auto_sizes_choose_the_layout_that_fits(runs):
     _, _, tp2 = runs
     # a device only tp2 fits: the same losses as the explicit tensor_parallel_size=2 run
     assert tp2["auto_layout"] == "pp=1 x dp=1 x tp=2" and tp2["auto_steps"] == 3 and tp2["auto_loss_diff"] < 1e-6
+    table = tp2["auto_table"]  # logged on rank 0: every layout, the chosen one marked
+    assert "pp=1 x dp=2 x tp=1" in table and "pp=2 x dp=1 x tp=1" in table, table
+    assert "pp=1 x dp=1 x tp=2" in table.split("<- chosen")[0].splitlines()[-1], table
     # Accelerator.prepare(model, optimizer, loader), room for all: dp2, each rank reads its own half
     assert tp2["acc_auto_layout"] == "pp=1 x dp=2 x tp=1" and tp2["acc_auto_batches"] == 20
     assert tp2["acc_auto_ranks_differ"]
