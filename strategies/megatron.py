@@ -3,8 +3,9 @@
 
 ``setup`` applies the steps of ``strategies/parallel`` in their fixed order: precision conversion
 -> pipeline split (``pipeline_parallel_size > 1``, ``parallel/pp.py``) -> ``apply_tp`` on the ``tp``
-mesh dimension -> activation checkpointing -> ``fully_shard`` of each repeated block, then the root
-(under pipelining: each stage), on the ``dp`` dimension (skipped when dp=1). Parameters end up as
+mesh dimension -> activation checkpointing -> ``fully_shard`` (or ``replicate``, ddp) of each
+repeated block, then the root (under pipelining: each stage), on the ``dp`` dimension (skipped when
+dp=1). Parameters end up as
 ``DTensor``s: ``Shard`` on tp for the planned layers, ``Shard(0)`` on dp for all (FSDP2 x TP).
 
 Pipeline parallelism (``pipeline_parallel_size=2, schedule="1f1b", num_microbatches=4``): the
@@ -15,7 +16,8 @@ keeps only its stages' modules under their original names, and ``forward_backwar
 says otherwise; the V-shaped ``zbv``, ``dualpipev`` run stages r and 2 pp - 1 - r on rank r).
 Contract for the TrainingModule: it holds the model in an attribute whose forward is a chain of
 its children (embedding, blocks, norm, head), defines ``loss_fn(output, target)`` (the
-loss of one micro-batch, a mean), and its batches are ``(inputs, target)`` (or it defines
+loss of one micro-batch, a mean; a transformers ``*ForCausalLM`` in the attribute works too, its
+head on the last stage: ``parallel/pp.py``), and its batches are ``(inputs, target)`` (or it defines
 ``pipeline_batch(batch) -> (inputs, target)``). Under the Trainer, ``training_step`` is not called:
 the schedule computes ``loss_fn`` on the last stage; the batch loss (mean over micro-batches),
 broadcast from the last stage, is returned and logged as ``train/loss``. Gradients equal the
@@ -39,8 +41,25 @@ another (tp, dp, pp) layout, under FSDP, and through ``trainforge merge-weights`
 (the optimizer state is saved flat, keyed per parameter name, so it resumes on any (pp, dp, tp)
 layout; FSDPStrategy's nested checkpoints load without pipelining, and ours load under FSDPStrategy).
 
-Not built yet (clear errors): sizes "auto", data_parallel="ddp", sequence_parallel=True /
-loss_parallel=True as strategy switches (``"sequence_parallel"`` styles in ``tp_plan`` work).
+Layout chosen for the user (``tensor_parallel_size="auto"`` and/or ``pipeline_parallel_size="auto"``,
+``parallel/auto.py``): the process group starts in ``setup_environment``, the mesh is built once the
+model is known (``plan_layout(module, train_loader)``, called by the Trainer before it shards the
+loader and by ``Accelerator.prepare`` before its loaders; else by ``setup``): the fastest layout of
+``layout.estimate_layouts`` that fits ``device_memory`` (default: the CUDA device's, or host RAM per
+local process), sizes given as ints kept. Sequence length and batch size come from the training
+loader (``seq_len=`` otherwise); the table it chose from is logged on rank 0. A loader prepared
+alone before the model is refused (its dp shard depends on the layout).
+
+``sequence_parallel=True`` / ``loss_parallel=True`` (tp > 1, pp = 1; ``parallel/sp.py``) rewrite the
+plan: the residual stream between TP regions is sharded on the sequence dimension (norms run as
+``SequenceParallel``), and the head's logits stay sharded on the vocabulary, the cross-entropy
+computed under torch's ``loss_parallel()`` (entered around the root module's forward and in
+``backward``; the module's loss must be ``F.cross_entropy`` on the reshaped logits: see sp.py).
+
+``data_parallel="ddp"`` replicates instead of sharding on dp (``parallel/dp.py``: FSDP2's
+``replicate``, per block then root/stage; gradients all-reduced, checkpoints the same ``dcp/``).
+
+Not built yet (clear errors): sequence/loss parallel with pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -55,7 +74,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from strategies.base import Optimizers, Strategy, build_optimizers
@@ -65,23 +84,27 @@ from strategies.errors import CheckpointError, ConfigurationError, invalid_choic
 from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_optimizers
 from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 from strategies.parallel import ParallelDims, apply_tp
+from strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
 from strategies.parallel.dims import _positive
+from strategies.parallel.dp import DATA_PARALLEL, apply_data_parallel
+from strategies.parallel.sp import install_loss_parallel, loss_parallel_context
 from strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
-                                    prune, schedule_class, stage_ids, stage_module)
+                                    prune, schedule_class, stage_blocks, stage_ids,
+                                    stage_module)
 from strategies.parallel.pp_schedule import PipelineRunner
 
 log = logging.getLogger("trainforge")
 
-DATA_PARALLEL = ("fsdp",)
-
-
 class MegatronStrategy(ProcessGroupMixin, Strategy):
     """``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan="auto")``;
-    ``data_parallel_size="auto"`` takes the processes tp x pp leave. ``schedule``, ``num_microbatches``
+    ``data_parallel_size="auto"`` takes the processes tp x pp leave; ``data_parallel``: "fsdp" (FSDP2,
+    sharded) or "ddp" (replicated) on the dp dimension. ``schedule``, ``num_microbatches``
     and ``pp_split`` (first block of each later stage, e.g. ``["net.blocks.4"]``) apply when pp > 1.
     ``tp_plan``: None/"auto" (a transformers model's own plan) or
     ``{module glob: style}`` (see ``strategies/parallel/tp.py``). ``activation_checkpointing``: as
-    ``FSDPStrategy``'s (False, True = the repeated blocks, a set of classes, a callable)."""
+    ``FSDPStrategy``'s (False, True = the repeated blocks, a set of classes, a callable).
+    ``seq_len``, ``device_memory`` (bytes per device), ``model_shape`` ({layers, hidden, heads} for a
+    model without a transformers config) inform the "auto" sizes."""
 
     name = "megatron"
     redirect_forward = True  # training_step through the root's forward, so FSDP's root hooks run
@@ -90,38 +113,50 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                  pipeline_parallel_size: Any = 1, data_parallel_size: Any = "auto", data_parallel: str = "fsdp",
                  num_microbatches: Optional[int] = None, schedule: str = "1f1b", sequence_parallel: bool = False,
                  loss_parallel: bool = False, tp_plan: Any = "auto", pp_split: Optional[List[str]] = None,
-                 activation_checkpointing: Any = False, process_group_backend: Optional[str] = None,
-                 timeout: timedelta = timedelta(minutes=30)) -> None:
+                 activation_checkpointing: Any = False, seq_len: Optional[int] = None,
+                 device_memory: Optional[int] = None, model_shape: Optional[Dict[str, int]] = None,
+                 process_group_backend: Optional[str] = None, timeout: timedelta = timedelta(minutes=30)) -> None:
         super().__init__(device)
         if data_parallel not in DATA_PARALLEL:
             raise invalid_choice("data_parallel", data_parallel, DATA_PARALLEL,
-                                 "data parallelism over the dp mesh dimension is FSDP2 (ddp is not built yet)")
+                                 "over the dp mesh dimension: FSDP2 (sharded) or DDP-style replication")
+        self.data_parallel = data_parallel
         if schedule not in SCHEDULES:
             raise invalid_choice("schedule", schedule, SCHEDULES)
-        _positive("pipeline_parallel_size", pipeline_parallel_size, True)  # 'auto': refused by ParallelDims
-        if pipeline_parallel_size == "auto":
-            ParallelDims.resolve(tp=1, pp="auto", dp="auto", world_size=1)
+        _positive("pipeline_parallel_size", pipeline_parallel_size, True)
         if num_microbatches is not None:
             _positive("num_microbatches", num_microbatches, False)
         if pp_split is not None and (isinstance(pp_split, str) or not isinstance(pp_split, (list, tuple))
                                      or not all(isinstance(n, str) for n in pp_split)):
             raise ConfigurationError(f"pp_split={pp_split!r} must be None (balanced by parameter count) or a list of "
                                      "block names, each the first block of a new stage, e.g. ['net.blocks.4']")
+        if pipeline_parallel_size == "auto" and pp_split is not None:
+            raise ConfigurationError(f"pp_split={pp_split!r} with pipeline_parallel_size='auto': cut points fix the "
+                                     "number of stages; give pipeline_parallel_size as an int, or leave pp_split unset")
         if pipeline_parallel_size == 1 and (pp_split or num_microbatches is not None):
             raise ConfigurationError(f"pp_split={pp_split!r} / num_microbatches={num_microbatches!r} need "
                                      "pipeline_parallel_size > 1; set it, or leave them unset")
         if pipeline_parallel_size != 1:
-            schedule_class(schedule)  # V-shaped schedules: a clear "not built yet" now
+            schedule_class(schedule)
+        if isinstance(pipeline_parallel_size, int) and pipeline_parallel_size > 1:
             num_stages_for(schedule, pipeline_parallel_size, pp_split)
         for flag, value in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
-            if value:
-                raise ConfigurationError(f"{flag}=True is not built yet as a switch; leave it False (a "
-                                         "'sequence_parallel' style in tp_plan shards norms' activations)")
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{flag}={value!r} must be True or False")
+            if value and tensor_parallel_size == 1:
+                raise ConfigurationError(f"{flag}=True shards activations over the tensor-parallel ranks, but "
+                                         "tensor_parallel_size=1; set tensor_parallel_size > 1 (or 'auto') or "
+                                         f"{flag}=False")
+            if value and pipeline_parallel_size != 1:
+                raise ConfigurationError(f"{flag}=True with pipeline_parallel_size={pipeline_parallel_size!r} is not "
+                                         "built yet (stages would pass DTensors); use pipeline_parallel_size=1 or "
+                                         f"{flag}=False")
+        self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         # types checked now, before any process starts; against the world size in setup_environment
-        if tensor_parallel_size == "auto":
-            ParallelDims.resolve(tp="auto", pp=1, dp="auto", world_size=1)
-        _positive("tensor_parallel_size", tensor_parallel_size, False)
+        _positive("tensor_parallel_size", tensor_parallel_size, True)
         _positive("data_parallel_size", data_parallel_size, True)
+        check_auto_options(seq_len, device_memory, model_shape)
+        self.seq_len, self.device_memory, self.model_shape = seq_len, device_memory, model_shape
         self.sizes = {"tp": tensor_parallel_size, "pp": pipeline_parallel_size, "dp": data_parallel_size}
         self.pp_split, self.num_microbatches = list(pp_split) if pp_split is not None else None, num_microbatches
         self.pipeline: Optional[PipelineRunner] = None
@@ -136,10 +171,32 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     # ---- lifecycle ----------------------------------------------------------------------------
     def setup_environment(self) -> None:
         self._device = self._start_process_group(self.backend, self.timeout)
-        self.dims = ParallelDims.resolve(world_size=self.world_size, **self.sizes)
-        self.mesh = self.dims.build_mesh(self.root_device.type)
+        if "auto" in (self.sizes["tp"], self.sizes["pp"]):
+            return  # chosen from the model in plan_layout / setup (the sizes given are checked against it)
+        self._build(ParallelDims.resolve(world_size=self.world_size, **self.sizes))
+
+    def _build(self, dims: ParallelDims) -> None:
+        self.dims, self.mesh = dims, dims.build_mesh(self.root_device.type)
         if self.is_global_zero:
             log.info("trainforge: megatron layout %s over %d processes", self.dims, self.world_size)
+
+    def plan_layout(self, module: nn.Module, loader: Any = None) -> None:
+        """``tensor/pipeline_parallel_size="auto"``: choose the layout from ``module`` (and the training
+        loader's batch shape) and build the mesh; the Trainer and ``Accelerator.prepare`` call it before
+        sharding the loaders. Nothing to do once the layout is known."""
+        if self.dims is not None or "auto" not in (self.sizes["tp"], self.sizes["pp"]):
+            return
+        if not torch.distributed.is_initialized():
+            raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
+                                     "Trainer or Accelerator, or call strategy.setup_environment() first")
+        batch, seq = loader_shape(loader) if loader is not None else (self.micro_batch_size, None)
+        ac = self.activation_checkpointing not in (False, None)
+        self._build(choose_auto_layout(
+            module, self.sizes, world_size=self.world_size, device=self.root_device,
+            precision=getattr(self.precision, "name", "32"), seq_len=self.seq_len or seq,
+            micro_batch_size=batch or self.micro_batch_size, device_memory=self.device_memory,
+            model_shape=self.model_shape, schedule=self.schedule, num_microbatches=self.num_microbatches,
+            activation_checkpointing=ac, sequence_parallel=self.sequence_parallel, log_table=self.is_global_zero))
 
     @property
     def data_parallel_rank(self) -> int:
@@ -152,6 +209,11 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
         from strategies.data import prepare_dataloader
 
+        if self.dims is None and "auto" in (self.sizes["tp"], self.sizes["pp"]):
+            raise ConfigurationError(
+                f"tensor_parallel_size={self.sizes['tp']!r}, pipeline_parallel_size={self.sizes['pp']!r}: each data-"
+                "parallel rank's shard depends on the layout, chosen from the model; prepare the model before (or "
+                "together with) its loaders: accelerator.prepare(model, optimizer, loader)")
         n = self.num_microbatches or (num_stages_for(self.schedule, self.dims.pp, self.pp_split)
                                       if self.pipelined else 1)
         size = getattr(dataloader, "batch_size", None)
@@ -181,6 +243,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         if getattr(module, "_trainforge_megatron", False):  # parallelized before
             return module, build_optimizers(optimizers)
+        self.plan_layout(module)  # 'auto' sizes, when neither the Trainer nor prepare() chose them before
         if self.pipelined:
             return self._setup_pipeline(module, optimizers)
         before = list(module.named_parameters())
@@ -194,6 +257,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         if getattr(module, "_trainforge_megatron", False):
             return module
+        self.plan_layout(module)
         if self.mesh is None:
             raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
                                      "Trainer or Accelerator, or call strategy.setup_environment() first")
@@ -204,18 +268,19 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if self.precision is not None:
             module = self.precision.convert_module(module)
         if self.dims.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
-            self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan)
+            self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan, sequence_parallel=self.sequence_parallel,
+                                        loss_parallel=self.loss_parallel)
             self._log_coverage()
+            if self.loss_parallel:
+                install_loss_parallel(module)
         units = select_modules(module, None)  # 3. activation checkpointing
         ac = self.activation_checkpointing
         if ac is True:
             ac = {type(m) for _, m in units} or None
         wrappers = apply_activation_checkpointing(module, select_modules(module, ac)) if ac not in (False, None) else {}
-        if self.dims.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 on the dp dimension
-            kwargs = {"mesh": self.mesh["dp"], "mp_policy": self._mp_policy()}
-            for _, unit in units:
-                fully_shard(wrappers.get(id(unit), unit), **kwargs)
-            fully_shard(module, **kwargs)
+        if self.dims.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 / DDP on the dp dimension
+            apply_data_parallel(self.data_parallel, [wrappers.get(id(unit), unit) for _, unit in units], module,
+                                self.mesh["dp"], self._mp_policy())
         module._trainforge_megatron = True
         return module
 
@@ -258,13 +323,11 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if ac not in (False, None):  # 3. activation checkpointing
             apply_activation_checkpointing(module, select_modules(module, ac))
         stages = {s: stage_module(module, split, s) for s in local}
-        if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 per stage, its blocks then the stage
-            kwargs = {"mesh": mesh["dp"], "mp_policy": self._mp_policy(), "reshard_after_forward": False}
+        if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 / DDP per stage, its blocks then the stage
             for stage in stages.values():
-                for block in getattr(stage, split.blocks):
-                    if not isinstance(block, nn.Identity):
-                        fully_shard(block, **kwargs)
-                fully_shard(stage, **kwargs)
+                blocks = stage_blocks(stage, split)
+                apply_data_parallel(self.data_parallel, blocks, stage, mesh["dp"], self._mp_policy(),
+                                    reshard_after_forward=False)
         guard_forward(module, split)
         runner = PipelineRunner(stages, split, self.schedule, self.num_microbatches or num_stages,
                                 getattr(module, "loss_fn", None), mesh, self.root_device)
@@ -329,7 +392,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             raise ConfigurationError("backward(loss) with pipeline parallelism: the loss exists on the last stage only "
                                      "and the schedule runs the backward itself; call accelerator.forward_backward("
                                      "model, batch, loss_fn) instead of computing the loss and calling backward")
-        super().backward(loss, module)
+        with loss_parallel_context() if self.loss_parallel and self.dims.tp > 1 else contextlib.nullcontext():
+            super().backward(loss, module)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
         dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))

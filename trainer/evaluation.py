@@ -94,7 +94,7 @@ class Evaluation:
         for i, dl in enumerate(loaders):
             self._check_loader(dl, f"dataloaders[{i}]")
         try:
-            self._prepare_eval(module)
+            self._prepare_eval(module, loaders)
             self._fire(Event.SETUP, stage)
             before = dict(self.callback_metrics)
             self._run_validation([self.accelerator.prepare_data_loader(dl) for dl in loaders], step_name)
@@ -108,7 +108,7 @@ class Evaluation:
     def predict(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> List[Any]:
         self._attach(module, "predict")
         loaders = self._loaders_for("predict", dataloaders, datamodule)
-        self._prepare_eval(module)
+        self._prepare_eval(module, loaders)
         self._fire(Event.SETUP, "predict")
         start, epoch_start, batch_start, batch_end, epoch_end, end = EVAL_EVENTS["predict_step"]
         outputs: List[Any] = []
@@ -131,6 +131,9 @@ class Evaluation:
         self._fire(Event.TEARDOWN, "predict")
         return outputs
 
-    def _prepare_eval(self, module: "TrainingModule") -> None:
+    def _prepare_eval(self, module: "TrainingModule", loaders: Any = ()) -> None:
         if self.model is None or self.accelerator.unwrap_model(self.model) is not module:
+            plan_layout = getattr(self.strategy, "plan_layout", None)
+            if plan_layout is not None and loaders:  # a layout chosen from the model and the first loader's batches
+                plan_layout(module, loaders[0])
             self.model = self.accelerator.prepare(module)

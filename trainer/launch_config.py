@@ -47,7 +47,7 @@ TRAINING_KEYS = ("accelerator", "strategy", "precision", "gradient_accumulation_
                  "megatron")
 MEGATRON_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel",
                  "num_microbatches", "schedule", "sequence_parallel", "loss_parallel", "tp_plan", "pp_split",
-                 "activation_checkpointing")
+                 "activation_checkpointing", "seq_len", "device_memory", "model_shape")
 MAX_ATTEMPTS = 3  # re-asks of one question before `config` gives up
 
 Parser = Callable[[str, Any], Any]

@@ -34,9 +34,9 @@ class ParallelDims:
     def resolve(cls, *, tp: Size, pp: Size, dp: Size, world_size: int) -> "ParallelDims":
         """``dp='auto'`` takes what tp x pp leave; every size named in the error when they do not fit."""
         if tp == "auto" or pp == "auto":
-            raise ConfigurationError("tensor_parallel_size/pipeline_parallel_size='auto' (a layout chosen from the "
-                                     "memory estimate) is not built yet; give both sizes as ints, e.g. "
-                                     "tensor_parallel_size=2, pipeline_parallel_size=1")
+            raise ConfigurationError("ParallelDims.resolve takes tensor_parallel_size/pipeline_parallel_size as ints; "
+                                     "'auto' is chosen from the model by MegatronStrategy (strategies/parallel/auto.py) "
+                                     "or choose_auto_layout")
         tp_, pp_ = _positive("tensor_parallel_size", tp, False), _positive("pipeline_parallel_size", pp, False)
         dp_ = _positive("data_parallel_size", dp, True)
         if dp_ is None:

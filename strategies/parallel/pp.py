@@ -17,6 +17,13 @@ the pipelined model's ``forward`` is a chain of its children (``embed -> blocks 
 an identity passing the previous stage's activations through), and it has no parameters of its
 own. Parameters tied across stages (input/output embeddings) are kept on each stage that uses them,
 their gradients summed over the ranks holding them (Megatron's embedding group).
+
+A transformers ``*ForCausalLM`` (``LlamaForCausalLM``: base model ``model`` owning ``layers``, head
+``lm_head`` beside it) is split too: its head goes to the last stage (``PipelineSplit.heads``), its
+parameterless children (rotary embeddings) run on every stage, and each stage is a
+``CausalLMStage``: the base model fed token ids on the first stage, the previous stage's hidden
+states as ``inputs_embeds`` on the others (base models that scale or add to ``inputs_embeds``,
+GPT-2's position embeddings or Gemma's scaling, do not fit: see ``CausalLMStage``).
 """
 from __future__ import annotations
 
@@ -47,13 +54,17 @@ class PipelineSplit:
     stages: List[List[str]]          # per stage: child names of the pipelined model ("embed", "blocks.0", ...)
     numels: List[int]                # parameters per stage (for the log line)
     tied: List[List[Tuple[int, str]]] = field(default_factory=list)  # per tied parameter: (stage, full name)
+    heads: List[str] = field(default_factory=list)  # causal LM: root paths of the modules after the base model
 
     def stage_of(self, child: str) -> int:
         return next(i for i, names in enumerate(self.stages) if child in names)
 
     def child(self, name: str) -> Optional[str]:
-        """The pipelined model's child (``embed``, ``blocks.3``) that a root-level name lies in;
-        None outside the pipelined model."""
+        """The pipelined model's child (``embed``, ``blocks.3``) that a root-level name lies in, or
+        the head (``net.lm_head``) of a causal LM; None outside."""
+        for path in self.heads:
+            if name == path or name.startswith(path + "."):
+                return path
         head = self.prefix + "." if self.prefix else ""
         return child_of(name[len(head):], self.blocks) if name.startswith(head) else None
 
@@ -139,18 +150,22 @@ def plan_split(root: nn.Module, num_stages: int, pp_split: Optional[Sequence[str
                                  f"({', '.join(own[:3])}); "
                                  "pipeline stages hold whole submodules: move them into a submodule (e.g. the "
                                  "embedding) so that one stage owns them")
+    split.heads = causal_lm_heads(root, prefix)
     outside = [n for n, _ in root.named_parameters() if split.child(n) is None]
     if outside:
         raise ConfigurationError(f"{type(root).__name__} has parameters outside the pipelined model {prefix} (the owner "
                                  f"of the block list): {', '.join(outside[:3])}; pipeline stages split one model whose "
-                                 "forward is embed -> blocks -> head, all inside it (a transformers *ForCausalLM, "
-                                 "whose head sits outside its base model, is not supported by the pipeline split yet)")
+                                 "forward is embed -> blocks -> head, all inside it (or a transformers *ForCausalLM: "
+                                 "its base model, named by base_model_prefix, then its head)")
     children = list(model.named_children())
+    if split.heads:  # parameterless children (rotary embeddings) run on every stage
+        children = [(n, m) for n, m in children if n == attr or any(True for _ in m.parameters())]
     at = [n for n, _ in children].index(attr)
-    pre, post = [n for n, _ in children[:at]], [n for n, _ in children[at + 1:]]
+    pre, post = [n for n, _ in children[:at]], [n for n, _ in children[at + 1:]] + split.heads
     blocks = getattr(model, attr)
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    count = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters())  # noqa: E731
+    sub = lambda n: root.get_submodule(n) if n in split.heads else model.get_submodule(n)  # noqa: E731
+    count = lambda names: sum(p.numel() for n in names for p in sub(n).parameters())  # noqa: E731
     if num_stages > len(blocks):
         raise ConfigurationError(f"{num_stages} pipeline stages but {split.qualified(attr)} has only {len(blocks)} "
                                  "block(s); "
@@ -243,22 +258,43 @@ def child_of(name: str, blocks: str) -> str:
     return ".".join(parts[:2]) if parts[0] == blocks else parts[0]
 
 
+#: transformers model types whose base model uses ``inputs_embeds`` as they are (rotary positions)
+CAUSAL_LM_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class PassThrough(nn.Identity):
+    """What a module of another stage becomes: its first input, whatever else it is called with."""
+
+    def forward(self, input: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
+        return input
+
+
+def _kept_everywhere(split: PipelineSplit, module: nn.Module) -> bool:
+    """A causal LM's parameterless children (rotary embeddings) are computed on every stage."""
+    return bool(split.heads) and not any(True for _ in module.parameters())
+
+
 def prune(root: nn.Module, split: PipelineSplit, local: Sequence[int]) -> None:
-    """Keep in ``root`` only the modules of the local stages (others become ``nn.Identity``)."""
+    """Keep in ``root`` only the modules of the local stages (others become ``PassThrough``)."""
     keep = {name for s in local for name in split.stages[s]}
     model = root.get_submodule(split.prefix)
     blocks = getattr(model, split.blocks)
     for i in range(len(blocks)):
         if f"{split.blocks}.{i}" not in keep:
-            blocks[i] = nn.Identity()
+            blocks[i] = PassThrough()
     for name in list(model._modules):
-        if name != split.blocks and name not in keep:
-            model._modules[name] = nn.Identity()
+        if name != split.blocks and name not in keep and not _kept_everywhere(split, model._modules[name]):
+            model._modules[name] = PassThrough()
+    for path in split.heads:
+        if path not in keep:
+            parent, _, name = path.rpartition(".")
+            root.get_submodule(parent)._modules[name] = PassThrough()
 
 
 def stage_module(root: nn.Module, split: PipelineSplit, stage: int) -> nn.Module:
     """A skeleton of the pipelined model (same class and forward, no ``__init__`` run) holding the
-    stage's own modules, shared with ``root``, and identities elsewhere."""
+    stage's own modules, shared with ``root``, and pass-throughs elsewhere (a causal LM: wrapped
+    with its head in ``CausalLMStage``)."""
     model = root.get_submodule(split.prefix)
     skeleton = model.__class__.__new__(model.__class__)
     skeleton.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in model.__dict__.items()
@@ -266,11 +302,56 @@ def stage_module(root: nn.Module, split: PipelineSplit, stage: int) -> nn.Module
     names = set(split.stages[stage])
     blocks = getattr(model, split.blocks)
     skeleton._modules[split.blocks] = nn.ModuleList(
-        b if f"{split.blocks}.{i}" in names else nn.Identity() for i, b in enumerate(blocks))
+        b if f"{split.blocks}.{i}" in names else PassThrough() for i, b in enumerate(blocks))
     for name in list(skeleton._modules):
-        if name != split.blocks and name not in names:
-            skeleton._modules[name] = nn.Identity()
+        if name != split.blocks and name not in names and not _kept_everywhere(split, skeleton._modules[name]):
+            skeleton._modules[name] = PassThrough()
+    if split.heads:
+        return CausalLMStage(skeleton, [root.get_submodule(h) for h in split.heads if h in names], stage == 0)
     return skeleton
+
+
+def stage_blocks(stage: nn.Module, split: PipelineSplit) -> List[nn.Module]:
+    """The stage's own blocks (FSDP2's units)."""
+    model = stage.base if isinstance(stage, CausalLMStage) else stage
+    return [b for b in getattr(model, split.blocks) if not isinstance(b, nn.Identity)]
+
+
+def causal_lm_heads(root: nn.Module, prefix: str) -> List[str]:
+    """A transformers ``*ForCausalLM`` holding the block list's owner as its base model
+    (``base_model_prefix``): the root paths of its other children with parameters (``lm_head``)."""
+    parent_path, _, attr = prefix.rpartition(".")
+    parent = root.get_submodule(parent_path) if prefix else None
+    if parent is None or getattr(parent, "base_model_prefix", None) != attr or not hasattr(parent, "config"):
+        return []
+    kind = getattr(parent.config, "model_type", None)
+    if kind not in CAUSAL_LM_TYPES:
+        raise ConfigurationError(f"pipeline parallelism of a transformers {type(parent).__name__} (model_type={kind!r}) "
+                                 "is not built yet: later stages feed hidden states to its base model as inputs_embeds, "
+                                 f"checked for model types {', '.join(CAUSAL_LM_TYPES)} (others may scale or add "
+                                 "position embeddings to them); wrap the model in your own embed -> blocks -> head "
+                                 "module, or train it without pipeline_parallel_size")
+    return [f"{parent_path}.{n}" if parent_path else n for n, m in parent.named_children()
+            if n != attr and any(True for _ in m.parameters())]
+
+
+class CausalLMStage(nn.Module):
+    """One stage of a transformers causal LM: the base model's skeleton fed token ids (first stage)
+    or the previous stage's hidden states as ``inputs_embeds``, then the head on the last stage.
+    Fits base models whose forward adds nothing to ``inputs_embeds`` (Llama, Mistral, Qwen2/3: rotary
+    positions); one that scales or adds position embeddings to them (GPT-2, Gemma) would apply that
+    on every stage."""
+
+    def __init__(self, base: nn.Module, heads: List[nn.Module], first: bool) -> None:
+        super().__init__()
+        self.base, self.heads, self.first = base, nn.ModuleList(heads), first
+
+    def forward(self, x: Any) -> Any:
+        out = self.base(input_ids=x, use_cache=False) if self.first else self.base(inputs_embeds=x, use_cache=False)
+        hidden = out[0] if isinstance(out, (tuple, dict)) else out
+        for head in self.heads:
+            hidden = head(hidden)
+        return hidden
 
 
 def guard_forward(root: nn.Module, split: PipelineSplit) -> None:

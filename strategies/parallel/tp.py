@@ -121,15 +121,22 @@ def _check_heads(model: nn.Module, tp: int) -> None:
                                          f"tensor_parallel_size that divides {value}")
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan, only: Optional[Callable[[str], bool]] = None) -> Dict[str, Any]:
+def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan, only: Optional[Callable[[str], bool]] = None, *,
+             sequence_parallel: bool = False, loss_parallel: bool = False) -> Dict[str, Any]:
     """Shard ``model`` in place; returns the coverage report (which weights are sharded). ``plan``
-    may be resolved already (``resolve_plan``); ``only`` keeps the modules this rank holds (pipeline)."""
-    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+    may be resolved already (``resolve_plan``); ``only`` keeps the modules this rank holds (pipeline).
+    ``sequence_parallel``/``loss_parallel``: the plan rewritten by ``sp.rewrite_plan``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from strategies.parallel.sp import rewrite_plan
 
     resolved = resolve_plan(model, plan, tp_mesh.size()) if only is None else \
         {name: style for name, style in plan.items() if only(name)}
+    if sequence_parallel or loss_parallel:
+        resolved = rewrite_plan(model, resolved, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     total = sum(p.numel() for p in model.parameters())
-    sharded_names = [f"{m}.{p}" for m, style in resolved.items() if not isinstance(style, SequenceParallel)
+    sharded_names = [f"{m}.{p}" for m, style in resolved.items()
+                     if isinstance(style, (ColwiseParallel, RowwiseParallel))
                      for p, _ in model.get_submodule(m).named_parameters()]
     sharded = sum(model.get_parameter(n).numel() for n in sharded_names)
     parallelize_module(model, tp_mesh, resolved)

@@ -1,7 +1,7 @@
 """MegatronStrategy pipeline parallelism on real gloo processes, for tests/strategies/test_megatron_pp.py.
 
     torchrun --nproc-per-node 4 megatron_pp.py tp2pp2 OUT  # TP=2 x PP=2, 20 steps, saves OUT/ckpt_tp2pp2; pp2 x dp2
-    torchrun --nproc-per-node 2 megatron_pp.py pp2 OUT     # schedules, validation, tied, resume, layouts
+    torchrun --nproc-per-node 2 megatron_pp.py pp2 OUT     # schedules, validation, tied, resume, layouts, HF Llama
 
 Every rank also trains the single-process reference itself (same seed, same batches, same
 clipping), so parity is computed in-process; rank 0 writes OUT/<mode>.json.
@@ -67,6 +67,23 @@ class LitGPT(TrainingModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
 
+class LitLlama(LitGPT):
+    """A transformers LlamaForCausalLM (its lm_head outside the base model that owns the layers)."""
+
+    def __init__(self, tied: bool = False) -> None:
+        TrainingModule.__init__(self)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        self.net = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                                                num_hidden_layers=DEPTH, num_attention_heads=4, num_key_value_heads=2,
+                                                tie_word_embeddings=tied))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.loss_fn(self.net(input_ids=x).logits, y)
+
+
 class Record(Callback):
     """Losses (what the step returned) and, at ``save_at``, a checkpoint."""
 
@@ -81,17 +98,17 @@ class Record(Callback):
 
 
 def fit(strategy: Any, root: Path, steps: int, tied: bool = False, ckpt_path: Any = None, batch_size: int = 4,
-        **kw: Any) -> Any:
+        module_cls: Any = LitGPT, **kw: Any) -> Any:
     record = Record(**kw)
     trainer = Trainer(strategy=strategy, max_steps=steps, default_root_dir=str(root), enable_progress_bar=False,
                       enable_checkpointing=False, seed=0, gradient_clip_val=0.5, callbacks=[record])
-    module = LitGPT(tied)
+    module = module_cls(tied)
     trainer.fit(module, loader(batch_size), ckpt_path=ckpt_path)
     return trainer, module, record.losses
 
 
-def reference(steps: int, tied: bool = False, batch_size: int = 4) -> Dict[str, Any]:
-    module = LitGPT(tied)
+def reference(steps: int, tied: bool = False, batch_size: int = 4, module_cls: Any = LitGPT) -> Dict[str, Any]:
+    module = module_cls(tied)
     opt = module.configure_optimizers()
     losses = []
     for i, (x, y) in enumerate(loader(batch_size)):
@@ -173,6 +190,7 @@ def pp2(out: Path) -> Dict[str, Any]:
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in at3.items()}, str(out / "ref_step3.safetensors"))
     accelerator_run(res)
+    llama(res, out)
     res["compile"] = refused(MegatronStrategy(pipeline_parallel_size=2), compile=True)
     res["manual"] = refused(MegatronStrategy(pipeline_parallel_size=2), manual=True)
     # Trainer.validate on its own (no fit): the module is split then, the loss runs through the stages
@@ -299,7 +317,27 @@ def tp2pp2(out: Path) -> Dict[str, Any]:
     res.update(pp2dp2_layout=str(strategy.dims), pp2dp2_loss_diff=diff(mean, ref["losses"]),
                pp2dp2_weights_diff=state_diff(trainer, ref["state"]),
                pp2dp2_placements=str(next(p.placements for n, p in strategy._params.items() if ".mix.weight" in n)))
+    # the same with data_parallel="ddp" (replicated per stage): the same losses
+    ddp = MegatronStrategy(pipeline_parallel_size=2, schedule="1f1b", data_parallel="ddp")
+    _, _, ddp_losses = fit(ddp, out / "run_pp2dp2_ddp", 3, tied=True)
+    res.update(pp2dp2_ddp_loss_diff=diff(ddp_losses, losses[:3]), pp2dp2_ddp_steps=len(ddp_losses),
+               pp2dp2_ddp_placements=str(next(p.placements for n, p in ddp._params.items() if ".mix.weight" in n)))
     return res
+
+
+def llama(res: Dict[str, Any], out: Path) -> None:
+    """A transformers LlamaForCausalLM split into 2 stages (head on the last), untied and tied."""
+    for tied, schedule in ((False, "1f1b"), (True, "gpipe")):
+        trainer, _, losses = fit(MegatronStrategy(pipeline_parallel_size=2, schedule=schedule),
+                                 out / f"run_llama_{tied}", 3, tied=tied, module_cls=LitLlama)
+        ref = reference(3, tied=tied, module_cls=LitLlama)
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(trainer.strategy._params))
+        res[f"llama_tied{int(tied)}"] = {
+            "loss": diff(losses, ref["losses"]), "weights": state_diff(trainer, ref["state"]),
+            "embed_on": [any("embed_tokens" in n for n in r) for r in names],
+            "head_on": [any("lm_head" in n for n in r) for r in names],
+            "layers_on": [sorted({n.split(".")[3] for n in r if ".layers." in n}) for r in names]}
 
 
 def main(mode: str, out: Path) -> None:

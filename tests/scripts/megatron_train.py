@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp_common import LitLM, TinyLM, full_state, lm_loss, loader, make_trainer, write_json
+from fsdp_common import SEQ, LitLM, TinyLM, full_state, lm_loss, loader, make_trainer, write_json
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
@@ -79,16 +79,31 @@ def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def grad_diff(make_net: Any, loss_fn: Any, plan: Any) -> float:
-    """First-step gradients of the TP=2 model (gathered) against the unsharded model's."""
-    strategy = MegatronStrategy(tensor_parallel_size=2, tp_plan=plan)
+def grad_diff(make_net: Any, loss_fn: Any, plan: Any, **kwargs: Any) -> Any:
+    """First-step gradients of the TP=2 model (gathered) against the unsharded model's; with
+    ``kwargs`` (sequence/loss parallel) also the loss difference."""
+    from strategies.parallel.sp import loss_parallel_context
+
+    strategy = MegatronStrategy(tensor_parallel_size=2, tp_plan=plan, **kwargs)
     strategy.setup_environment()
     ref, tp = make_net(), strategy.setup_module(make_net())
     batch = next(iter(loader(4)))
-    loss_fn(ref, batch).backward()
-    loss_fn(tp, batch).backward()
+    ref_loss = loss_fn(ref, batch)
+    ref_loss.backward()
+    with loss_parallel_context():  # the Trainer's step runs under it (forward hooks + backward)
+        loss = loss_fn(tp, batch)
+        loss.backward()
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in tp.named_parameters()}
-    return max_diff(grads, {n: p.grad for n, p in ref.named_parameters()})
+    diff = max_diff(grads, {n: p.grad for n, p in ref.named_parameters()})
+    if not kwargs:
+        return diff
+    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    seen: List[str] = []
+    tp.get_submodule("model.layers.0.input_layernorm").register_forward_hook(
+        lambda m, i, o: seen.append(str(getattr(o, "placements", None))))
+    logits = tp(batch[0]).logits
+    return {"grad": diff, "loss": abs(float(loss) - float(ref_loss)), "logits": str(getattr(logits, "placements", None)),
+            "norm_out": seen[0]}
 
 
 class LitLlama(TrainingModule):
@@ -126,7 +141,20 @@ def tp2dp2(out: Path) -> Dict[str, Any]:
     ref = reference(LitLM, lm_loss, 20, 8)
     # ranks 0,1 are dp rank 0 (tp 0,1), ranks 2,3 dp rank 1: the global loss is the mean over dp ranks
     mean = [(a + b) / 2 for a, b in zip(per_rank[0], per_rank[2])]
-    return {"layout": str(dims), "tp_ranks_equal": per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3],
+    # data_parallel="ddp": the same layout with replicated (not sharded) parameters on dp, same losses
+    trainer_ddp, ddp = fit(MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN, data_parallel="ddp"),
+                           out / "run_ddp", max_steps=5, callbacks=[SaveAt(5, out / "ckpt_ddp")])
+    ddp_losses = gathered(ddp.losses)
+    ddp_weights = full_state(trainer_ddp)
+    fsdp = MegatronStrategy(tensor_parallel_size=2, tp_plan=NET_PLAN)  # its checkpoint loads under FSDP2 x TP
+    fsdp.setup_environment()
+    wrapper = torch.nn.Module()
+    wrapper.net = fsdp.setup_module(seeded_tinylm())
+    fsdp.load_checkpoint(out / "ckpt_ddp", wrapper, [])
+    return {"ddp_loss_diff": max(abs(a - b) for r in (0, 2) for a, b in zip(ddp_losses[r], per_rank[r][:5])),
+            "ddp_steps": len(ddp.losses), "ddp_ckpt_diff": max_diff(fsdp.module_state_dict(wrapper), ddp_weights),
+            "ddp_placements": str(trainer_ddp.model.net.blocks[0].mlp[0].weight.placements),
+            "layout": str(dims), "tp_ranks_equal": per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3],
             "loss_diff": max(abs(a - b) for a, b in zip(mean, ref["losses"])), "steps": len(mean),
             "placements": str(trainer.model.net.blocks[0].mlp[0].weight.placements)}
 
@@ -173,6 +201,15 @@ def tp2(out: Path) -> Dict[str, Any]:
     res["llama_loss_diff"] = max(abs(a - b) for a, b in zip(module3.losses,
                                                             reference(LitLlama, llama_loss, 3, 4)["losses"]))
 
+    res.update(auto_layouts(out, module3.losses))
+    for name, kwargs in (("sp", {"sequence_parallel": True}), ("lp", {"loss_parallel": True}),
+                         ("splp", {"sequence_parallel": True, "loss_parallel": True})):
+        res[name] = grad_diff(lambda: LitLlama().net, llama_loss, "auto", **kwargs)
+    trainer4, module4 = fit(MegatronStrategy(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True),
+                            out / "run_splp", max_steps=3, module=LitLlama())
+    res["splp_trainer_loss_diff"] = max(abs(a - b) for a, b in zip(module4.losses, module3.losses))
+    res["splp_trainer_steps"] = len(module4.losses)
+
     # the tp2 x dp2 checkpoint loaded on dp2 (tp=1): weights equal the ones it was saved with
     ckpt = out / "ckpt_tp2dp2"
     if ckpt.is_dir():
@@ -187,6 +224,60 @@ def tp2(out: Path) -> Dict[str, Any]:
         res["dp2_layout"] = str(dp2.dims)
         if dist.get_rank() == 0:
             res["dp2_load_diff"] = max_diff(loaded, load_file(str(out / "tp2dp2.safetensors")))
+    return res
+
+
+def forcing_tp2_memory() -> int:
+    """A device size between the tp2 layout's bytes and dp2's (dp2 holds more activations)."""
+    from strategies.memory_estimate import DEFAULT_HEADROOM
+    from strategies.parallel.layout import ModelShape, estimate_layouts, measure_activation_bytes
+
+    net = LitLlama().net
+    rows = {r.name: r.total for r in estimate_layouts(
+        ModelShape.of(net, sum(p.numel() for p in net.parameters())), 2, seq_len=SEQ, micro_batch_size=4,
+        precision="32", ranks_per_node=2, measured_activations=measure_activation_bytes(net, SEQ, 4, "32"))}
+    tp2, dp2 = rows["pp=1 x dp=1 x tp=2"], rows["pp=1 x dp=2 x tp=1"]
+    assert tp2 < dp2, rows
+    return int((tp2 + dp2) / 2 / (1 - DEFAULT_HEADROOM))
+
+
+def auto_layouts(out: Path, explicit_tp2_losses: List[float]) -> Dict[str, Any]:
+    """'auto' sizes: the Trainer (loader prepared before the model) with a device that only tp2 fits,
+    against the explicit tp=2 run; the Accelerator with room for dp2 (each rank its own shard); a
+    loader prepared alone before the model is refused."""
+    from strategies.errors import ConfigurationError
+
+    res: Dict[str, Any] = {}
+    memory = forcing_tp2_memory()
+    import logging
+
+    records: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainforge").addHandler(handler)
+    logging.getLogger("trainforge").setLevel(logging.INFO)
+    auto = MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto", device_memory=memory)
+    trainer, module = fit(auto, out / "run_auto", max_steps=3, module=LitLlama())
+    logging.getLogger("trainforge").removeHandler(handler)
+    res["auto_table"] = next((r for r in records if "'auto' layout" in r), "")
+    res["auto_layout"] = str(trainer.strategy.dims)
+    res["auto_loss_diff"] = max(abs(a - b) for a, b in zip(module.losses, explicit_tp2_losses))
+    res["auto_steps"] = len(module.losses)
+
+    acc = Accelerator(strategy=MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto",
+                                                device_memory=10 * memory))
+    net = LitLlama().net
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net, opt, dl = acc.prepare(net, opt, loader(4))
+    first = next(iter(dl))[0]
+    res["acc_auto_layout"] = str(acc.strategy.dims)
+    res["acc_auto_batches"] = len(dl)
+    res["acc_auto_ranks_differ"] = not all(torch.equal(first, b) for b in gathered(first)[1:])
+    try:
+        Accelerator(strategy=MegatronStrategy(tensor_parallel_size="auto", seq_len=SEQ)).prepare(loader(4))
+        res["acc_loader_first_error"] = ""
+    except ConfigurationError as e:
+        res["acc_loader_first_error"] = str(e)
     return res
 
 

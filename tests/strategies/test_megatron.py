@@ -54,11 +54,40 @@ def test_tp2_llama_auto_plan_matches_single_process(runs):
 
 
 @pytest.mark.slow
+def test_auto_sizes_choose_the_layout_that_fits(runs):
+    _, _, tp2 = runs
+    # a device only tp2 fits: the same losses as the explicit tensor_parallel_size=2 run
+    assert tp2["auto_layout"] == "pp=1 x dp=1 x tp=2" and tp2["auto_steps"] == 3 and tp2["auto_loss_diff"] < 1e-6
+    table = tp2["auto_table"]  # logged on rank 0: every layout, the chosen one marked
+    assert "pp=1 x dp=2 x tp=1" in table and "pp=2 x dp=1 x tp=1" in table, table
+    assert "pp=1 x dp=1 x tp=2" in table.split("<- chosen")[0].splitlines()[-1], table
+    # Accelerator.prepare(model, optimizer, loader), room for all: dp2, each rank reads its own half
+    assert tp2["acc_auto_layout"] == "pp=1 x dp=2 x tp=1" and tp2["acc_auto_batches"] == 20
+    assert tp2["acc_auto_ranks_differ"]
+    assert "prepare the model before (or together with) its loaders" in tp2["acc_loader_first_error"]
+
+
+@pytest.mark.slow
+def test_sequence_and_loss_parallel_switches_match_single_process(runs):
+    _, _, tp2 = runs
+    for name in ("sp", "lp", "splp"):  # transformers Llama, tp_plan="auto": first-step loss and gradients
+        assert tp2[name]["grad"] < 1e-5 and tp2[name]["loss"] < 1e-5, (name, tp2[name])
+    # sequence parallel: the norms between the TP regions see 1/tp of the tokens
+    assert tp2["sp"]["norm_out"] == "(Shard(dim=1),)" and tp2["lp"]["norm_out"] == "None"
+    # loss parallel: the logits stay sharded on the vocabulary
+    assert tp2["lp"]["logits"] == "(Shard(dim=2),)" and tp2["sp"]["logits"] == "None"
+    assert tp2["splp_trainer_steps"] == 3 and tp2["splp_trainer_loss_diff"] < 1e-5  # through the Trainer
+
+
+@pytest.mark.slow
 def test_fsdp_x_tp_20_steps_match_single_process(runs):
     _, res, _ = runs
     assert res["layout"] == "pp=1 x dp=2 x tp=2"
     assert res["placements"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # dp (FSDP) over tp shards
     assert res["tp_ranks_equal"] and res["steps"] == 20 and res["loss_diff"] < 1e-4
+    # data_parallel="ddp": parameters replicated on dp, the FSDP run's losses; its checkpoint loads under FSDP2
+    assert res["ddp_placements"] == "(Replicate(), Shard(dim=0))"
+    assert res["ddp_steps"] == 5 and res["ddp_loss_diff"] < 1e-5 and res["ddp_ckpt_diff"] == 0.0
 
 
 @pytest.mark.slow
@@ -90,12 +119,70 @@ def test_sizes_that_do_not_multiply_to_the_world():
 def test_unknown_choices_and_unbuilt_options():
     with pytest.raises(ConfigurationError, match=r"schedule='fifo' is not one of: gpipe, 1f1b"):
         MegatronStrategy(schedule="fifo")
-    with pytest.raises(ConfigurationError, match=r"data_parallel='zero' is not one of: fsdp"):
+    with pytest.raises(ConfigurationError, match=r"data_parallel='zero' is not one of: fsdp, ddp"):
         MegatronStrategy(data_parallel="zero")
     assert MegatronStrategy(pipeline_parallel_size=2, schedule="dualpipev").schedule == "dualpipev"
-    with pytest.raises(ConfigurationError, match=r"'auto'.*not built yet"):
-        MegatronStrategy(tensor_parallel_size="auto")
+    assert MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto").sizes["tp"] == "auto"
     assert isinstance(resolve_strategy("megatron", tensor_parallel_size=2), MegatronStrategy)
+
+
+def test_auto_layout_bad_inputs():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from strategies.parallel.auto import choose_auto_layout
+
+    for kwargs, match in (({"seq_len": 0}, r"seq_len=0 must be None or an int >= 1"),
+                          ({"device_memory": "80GB"}, r"device_memory='80GB' must be None or an int >= 1 \(bytes"),
+                          ({"model_shape": {"layers": 2}}, r"model_shape=\{'layers': 2\} must be a dict of positive "
+                                                           r"ints with keys layers, hidden, heads"),
+                          ({"tensor_parallel_size": "max"}, r"tensor_parallel_size='max' must be a positive int or "
+                                                            r"'auto'")):
+        with pytest.raises(ConfigurationError, match=match):
+            MegatronStrategy(**kwargs)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    common = dict(world_size=2, device="cpu", precision="32", device_memory=None, model_shape=None, schedule="1f1b",
+                  num_microbatches=None, activation_checkpointing=False, sequence_parallel=False, log_table=False)
+    auto = {"tp": "auto", "pp": "auto", "dp": "auto"}
+    with pytest.raises(ConfigurationError, match=r"sequence length \(None\).*pass MegatronStrategy\(\.\.\., "
+                                                 r"seq_len=TOKENS\)"):
+        choose_auto_layout(llama, auto, seq_len=None, micro_batch_size=4, **common)
+    with pytest.raises(ConfigurationError, match=r"TinyLM holds no transformers model.*model_shape="):
+        choose_auto_layout(TinyLM(), auto, seq_len=8, micro_batch_size=4, **common)
+    with pytest.raises(ConfigurationError, match=r"(?s)no \(pp, dp, tp\) layout fits .*pp=1 x dp=2 x tp=1 .* no\n"):
+        choose_auto_layout(llama, auto, seq_len=8, micro_batch_size=4, **{**common, "device_memory": 1000})
+    with pytest.raises(ConfigurationError, match=r"no \(pp, dp, tp\) layout of world_size=2 matches the sizes given "
+                                                 r"\(tp=3"):
+        choose_auto_layout(llama, {**auto, "tp": 3}, seq_len=8, micro_batch_size=4, **common)
+    # plenty of memory: the fastest (data parallel); a plain model with model_shape uses the formula
+    assert str(choose_auto_layout(llama, auto, seq_len=8, micro_batch_size=4, **{**common, "device_memory": 2**30})) \
+        == "pp=1 x dp=2 x tp=1"
+    shape = {"layers": 3, "hidden": 16, "heads": 2}
+    assert choose_auto_layout(TinyLM(), {**auto, "tp": 2}, seq_len=8, micro_batch_size=4,
+                              **{**common, "device_memory": 2**30, "model_shape": shape}).tp == 2
+
+
+def test_sequence_and_loss_parallel_bad_inputs():
+    from strategies.parallel.sp import rewrite_plan
+
+    with pytest.raises(ConfigurationError, match=r"sequence_parallel='yes' must be True or False"):
+        MegatronStrategy(tensor_parallel_size=2, sequence_parallel="yes")
+    with pytest.raises(ConfigurationError, match=r"loss_parallel=True .* tensor_parallel_size=1; set "
+                                                 r"tensor_parallel_size > 1"):
+        MegatronStrategy(loss_parallel=True)
+    with pytest.raises(ConfigurationError, match=r"sequence_parallel=True with pipeline_parallel_size=2 is not built"):
+        MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True)
+    plan = resolve_plan(TinyLM(), {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}, 2)
+    with pytest.raises(ConfigurationError, match=r"loss_parallel=True .* no colwise layer with a replicated output.*"
+                                                 r"\{'lm_head': 'colwise_rep'\}"):
+        rewrite_plan(TinyLM(), plan, sequence_parallel=False, loss_parallel=True)
+    with pytest.raises(ConfigurationError, match=r"sequence_parallel=True .* tp_plan has no rowwise Linear"):
+        rewrite_plan(TinyLM(), resolve_plan(TinyLM(), {"head": "colwise_rep"}, 2), sequence_parallel=True,
+                     loss_parallel=False)
+    sp = rewrite_plan(TinyLM(), plan, sequence_parallel=True, loss_parallel=False)
+    assert {type(sp[n]).__name__ for n in ("ln_f", "blocks.0.ln1", "blocks.2.ln2")} == {"SequenceParallel"}
+    assert type(sp["embed"]).__name__ == "PrepareModuleOutput" and str(sp["blocks.0.mlp.2"].output_layouts) == \
+        "(Shard(dim=1),)"
 
 
 def test_model_without_plan_lists_its_linear_layers():

@@ -78,6 +78,9 @@ def test_tied_embeddings_stay_tied_across_stages(runs):
     assert res["tied_loss_diff"] < 1e-5 and res["tied_weights_diff"] < 1e-5
     assert tp["pp2dp2_layout"] == "pp=2 x dp=2 x tp=1" and tp["pp2dp2_placements"] == "(Shard(dim=0),)"
     assert tp["pp2dp2_loss_diff"] < 1e-5 and tp["pp2dp2_weights_diff"] < 1e-5  # FSDP2 per stage, tied
+    # data_parallel="ddp": each stage replicated on dp (not sharded), the same losses
+    assert tp["pp2dp2_ddp_placements"] == "(Replicate(),)" and tp["pp2dp2_ddp_steps"] == 3
+    assert tp["pp2dp2_ddp_loss_diff"] < 1e-6
     assert tp["tied_tp2pp2_loss_diff"] < 1e-5 and tp["tied_tp2pp2_weights_diff"] < 1e-4  # TP-sharded tied copies
     assert "tied parameter 'net.embed.weight' is sharded differently on the stages sharing it" in \
         tp["tied_tp2pp2_mismatch"] or "'net.head.weight' is sharded differently" in tp["tied_tp2pp2_mismatch"]
@@ -166,8 +169,9 @@ def test_bad_pipeline_settings():
         MegatronStrategy(pipeline_parallel_size=2, num_microbatches=0)
     with pytest.raises(ConfigurationError, match=r"pipeline_parallel_size=-1 must be a positive int"):
         MegatronStrategy(pipeline_parallel_size=-1)
-    with pytest.raises(ConfigurationError, match=r"pipeline_parallel_size='auto'.*not built yet"):
-        MegatronStrategy(pipeline_parallel_size="auto")
+    assert MegatronStrategy(pipeline_parallel_size="auto").sizes["pp"] == "auto"  # chosen at setup
+    with pytest.raises(ConfigurationError, match=r"pp_split=\['net.blocks.2'\] with pipeline_parallel_size='auto'"):
+        MegatronStrategy(pipeline_parallel_size="auto", pp_split=["net.blocks.2"])
     with pytest.raises(ConfigurationError, match=r"pp_split='net.blocks.2' must be None .* list of block names"):
         MegatronStrategy(pipeline_parallel_size=2, pp_split="net.blocks.2")
     with pytest.raises(ConfigurationError, match=r"need pipeline_parallel_size > 1"):
@@ -198,6 +202,33 @@ def test_bad_splits_of_the_model():
     lit = LitGPT()
     lit.net.scale = nn.Parameter(torch.ones(()))
     with pytest.raises(ConfigurationError, match=r"net \(GPT\) has parameters of its own \(scale\)"):
+        plan_split(lit, 2)
+
+
+@pytest.mark.slow
+def test_transformers_causal_lm_head_outside_the_base_model(runs):
+    _, pp, _ = runs
+    for key in ("llama_tied0", "llama_tied1"):  # 1f1b untied, gpipe with tied embeddings
+        res = pp[key]
+        assert res["loss"] < 1e-5 and res["weights"] < 1e-4, (key, res)
+        assert res["embed_on"] == [True, False] and res["head_on"] == [False, True]
+        assert res["layers_on"] == [["0", "1"], ["2", "3"]]
+
+
+def test_causal_lm_split_puts_the_head_on_the_last_stage():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    lit = TrainingModule()
+    lit.net = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=2))
+    split = plan_split(lit, 2)
+    assert (split.prefix, split.blocks, split.heads) == ("net.model", "layers", ["net.lm_head"])
+    assert split.stages == [["embed_tokens", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "net.lm_head"]]
+    assert split.child("net.lm_head.weight") == "net.lm_head"  # rotary_emb (no parameters): on every stage
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    lit.net = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=16))
+    with pytest.raises(ConfigurationError, match=r"GPT2LMHeadModel \(model_type='gpt2'\) is not built yet.*llama"):
         plan_split(lit, 2)
 
 
