@@ -76,6 +76,10 @@ class Strategy:
     def setup_environment(self) -> None:
         """Start the process group, pick the device. Called once, before anything is placed."""
 
+    def plan_layout(self, module: nn.Module, loader: Any) -> None:
+        """Called with the model and the first loader before any loader is sharded: a strategy whose
+        layout depends on the model (MegatronStrategy's "auto" sizes) chooses it here. Default: nothing."""
+
     def setup(self, module: nn.Module, optimizers: "Optimizers") -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         """Move (and wrap) the module; return the module to call and the optimizers to step.
 

@@ -122,9 +122,8 @@ class Accelerator(ProcessControl):
             self.strategy.micro_batch_size = loaders[0].batch_size  # before setup: DeepSpeed's config needs it
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-        plan_layout = getattr(self.strategy, "plan_layout", None)
-        if models and plan_layout is not None:  # a layout chosen from the model decides the loaders' shards
-            plan_layout(models[0], loaders[0] if loaders else None)
+        if models:  # a layout chosen from the model ("auto" sizes) decides the loaders' shards
+            self.strategy.plan_layout(models[0], loaders[0] if loaders else None)
         if len(models) > 1 and self.strategy.world_size > 1 and optimizers:
             raise ConfigurationError("prepare() got several models with optimizers; prepare one trained model per "
                                      "call (frozen models can be prepared in a separate call)")

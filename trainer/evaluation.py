@@ -133,7 +133,6 @@ class Evaluation:
 
     def _prepare_eval(self, module: "TrainingModule", loaders: Any = ()) -> None:
         if self.model is None or self.accelerator.unwrap_model(self.model) is not module:
-            plan_layout = getattr(self.strategy, "plan_layout", None)
-            if plan_layout is not None and loaders:  # a layout chosen from the model and the first loader's batches
-                plan_layout(module, loaders[0])
+            if loaders:  # a layout chosen from the model and the first loader's batches ("auto" sizes)
+                self.strategy.plan_layout(module, loaders[0])
             self.model = self.accelerator.prepare(module)

@@ -173,9 +173,7 @@ class Trainer(MetricLogging, Evaluation):
         # Settings a backend may need at setup (DeepSpeed writes them into its generated config).
         self.strategy.gradient_clip_val = self.config.gradient_clip_val
         self.strategy.gradient_clip_algorithm = self.config.gradient_clip_algorithm
-        plan_layout = getattr(self.strategy, "plan_layout", None)
-        if plan_layout is not None:  # a layout chosen from the model ('auto' sizes) decides the loader's shards
-            plan_layout(module, train_loader)
+        self.strategy.plan_layout(module, train_loader)  # a layout chosen from the model decides the shards
         self.train_dataloader = acc.prepare_data_loader(train_loader)
         if self.compile:
             for child in module.children():
