@@ -26,6 +26,11 @@ def build_optimizers(optimizers: Optimizers) -> List[torch.optim.Optimizer]:
     return list(optimizers() if callable(optimizers) else optimizers)
 
 
+
+def mean_from_sum(total: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``op="mean"`` for backends that reduce with a sum: floats divided, integers floor-divided."""
+    return total / world_size if total.is_floating_point() else total // world_size
+
 class Strategy:
     """Base class. Subclasses override what differs; the defaults are a single process."""
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.base import REDUCE_OPS, Strategy
+from strategies.base import REDUCE_OPS, Strategy, mean_from_sum
 from strategies.errors import ConfigurationError, invalid_choice
 
 log = logging.getLogger("trainforge")
@@ -106,9 +106,7 @@ class ProcessGroupMixin:
             return tensor
         out = tensor.clone()
         dist.all_reduce(out, op=_REDUCE.get(op, dist.ReduceOp.SUM))
-        if op == "mean":
-            out = out / self.world_size if out.is_floating_point() else out // self.world_size
-        return out
+        return mean_from_sum(out, self.world_size) if op == "mean" else out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from strategies.base import REDUCE_OPS, Strategy, build_optimizers
+from strategies.base import REDUCE_OPS, Strategy, mean_from_sum, build_optimizers
 from strategies.data_utils import apply_to_tensors
 from strategies.errors import ConfigurationError, invalid_choice
 
@@ -216,9 +216,7 @@ class XLAStrategy(Strategy):
         if self.world_size == 1:
             return tensor
         out = self._xm.all_reduce(_reduce_type(self._xm, op), tensor.to(self.root_device))
-        if op == "mean":
-            out = out / self.world_size if out.is_floating_point() else out // self.world_size
-        return out
+        return mean_from_sum(out, self.world_size) if op == "mean" else out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
