@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from checkpoint_stall import part_stall  # beside this script
-from strategies.checkpoint_io import CheckpointWriter, load_object, load_tensors, verify_checkpoint
+from trainforge.strategies.checkpoint_io import CheckpointWriter, load_object, load_tensors, verify_checkpoint
 
 
 def make_state(size_mb: float) -> Tuple[Dict[str, torch.Tensor], Dict[str, object]]:
@@ -141,7 +141,7 @@ class _CountingDataset(torch.utils.data.Dataset):
 def _prepared_loader(n: int, workers: int):
     from torch.utils.data import DataLoader
 
-    from trainer import Accelerator
+    from trainforge import Accelerator
 
     dataset = _CountingDataset(n)
     loader = Accelerator().prepare(DataLoader(dataset, batch_size=8, shuffle=True, num_workers=workers))

@@ -61,7 +61,7 @@ def child(a: argparse.Namespace) -> None:
     ckpt, off, dev = Path(a.dir) / "model.safetensors", Path(a.dir) / f"off-{a.lib}-{a.path}", a.device
     exec_dev = 0 if dev == "cuda" else "cpu"
     if a.lib == "trainforge":
-        from trainer.inference import cpu_offload, disk_offload, init_empty_weights, load_checkpoint_and_dispatch
+        from trainforge.trainer.inference import cpu_offload, disk_offload, init_empty_weights, load_checkpoint_and_dispatch
     else:
         from accelerate import (cpu_offload, disk_offload, infer_auto_device_map, init_empty_weights,
                                 load_checkpoint_and_dispatch)

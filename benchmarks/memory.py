@@ -38,12 +38,12 @@ class Row:
 
 
 def make_ddp():
-    from strategies import DDPStrategy
+    from trainforge.strategies import DDPStrategy
     return DDPStrategy()
 
 
 def make_fsdp():
-    from strategies import FSDPStrategy
+    from trainforge.strategies import FSDPStrategy
     return FSDPStrategy(sharding_strategy="full_shard")
 
 
@@ -58,7 +58,7 @@ ROWS: List[Row] = [
 
 def make_zero(stage: int) -> Callable:
     def make():
-        from strategies import DeepSpeedStrategy
+        from trainforge.strategies import DeepSpeedStrategy
         return DeepSpeedStrategy(stage=stage)
     return make
 
@@ -111,8 +111,8 @@ def measure(row: Row, dim: int, layers: int) -> Dict[str, int]:
     if row.strategy.startswith("zero"):
         return measure_deepspeed(row, dim, layers)
 
-    from strategies.fsdp import local_state_bytes
-    from trainer import Accelerator
+    from trainforge.strategies.fsdp import local_state_bytes
+    from trainforge import Accelerator
 
     torch.manual_seed(0)
     model = build_model(dim, layers)
@@ -135,8 +135,8 @@ def measure_deepspeed(row: Row, dim: int, layers: int) -> Dict[str, int]:
     full step (Adam's states exist), then count after the second backward, before its step."""
     import torch
 
-    from strategies.deepspeed import local_state_bytes
-    from trainer import Accelerator
+    from trainforge.strategies.deepspeed import local_state_bytes
+    from trainforge import Accelerator
 
     torch.manual_seed(0)
     model = build_model(dim, layers)

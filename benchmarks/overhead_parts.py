@@ -26,10 +26,10 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402  (the sibling benchmark: same data and loops)
 
-from callbacks import ProgressBar  # noqa: E402
-from strategies.data import prepare_dataloader  # noqa: E402
-from trainer import Accelerator  # noqa: E402
-from trainer.metrics import MetricStore  # noqa: E402
+from trainforge.callbacks import ProgressBar  # noqa: E402
+from trainforge.strategies.data import prepare_dataloader  # noqa: E402
+from trainforge import Accelerator  # noqa: E402
+from trainforge.trainer.metrics import MetricStore  # noqa: E402
 
 
 def best_us(fn: Callable[[], object], number: int, repeat: int) -> float:

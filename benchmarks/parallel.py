@@ -71,8 +71,8 @@ class LitGPT(nn.Module):
 
 
 def run_layout(tp: int, pp: int, args: argparse.Namespace) -> None:
-    from strategies.fsdp import local_state_bytes
-    from strategies.megatron import MegatronStrategy
+    from trainforge.strategies.fsdp import local_state_bytes
+    from trainforge.strategies.megatron import MegatronStrategy
 
     extra = {"pipeline_parallel_size": pp, "num_microbatches": args.microbatches} if pp > 1 else {}
     plan = {f"net.{k}": v for k, v in PLAN.items()} if pp > 1 else PLAN

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from callbacks import ProgressBar
-from trainer import Accelerator, Trainer, TrainingModule
+from trainforge.callbacks import ProgressBar
+from trainforge import Accelerator, Trainer, TrainingModule
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s from the vendors' datasheets; first match wins,
 # so more specific names come first.
@@ -124,7 +124,7 @@ def to_fp8(model: nn.Module) -> nn.Module:
     """The raw loop's fp8: torchao's float8 training with the Trainer's own layer filter."""
     from torchao.float8 import convert_to_float8_training
 
-    from trainer.precision import _fp8_filter
+    from trainforge.trainer.precision import _fp8_filter
 
     return convert_to_float8_training(model, module_filter_fn=_fp8_filter)
 

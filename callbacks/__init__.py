@@ -5,26 +5,26 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from callbacks.base import Callback
+from trainforge.callbacks.base import Callback
 
 _EXPORTS = {
-    "ModelCheckpoint": "callbacks.checkpoint",
-    "ProgressBar": "callbacks.progress",
-    "EarlyStopping": "callbacks.early_stopping",
-    "LearningRateMonitor": "callbacks.lr_monitor",
-    "GradientNormMonitor": "callbacks.grad_norm",
-    "MemoryMonitor": "callbacks.memory",
-    "MemoryLeakWarning": "callbacks.memory",
-    "ThroughputMonitor": "callbacks.throughput",
-    "Timer": "callbacks.timer",
-    "RNGSync": "callbacks.rng_sync",
-    "TrackerCallback": "callbacks.trackers.base",
-    "FailurePolicy": "callbacks.trackers.base",
-    "TrackerWarning": "callbacks.trackers.base",
-    "CSVLogger": "callbacks.trackers.csv",
-    "MLflowLogger": "callbacks.trackers.mlflow",
-    "CometLogger": "callbacks.trackers.comet",
-    "TensorBoardLogger": "callbacks.trackers.tensorboard",
+    "ModelCheckpoint": "trainforge.callbacks.checkpoint",
+    "ProgressBar": "trainforge.callbacks.progress",
+    "EarlyStopping": "trainforge.callbacks.early_stopping",
+    "LearningRateMonitor": "trainforge.callbacks.lr_monitor",
+    "GradientNormMonitor": "trainforge.callbacks.grad_norm",
+    "MemoryMonitor": "trainforge.callbacks.memory",
+    "MemoryLeakWarning": "trainforge.callbacks.memory",
+    "ThroughputMonitor": "trainforge.callbacks.throughput",
+    "Timer": "trainforge.callbacks.timer",
+    "RNGSync": "trainforge.callbacks.rng_sync",
+    "TrackerCallback": "trainforge.callbacks.trackers.base",
+    "FailurePolicy": "trainforge.callbacks.trackers.base",
+    "TrackerWarning": "trainforge.callbacks.trackers.base",
+    "CSVLogger": "trainforge.callbacks.trackers.csv",
+    "MLflowLogger": "trainforge.callbacks.trackers.mlflow",
+    "CometLogger": "trainforge.callbacks.trackers.comet",
+    "TensorBoardLogger": "trainforge.callbacks.trackers.tensorboard",
 }
 
 __all__ = ["Callback", *_EXPORTS]
@@ -33,4 +33,4 @@ __all__ = ["Callback", *_EXPORTS]
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'callbacks' has no attribute {name!r}")
+    raise AttributeError(f"module 'trainforge.callbacks' has no attribute {name!r}")

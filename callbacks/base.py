@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict
 
-if TYPE_CHECKING:  # pragma: no cover - type hints only, see DESIGN.md "Layers"
+if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.md "Floors"
     import torch
 
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 
 class Callback:

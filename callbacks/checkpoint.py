@@ -18,13 +18,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from callbacks.base import Callback
-from strategies.async_save import check_async_save, resolve_async_save
-from strategies.checkpoint_io import delete_checkpoint, read_metadata
-from strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.async_save import check_async_save, resolve_async_save
+from trainforge.strategies.checkpoint_io import delete_checkpoint, read_metadata
+from trainforge.strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 MODES = ("min", "max")
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")  # {name} or {name:format} in a filename template

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
-from callbacks.base import Callback
-from strategies.errors import ConfigurationError, check_metric_name, invalid_choice
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 MODES = ("min", "max")
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List
 
 import torch
 
-from callbacks.base import Callback
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

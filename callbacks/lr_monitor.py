@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from callbacks.base import Callback
-from strategies.errors import invalid_choice
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 INTERVALS = ("step", "epoch")
 

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
 import psutil
 import torch
 
-from callbacks.base import Callback
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 log = logging.getLogger("trainforge")
 

@@ -6,10 +6,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from callbacks.base import Callback
+from trainforge.callbacks.base import Callback
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 
 def _loss_of(outputs: Any) -> Any:

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-from callbacks.base import Callback
-from strategies.errors import invalid_choice
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 EVERY = ("epoch", "step")
 

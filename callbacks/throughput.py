@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from callbacks.base import Callback
-from strategies.data_utils import batch_size_of
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.data_utils import batch_size_of
+from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 # Dense peak FLOP/s per GPU from NVIDIA's datasheets (no sparsity). Keys: "fp32", "tf32", "bf16", "fp8".
 PEAK_FLOPS: Dict[str, Dict[str, float]] = {

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import torch
 
-from callbacks.base import Callback
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 INTERVALS = ("step", "epoch")
 STAGES = ("fit", "validate", "test")

@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader
 
-from callbacks import Callback, ModelCheckpoint
+from trainforge.callbacks import Callback, ModelCheckpoint
 from char_gpt_model import CharGPT, CharTokenizer, GPTConfig, generate, load_corpus, split_datasets
-from trainer import ConfigurationError, Trainer, TrainingModule, seed_everything
+from trainforge import ConfigurationError, Trainer, TrainingModule, seed_everything
 
 
 class LitCharGPT(TrainingModule):
@@ -91,12 +91,12 @@ def evaluate(net: CharGPT, loader: DataLoader) -> float:
 
 def make_tracker(choice: str) -> Callback:
     """MLflow with its default local SQLite store when mlflow imports, otherwise the CSV tracker."""
-    from callbacks import CSVLogger
+    from trainforge.callbacks import CSVLogger
 
     if choice == "csv":
         return CSVLogger()
     try:
-        from callbacks import MLflowLogger
+        from trainforge.callbacks import MLflowLogger
 
         return MLflowLogger(experiment_name="char_gpt")
     except (ImportError, ConfigurationError) as err:  # mlflow missing: ConfigurationError from MLflowLogger

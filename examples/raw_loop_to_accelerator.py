@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from char_gpt_model import CharGPT, CharTokenizer, GPTConfig, load_corpus, split_datasets
-from trainer import Accelerator, seed_everything  # ADDED
+from trainforge import Accelerator, seed_everything  # ADDED
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -5,19 +5,19 @@ import importlib
 import os
 from typing import Any, Mapping, Optional, Union
 
-from strategies.base import Strategy
-from strategies.ddp import DDPStrategy
-from strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
-from strategies.single import SingleDeviceStrategy
+from trainforge.strategies.base import Strategy
+from trainforge.strategies.ddp import DDPStrategy
+from trainforge.strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
+from trainforge.strategies.single import SingleDeviceStrategy
 
 # name -> "module:Class"; imported on first use so a backend library is needed only when chosen.
 _REGISTRY = {
-    "single": "strategies.single:SingleDeviceStrategy",
-    "ddp": "strategies.ddp:DDPStrategy",
-    "fsdp": "strategies.fsdp:FSDPStrategy",
-    "deepspeed": "strategies.deepspeed:DeepSpeedStrategy",
-    "megatron": "strategies.megatron:MegatronStrategy",
-    "xla": "strategies.xla:XLAStrategy",  # imports torch_xla only in setup_environment; never picked by "auto"
+    "single": "trainforge.strategies.single:SingleDeviceStrategy",
+    "ddp": "trainforge.strategies.ddp:DDPStrategy",
+    "fsdp": "trainforge.strategies.fsdp:FSDPStrategy",
+    "deepspeed": "trainforge.strategies.deepspeed:DeepSpeedStrategy",
+    "megatron": "trainforge.strategies.megatron:MegatronStrategy",
+    "xla": "trainforge.strategies.xla:XLAStrategy",  # imports torch_xla only in setup_environment; never picked by "auto"
 }
 _NOT_BUILT: dict = {}
 STRATEGY_NAMES = ("auto",) + tuple(_REGISTRY)
@@ -49,7 +49,7 @@ def resolve_strategy(strategy: Union[str, Strategy, None] = "auto", environ: Opt
                                  "Strategy instance")
     name = "auto" if strategy is None else str(strategy).lower()
     if name == "auto":
-        from strategies.environment import detect_environment
+        from trainforge.strategies.environment import detect_environment
 
         env = detect_environment(os.environ if environ is None else environ)
         name = "ddp" if env.world_size > 1 else "single"
@@ -64,4 +64,4 @@ def __getattr__(name: str) -> Any:  # lazy FSDPStrategy / DeepSpeedStrategy
     for key, target in _REGISTRY.items():
         if target.endswith(":" + name):
             return strategy_class(key)
-    raise AttributeError(f"module 'strategies' has no attribute {name!r}")
+    raise AttributeError(f"module 'trainforge.strategies' has no attribute {name!r}")

@@ -50,8 +50,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from strategies.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
-from strategies.errors import CheckpointError, ConfigurationError
+from trainforge.strategies.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 log = logging.getLogger("trainforge")
 

@@ -1,4 +1,4 @@
-"""The narrow Strategy interface (DESIGN.md "Strategy interface").
+"""The narrow Strategy interface (docs/ARCHITECTURE.md "The strategy interface").
 
 A strategy owns placement, wrapping, collectives and sharded checkpoint I/O. It never imports
 ``trainer``: the Accelerator hands it a precision object (duck-typed: ``convert_module``,
@@ -14,7 +14,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from strategies.errors import CheckpointError, invalid_choice
+from trainforge.strategies.errors import CheckpointError, invalid_choice
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 #: What ``Strategy.setup`` takes: built optimizers, or a callable that builds them after placement.
@@ -101,8 +101,8 @@ class Strategy:
         return module
 
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
-        """Shard and make resumable (see ``strategies.data``)."""
-        from strategies.data import prepare_dataloader
+        """Shard and make resumable (see ``trainforge.strategies.data``)."""
+        from trainforge.strategies.data import prepare_dataloader
 
         return prepare_dataloader(dataloader, rank=self.global_rank, world_size=self.world_size, seed=seed)
 
@@ -213,7 +213,7 @@ class Strategy:
             writer.save_object("optimizers", opt_states)
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        from strategies.checkpoint_io import load_object, load_tensors
+        from trainforge.strategies.checkpoint_io import load_object, load_tensors
 
         weights = load_tensors(path, "model", device="cpu")
         check_model_state(path, self.unwrap(module).state_dict(), weights)

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from strategies.errors import CheckpointError, ConfigurationError
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"

@@ -53,7 +53,7 @@ class ResumableDataLoader(StatefulDataLoader):
     ``kind`` is ``"map"`` (our sampler: sharded, resumable across world sizes), ``"iterable"``
     (an IterableDataset iterated as is: one process, or it shards itself; resumes through its own
     state_dict), ``"stream"`` (an IterableDataset whose stream trainforge splits between ranks and
-    workers, ``strategies.data_iterable``; batches carry their padding count, kept in
+    workers, ``trainforge.strategies.data_iterable``; batches carry their padding count, kept in
     ``last_padding``) or ``"custom"``
     (a user's sampler or batch_sampler kept as is: resumes through torchdata with the same layout).
     Build it with :func:`prepare_dataloader`.
@@ -294,7 +294,7 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
       is itself rank-aware and Stateful.
     - An ``IterableDataset`` on several processes is split between ranks (and DataLoader workers)
       by batch-sized chunks, as Accelerate's ``IterableDatasetShard``: see
-      ``strategies.data_iterable`` (``even_batches``/``drop_last`` decide the stream's end). Every
+      ``trainforge.strategies.data_iterable`` (``even_batches``/``drop_last`` decide the stream's end). Every
       reader reads the whole stream; a dataset that can skip data without reading it shards
       itself and opts out with ``shards_by_rank = True`` (HF ``split_dataset_by_node`` is
       detected). It resumes exactly through its own ``state_dict``/``load_state_dict``; without

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from strategies.errors import CheckpointError
+from trainforge.strategies.errors import CheckpointError
 
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes next to its shards
 _ALLOWED = {

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.base import REDUCE_OPS, Strategy, mean_from_sum
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.base import REDUCE_OPS, Strategy, mean_from_sum
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 log = logging.getLogger("trainforge")
 # What DistributedDataParallel accepts besides what DDPStrategy sets itself (module, device_ids).
@@ -57,13 +57,13 @@ class ProcessGroupMixin:
     """Process-group start, device choice and collectives, shared by every multi-process strategy.
 
     A mixin rather than a base class: FSDP and DeepSpeed reuse the collectives without being a
-    kind of DDP (DESIGN.md: composition over inheritance)."""
+    kind of DDP (docs/ARCHITECTURE.md: composition over inheritance)."""
 
     _owns_process_group = False
 
     def _start_process_group(self, backend: Optional[str], timeout: timedelta) -> torch.device:
-        from strategies.devices import default_device, set_current_device
-        from strategies.environment import default_backend, detect_environment
+        from trainforge.strategies.devices import default_device, set_current_device
+        from trainforge.strategies.environment import default_backend, detect_environment
 
         env = detect_environment()
         self.cluster = env

@@ -2,7 +2,7 @@
 
 ``deepspeed.initialize`` wraps the user's module and the user's torch optimizer; the engine is
 the model the loop calls. The DeepSpeed config is generated from the Trainer's settings
-(``strategies.deepspeed_config``), so no JSON is needed; a user config overrides it.
+(``trainforge.strategies.deepspeed_config``), so no JSON is needed; a user config overrides it.
 
 Who does what on a training step (and why nothing runs twice):
 
@@ -40,12 +40,12 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence
 import torch
 from torch import nn
 
-from strategies.base import Optimizers, Strategy, build_optimizers
-from strategies.checkpoint_verify import file_crc32, read_metadata
-from strategies.ddp import ProcessGroupMixin, check_timeout
-from strategies.deepspeed_config import (OFFLOAD_DEVICES, TrainingSettings, ZeroSettings, explicit_settings,
+from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
+from trainforge.strategies.checkpoint_verify import file_crc32, read_metadata
+from trainforge.strategies.ddp import ProcessGroupMixin, check_timeout
+from trainforge.strategies.deepspeed_config import (OFFLOAD_DEVICES, TrainingSettings, ZeroSettings, explicit_settings,
                                          generate_config, load_user_config, merge_config)
-from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
+from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 
 log = logging.getLogger("trainforge")
 
@@ -114,7 +114,7 @@ def weights_only_load(path: str, map_location: Any = None) -> Any:
 
 class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     """ZeRO data parallelism through DeepSpeed. ``stage``: 0-3 or "auto" (chosen from the memory
-    estimate, see ``strategies.memory_estimate``). ``offload_optimizer`` / ``offload_parameters``
+    estimate, see ``trainforge.strategies.memory_estimate``). ``offload_optimizer`` / ``offload_parameters``
     (stage 3) move state to ``offload_device`` ("cpu" or "nvme" under ``nvme_path``).
     ``activation_checkpointing``: recompute activations in backward (torch's non-reentrant
     checkpoint) for True = the repeated blocks, a set of module classes / class names, or a
@@ -198,7 +198,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
             self.precision.input_dtype = half
         self._check_nvme()
         if self.activation_checkpointing not in (False, None):
-            from strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
+            from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
 
             apply_activation_checkpointing(module, select_modules(module, self.activation_checkpointing))
         engine, ds_optimizer, _, _ = self._ds.initialize(model=module, optimizer=optimizer, config=self.config,
@@ -229,14 +229,14 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         if self.stage == "auto" and user_stage == "auto":
             zero = self._choose_auto(module, optimizer, settings.precision)
         hidden = getattr(getattr(module, "config", None), "hidden_size", None)
-        from strategies.memory_estimate import count_parameters
+        from trainforge.strategies.memory_estimate import count_parameters
 
         return merge_config(generate_config(settings, zero, count_parameters(module)), self.user_config,
                             explicit_settings(settings, zero, self._zero_given),
                             hidden_size=hidden if isinstance(hidden, int) else None)
 
     def _choose_auto(self, module: nn.Module, optimizer: Any, precision: str) -> ZeroSettings:
-        from strategies.memory_estimate import available_memory, choose_deepspeed, count_parameters, optimizer_kind
+        from trainforge.strategies.memory_estimate import available_memory, choose_deepspeed, count_parameters, optimizer_kind
 
         ranks_per_node = getattr(getattr(self, "cluster", None), "local_world_size", 1)
         free = available_memory(self.root_device, ranks_per_node)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
 
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 OFFLOAD_DEVICES = ("cpu", "nvme")
 SUPPORTED_PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")

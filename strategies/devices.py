@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 

@@ -35,7 +35,7 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 KINDS = ("torchrun", "slurm", "mpi", "kubeflow", "single")
 _INTERACTIVE_SLURM_JOB_NAMES = ("bash", "interactive")

@@ -1,7 +1,7 @@
 """trainforge's own exception types.
 
 They live in the bottom layer (``strategies/``) so that every package can raise them without
-breaking the one-way imports of DESIGN.md; ``trainer`` re-exports them. Messages say what was
+breaking the one-way imports of docs/ARCHITECTURE.md; ``trainer`` re-exports them. Messages say what was
 given, what is valid and what to do.
 """
 from __future__ import annotations

@@ -31,11 +31,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from strategies.base import Optimizers, Strategy, build_optimizers
-from strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
-from strategies.ddp import ProcessGroupMixin, check_timeout
-from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
-from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
+from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
+from trainforge.strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
+from trainforge.strategies.ddp import ProcessGroupMixin, check_timeout
+from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
+from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
 
 log = logging.getLogger("trainforge")
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 from torch import nn
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 Named = List[Tuple[str, nn.Module]]
 #: The prefix ``checkpoint_wrapper`` puts between a wrapped module's name and its parameters.

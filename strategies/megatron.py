@@ -77,21 +77,21 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from strategies.base import Optimizers, Strategy, build_optimizers
-from strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
-from strategies.ddp import ProcessGroupMixin
-from strategies.errors import CheckpointError, ConfigurationError, invalid_choice
-from strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_optimizers
-from strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
-from strategies.parallel import ParallelDims, apply_tp
-from strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
-from strategies.parallel.dims import _positive
-from strategies.parallel.dp import DATA_PARALLEL, apply_data_parallel
-from strategies.parallel.sp import install_loss_parallel, loss_parallel_context
-from strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
+from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
+from trainforge.strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
+from trainforge.strategies.ddp import ProcessGroupMixin
+from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
+from trainforge.strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_optimizers
+from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
+from trainforge.strategies.parallel import ParallelDims, apply_tp
+from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
+from trainforge.strategies.parallel.dims import _positive
+from trainforge.strategies.parallel.dp import DATA_PARALLEL, apply_data_parallel
+from trainforge.strategies.parallel.sp import install_loss_parallel, loss_parallel_context
+from trainforge.strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
                                     prune, schedule_class, stage_blocks, stage_ids,
                                     stage_module)
-from strategies.parallel.pp_schedule import PipelineRunner
+from trainforge.strategies.parallel.pp_schedule import PipelineRunner
 
 log = logging.getLogger("trainforge")
 
@@ -207,7 +207,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         return self.dims.dp if self.dims is not None else 1
 
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
-        from strategies.data import prepare_dataloader
+        from trainforge.strategies.data import prepare_dataloader
 
         if self.dims is None and "auto" in (self.sizes["tp"], self.sizes["pp"]):
             raise ConfigurationError(
@@ -304,7 +304,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         local = stage_ids(mesh["pp"].get_local_rank(), dims.pp, num_stages, self.schedule)
         plan = None
         if dims.tp > 1:  # resolved on the whole model, so a glob is checked against every stage
-            from strategies.parallel.tp import resolve_plan
+            from trainforge.strategies.parallel.tp import resolve_plan
             plan = resolve_plan(module, self.tp_plan, dims.tp)
         ac = self.activation_checkpointing
         if ac is True:  # the block classes, found on the whole model (a pruned block list mixes in identities)

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 MIXED = ("16-mixed", "bf16-mixed", "fp8")
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from strategies.base import Strategy
-from strategies.devices import default_device, set_current_device
-from strategies.errors import ConfigurationError
+from trainforge.strategies.base import Strategy
+from trainforge.strategies.devices import default_device, set_current_device
+from trainforge.strategies.errors import ConfigurationError
 
 
 class SingleDeviceStrategy(Strategy):

@@ -33,9 +33,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from strategies.base import REDUCE_OPS, Strategy, mean_from_sum, build_optimizers
-from strategies.data_utils import apply_to_tensors
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.base import REDUCE_OPS, Strategy, mean_from_sum, build_optimizers
+from trainforge.strategies.data_utils import apply_to_tensors
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 #: torch_xla release -> the torch it was built against (torch_xla follows torch's minor versions).
 LAST_TORCH_XLA = "2.9.0"
@@ -157,7 +157,7 @@ class XLAStrategy(Strategy):
             return module, build_optimizers(optimizers)
         moved = any(p is not q for (_, p), q in zip(before, module.parameters()))
         if optimizers and moved:
-            from strategies.fsdp import _remap_optimizers
+            from trainforge.strategies.fsdp import _remap_optimizers
 
             _remap_optimizers(before, module, optimizers)
         return module, list(optimizers)

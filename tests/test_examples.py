@@ -55,7 +55,7 @@ def test_char_gpt_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_char_gpt_two_processes_through_trainforge_launch(tmp_path):
-    out = run(["-m", "trainer", "launch", "--nproc-per-node", "2", EXAMPLE, *TINY, "--root-dir", tmp_path / "run"],
+    out = run(["-m", "trainforge", "launch", "--nproc-per-node", "2", EXAMPLE, *TINY, "--root-dir", tmp_path / "run"],
               tmp_path, timeout=180)
     check_run(tmp_path / "run", out, world_size=2)
 
@@ -80,7 +80,7 @@ def test_raw_loop_converted_to_accelerator_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_raw_loop_converted_to_accelerator_two_processes_with_accumulation(tmp_path):
-    out = run(["-m", "trainer", "launch", "--nproc-per-node", "2", CONVERTED, *CONVERTED_TINY, "--grad-accum", "2",
+    out = run(["-m", "trainforge", "launch", "--nproc-per-node", "2", CONVERTED, *CONVERTED_TINY, "--grad-accum", "2",
                "--save-dir", tmp_path / "state"], tmp_path, timeout=180)
     check_converted(out, tmp_path / "state", world_size=2)
 

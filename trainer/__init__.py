@@ -1,18 +1,17 @@
-"""trainforge: one training script on a laptop CPU, one GPU, many GPUs and many nodes."""
-from strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
-from trainer.accelerator import Accelerator
-from trainer.datamodule import DataModule
-from trainer.events import Event
-from trainer.module import TrainingModule
-from trainer.precision import PRECISIONS, Precision
-from trainer.seed import seed_everything
-from trainer.trainer import Trainer
+"""The loop floor: Trainer, TrainingModule, Accelerator and what they need (``trainforge.trainer``).
+Users import these names from ``trainforge`` itself."""
+from trainforge.strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
+from trainforge.trainer.accelerator import Accelerator
+from trainforge.trainer.datamodule import DataModule
+from trainforge.trainer.events import Event
+from trainforge.trainer.module import TrainingModule
+from trainforge.trainer.precision import PRECISIONS, Precision
+from trainforge.trainer.seed import seed_everything
+from trainforge.trainer.trainer import Trainer
 
-__version__ = "0.1.0"
 
-
-def notebook_launcher(*args, **kwargs):  # noqa: D103 - documented in trainer.notebook
-    from trainer.notebook import notebook_launcher as launch
+def notebook_launcher(*args, **kwargs):  # noqa: D103 - documented in trainforge.trainer.notebook
+    from trainforge.trainer.notebook import notebook_launcher as launch
 
     return launch(*args, **kwargs)
 

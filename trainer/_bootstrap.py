@@ -1,4 +1,4 @@
-"""Runs the user's script in each worker: ``python -m trainer._bootstrap script.py [args...]``.
+"""Runs the user's script in each worker: ``python -m trainforge.trainer._bootstrap script.py [args...]``.
 
 ``trainforge launch`` makes torchrun start this module instead of the script so that the script
 runs under torch elastic's ``@record``: an exception in a rank is written to torchrun's error file
@@ -27,5 +27,5 @@ def run_script(argv: List[str]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m trainer._bootstrap SCRIPT [ARGS...]")
+        sys.exit("usage: python -m trainforge.trainer._bootstrap SCRIPT [ARGS...]")
     run_script(sys.argv[1:])

@@ -22,14 +22,14 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from strategies import Strategy, resolve_strategy
-from strategies.async_save import AsyncCheckpointer
-from strategies.devices import check_device_matches, normalize_accelerator
-from strategies.data_utils import apply_to_tensors
-from strategies.errors import ConfigurationError
-from trainer.precision import Precision
-from trainer.process_control import ProcessControl
-from trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
+from trainforge.strategies import Strategy, resolve_strategy
+from trainforge.strategies.async_save import AsyncCheckpointer
+from trainforge.strategies.devices import check_device_matches, normalize_accelerator
+from trainforge.strategies.data_utils import apply_to_tensors
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.precision import Precision
+from trainforge.trainer.process_control import ProcessControl
+from trainforge.trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
 
 class Accelerator(ProcessControl):
@@ -51,7 +51,7 @@ class Accelerator(ProcessControl):
                  split_batches: bool = False, dispatch_batches: Optional[bool] = None, dataloader_config: Any = None,
                  project_dir: Optional[str] = None, project_config: Any = None,
                  automatic_checkpoint_naming: bool = False, total_limit: Optional[int] = None) -> None:
-        from trainer.launch_config import launch_defaults, strategy_kwargs
+        from trainforge.trainer.launch_config import launch_defaults, strategy_kwargs
 
         even_batches, split_batches, dispatch_batches = _data_options(
             even_batches, split_batches, dispatch_batches, dataloader_config)
@@ -163,11 +163,11 @@ class Accelerator(ProcessControl):
         return prepared
 
     def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
-        from trainer.seed import seeds_workers, worker_init_fn
+        from trainforge.trainer.seed import seeds_workers, worker_init_fn
 
         dispatch = self._dispatches(loader)
         if dispatch:  # every rank builds the whole (unsharded) loader; only rank 0 iterates it
-            from strategies.data import prepare_dataloader
+            from trainforge.strategies.data import prepare_dataloader
 
             sharded = prepare_dataloader(loader, rank=0, world_size=1, seed=self.seed)
         else:
@@ -215,8 +215,8 @@ class Accelerator(ProcessControl):
         return dispatch
 
     def _dispatcher(self, loader: Any) -> Any:
-        from trainer.dispatch import BatchDispatcher
-        from strategies.data import loader_state_dict
+        from trainforge.trainer.dispatch import BatchDispatcher
+        from trainforge.strategies.data import loader_state_dict
 
         return BatchDispatcher(loader, rank=self.process_index, world_size=self.num_processes, device=self.device,
                                broadcast=lambda obj: self.strategy.broadcast(obj, 0), split_batches=self.split_batches,
@@ -338,7 +338,7 @@ class Accelerator(ProcessControl):
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        from strategies.data import split_between_processes
+        from trainforge.strategies.data import split_between_processes
 
         yield split_between_processes(inputs, self.process_index, self.num_processes, apply_padding=apply_padding)
 
@@ -355,7 +355,7 @@ class Accelerator(ProcessControl):
         ``<project_dir>/checkpoints/checkpoint_<i>``, the newest ``total_limit`` kept. ``async_save=True``:
         return once the state is copied to host memory; the write and commit go on in the background
         (``wait_for_checkpoint``; ``end_training`` and exit wait for it)."""
-        from trainer.checkpointing import save_accelerator_state, save_project_checkpoint
+        from trainforge.trainer.checkpointing import save_accelerator_state, save_project_checkpoint
 
         if not safe_serialization:
             warnings.warn("save_state(safe_serialization=False): trainforge always writes weights as safetensors "
@@ -377,7 +377,7 @@ class Accelerator(ProcessControl):
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> Any:
         """With no ``input_dir`` (automatic_checkpoint_naming): the newest project checkpoint."""
-        from trainer.checkpointing import load_accelerator_state, newest_project_checkpoint
+        from trainforge.trainer.checkpointing import load_accelerator_state, newest_project_checkpoint
 
         return load_accelerator_state(self, input_dir if input_dir is not None else newest_project_checkpoint(self),
                                       **kwargs)
@@ -389,7 +389,7 @@ class Accelerator(ProcessControl):
         return dataloader.skip_first_batches(num_batches)
 
     def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Optional[int] = None) -> Any:
-        from trainer.checkpointing import save_weights
+        from trainforge.trainer.checkpointing import save_weights
 
         self.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
@@ -398,32 +398,32 @@ class Accelerator(ProcessControl):
     @staticmethod
     def init_empty_weights(include_buffers: bool = True) -> Any:
         """Context: modules built inside have their weights on meta (see trainer.inference)."""
-        from trainer.inference import init_empty_weights
+        from trainforge.trainer.inference import init_empty_weights
         return init_empty_weights(include_buffers)
 
     @staticmethod
     def infer_auto_device_map(model: nn.Module, **kwargs: Any) -> Dict[str, Any]:
-        from trainer.inference import infer_auto_device_map
+        from trainforge.trainer.inference import infer_auto_device_map
         return infer_auto_device_map(model, **kwargs)
 
     @staticmethod
     def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: Any, **kwargs: Any) -> nn.Module:
-        from trainer.inference import load_checkpoint_and_dispatch
+        from trainforge.trainer.inference import load_checkpoint_and_dispatch
         return load_checkpoint_and_dispatch(model, checkpoint, **kwargs)
 
     @staticmethod
     def dispatch_model(model: nn.Module, device_map: Dict[str, Any], **kwargs: Any) -> nn.Module:
-        from trainer.inference import dispatch_model
+        from trainforge.trainer.inference import dispatch_model
         return dispatch_model(model, device_map, **kwargs)
 
     @staticmethod
     def cpu_offload(model: nn.Module, execution_device: Any = None, **kwargs: Any) -> nn.Module:
-        from trainer.inference import cpu_offload
+        from trainforge.trainer.inference import cpu_offload
         return cpu_offload(model, execution_device, **kwargs)
 
     @staticmethod
     def disk_offload(model: nn.Module, offload_dir: Any, execution_device: Any = None, **kwargs: Any) -> nn.Module:
-        from trainer.inference import disk_offload
+        from trainforge.trainer.inference import disk_offload
         return disk_offload(model, offload_dir, execution_device, **kwargs)
 
     def end_training(self) -> None:
@@ -497,7 +497,7 @@ def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> to
         raise ConfigurationError(f"split_batches=True needs a batch_size divisible by the {world} processes "
                                  f"(got batch_size={loader.batch_size}); use a multiple of {world} or "
                                  "split_batches=False")
-    from strategies.data import _loader_kwargs
+    from trainforge.strategies.data import _loader_kwargs
 
     iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)  # takes no sampler
     return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size // world,
@@ -527,7 +527,7 @@ def _data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, 
 
 def _unpadded(sampler: Any) -> None:
     """``even_batches=False``: no duplicated samples; the last ranks may get one sample (batch) fewer."""
-    from strategies.data_sampler import epoch_length
+    from trainforge.strategies.data_sampler import epoch_length
 
     sampler.pad = False
     sampler.total_size = epoch_length(len(sampler.dataset), sampler.num_replicas, sampler.drop_last, False)

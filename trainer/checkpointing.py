@@ -1,5 +1,5 @@
 """What a Trainer or Accelerator checkpoint holds, on top of the directory format of
-``strategies.checkpoint_io`` (atomic, verified, weights_only).
+``trainforge.strategies.checkpoint_io`` (atomic, verified, weights_only).
 
 Layout of one checkpoint directory::
 
@@ -21,23 +21,23 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from strategies.async_save import resolve_async_save
-from strategies.checkpoint_io import (CheckpointWriter, list_checkpoints, load_object, read_metadata,
+from trainforge.strategies.async_save import resolve_async_save
+from trainforge.strategies.checkpoint_io import (CheckpointWriter, list_checkpoints, load_object, read_metadata,
                                       resolve_checkpoint)
-from strategies.errors import CheckpointError, ConfigurationError
-from trainer.events import Event
-from trainer.seed import rng_state, set_rng_state
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.trainer.events import Event
+from trainforge.trainer.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.accelerator import Accelerator
-    from trainer.trainer import Trainer
+    from trainforge.trainer.accelerator import Accelerator
+    from trainforge.trainer.trainer import Trainer
 
 log = logging.getLogger("trainforge")
 
 
 def checkpoint_root(trainer: "Trainer") -> Path:
     """Where ``ckpt_path="last"`` and ``resume="auto"`` look: the first ModelCheckpoint's directory."""
-    from callbacks.checkpoint import ModelCheckpoint
+    from trainforge.callbacks.checkpoint import ModelCheckpoint
 
     for cb in trainer.callbacks:
         if isinstance(cb, ModelCheckpoint):
@@ -223,7 +223,7 @@ def _project_root(acc: "Accelerator") -> Path:
 def save_project_checkpoint(acc: "Accelerator", async_save: bool = False) -> Path:
     """Accelerate's automatic naming: ``checkpoints/checkpoint_<i>``, i one more than the newest;
     the oldest beyond ``total_limit`` deleted by rank 0 once the new one is committed."""
-    from strategies.checkpoint_io import delete_checkpoint
+    from trainforge.strategies.checkpoint_io import delete_checkpoint
 
     root = _project_root(acc)
     existing = _numbered(root)

@@ -12,14 +12,14 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-from strategies.errors import TrainforgeError
+from trainforge.strategies.errors import TrainforgeError
 
 COMMANDS = {
-    "launch": "trainer.launch",
-    "config": "trainer.launch_config",
-    "env": "trainer.env_info",
-    "estimate-memory": "trainer.estimate_memory",
-    "merge-weights": "trainer.merge_weights",
+    "launch": "trainforge.trainer.launch",
+    "config": "trainforge.trainer.launch_config",
+    "env": "trainforge.trainer.env_info",
+    "estimate-memory": "trainforge.trainer.estimate_memory",
+    "merge-weights": "trainforge.trainer.merge_weights",
 }
 
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``trainforge`` and ``python -m trainer``; returns the exit code."""
+    """Entry point of ``trainforge`` and ``python -m trainforge``; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 CLIP_ALGORITHMS = ("norm", "value")
 NONFINITE_POLICIES = ("raise", "skip", "off")
@@ -250,5 +250,5 @@ def check_callbacks(callbacks: Any, base: type) -> List[Any]:
                                      f"{cb.__name__}(...) (with its arguments)")
         if not isinstance(cb, base):
             raise ConfigurationError(f"callbacks[{i}]={cb!r} is a {type(cb).__name__}, not a Callback; subclass "
-                                     "callbacks.Callback")
+                                     "trainforge.callbacks.Callback")
     return list(callbacks)

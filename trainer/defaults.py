@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from typing import List
 
-from callbacks.base import Callback
+from trainforge.callbacks.base import Callback
 
 
 def default_callbacks(user: List[Callback], progress_bar: bool, checkpointing: bool) -> List[Callback]:
-    from callbacks.checkpoint import ModelCheckpoint
-    from callbacks.progress import ProgressBar
-    from callbacks.trackers.base import TrackerCallback
-    from callbacks.trackers.csv import CSVLogger
+    from trainforge.callbacks.checkpoint import ModelCheckpoint
+    from trainforge.callbacks.progress import ProgressBar
+    from trainforge.callbacks.trackers.base import TrackerCallback
+    from trainforge.callbacks.trackers.csv import CSVLogger
 
     out = list(user)
     if progress_bar and not any(isinstance(c, ProgressBar) for c in out):

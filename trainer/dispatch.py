@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 
 @dataclass(frozen=True)

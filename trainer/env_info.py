@@ -8,7 +8,7 @@ import sys
 from importlib import metadata
 from typing import List, Optional
 
-from trainer.launch_config import default_config_path
+from trainforge.trainer.launch_config import default_config_path
 
 HELP = "print versions, hardware and the config file for bug reports"
 # Distribution names; read from package metadata so that reporting never imports them (importing

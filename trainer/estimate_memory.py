@@ -28,11 +28,11 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from strategies.checkpoint_io import parse_size
-from strategies.errors import ConfigurationError
-from strategies.memory_estimate import (OPTIMIZER_STATES, MemoryRow, count_parameters, estimate_memory, format_bytes,
+from trainforge.strategies.checkpoint_io import parse_size
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.memory_estimate import (OPTIMIZER_STATES, MemoryRow, count_parameters, estimate_memory, format_bytes,
                                         format_table, recommend)
-from trainer.precision import normalize_precision
+from trainforge.trainer.precision import normalize_precision
 
 HELP = "estimate per-rank memory of a model under DDP / ZeRO / FSDP and recommend a strategy"
 # name -> (model_type, config overrides, head); sizes from the model cards of the published checkpoints.
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_layouts(args: argparse.Namespace, model: nn.Module, param_count: int, precision: str,
                  device_memory: Optional[int], source: str) -> int:
-    from strategies.parallel.layout import (ModelShape, choose_layout, estimate_layouts, format_layouts,
+    from trainforge.strategies.parallel.layout import (ModelShape, choose_layout, estimate_layouts, format_layouts,
                                             measure_activation_bytes)
 
     if args.seq_len is None:

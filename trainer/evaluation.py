@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from trainer.config import limited
-from trainer.events import EVAL_EVENTS, Event
+from trainforge.trainer.config import limited
+from trainforge.trainer.events import EVAL_EVENTS, Event
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.module import TrainingModule
+    from trainforge.trainer.module import TrainingModule
 
 
 def module_modes(module: nn.Module) -> Dict[nn.Module, bool]:

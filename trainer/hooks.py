@@ -11,7 +11,7 @@ import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from trainer.events import Event
+from trainforge.trainer.events import Event
 
 #: Event -> the module's method name, where it differs from the callback's (Lightning's names).
 _RENAMED = {Event.SETUP: "setup", Event.TEARDOWN: "teardown"}

@@ -10,10 +10,10 @@ we add:
 - single node without ``--master-port``: torchrun's ``--standalone`` rendezvous on a free port,
   so concurrent jobs on one machine do not collide;
 - an explicit master port already in use on node 0 is reported before any process starts;
-- the script runs through ``trainer._bootstrap`` (torch elastic ``@record``), so a crashing rank's
+- the script runs through ``trainforge.trainer._bootstrap`` (torch elastic ``@record``), so a crashing rank's
   traceback reaches the failure summary, and the exit code is non-zero.
 
-``--xla`` starts the processes with torch_xla's launcher instead (``trainer.launch_xla``).
+``--xla`` starts the processes with torch_xla's launcher instead (``trainforge.trainer.launch_xla``).
 
 Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments.
 """
@@ -24,10 +24,10 @@ import os
 import sys
 from typing import Any, List, Mapping, Sequence
 
-from strategies.environment import port_is_free
-from strategies.errors import ConfigurationError, LaunchError
-from trainer.launch_xla import run_xla
-from trainer.launch_config import (add_setting_arguments, default_config_path, flags_given, load_config,
+from trainforge.strategies.environment import port_is_free
+from trainforge.strategies.errors import ConfigurationError, LaunchError
+from trainforge.trainer.launch_xla import run_xla
+from trainforge.trainer.launch_config import (add_setting_arguments, default_config_path, flags_given, load_config,
                                    settings_for_workers, validate)
 
 HELP = "run a training script on N processes per node (torchrun underneath)"
@@ -76,14 +76,14 @@ def uses_standalone(settings: Mapping[str, Any], environ: Mapping[str, str] = os
 
 
 def torchrun_argv(settings: Mapping[str, Any], script: str, script_args: Sequence[str]) -> List[str]:
-    """torchrun's command line for these settings; the script runs under ``trainer._bootstrap``."""
+    """torchrun's command line for these settings; the script runs under ``trainforge.trainer._bootstrap``."""
     argv: List[str] = []
     for key, flag in _TORCHRUN_FLAGS:
         if key in settings:
             argv += [flag, str(settings[key])]
     if uses_standalone(settings):
         argv.append("--standalone")
-    return argv + ["--module", "trainer._bootstrap", script, *script_args]
+    return argv + ["--module", "trainforge.trainer._bootstrap", script, *script_args]
 
 
 def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> None:

@@ -36,10 +36,10 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import yaml
 
-from strategies import STRATEGY_NAMES
-from strategies.errors import ConfigurationError, invalid_choice
-from trainer.precision import ALIASES as PRECISION_ALIASES
-from trainer.precision import PRECISIONS
+from trainforge.strategies import STRATEGY_NAMES
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
+from trainforge.trainer.precision import ALIASES as PRECISION_ALIASES
+from trainforge.trainer.precision import PRECISIONS
 
 HELP = "answer a few questions and write the launch config file"
 LAUNCH_CONFIG_ENV = "TRAINFORGE_LAUNCH_CONFIG"

@@ -14,7 +14,7 @@ import runpy
 import sys
 from typing import Any, Dict, List, Mapping, Sequence
 
-from strategies.errors import ConfigurationError, LaunchError
+from trainforge.strategies.errors import ConfigurationError, LaunchError
 
 # Settings torchrun uses to place processes; torch_xla's launcher decides those itself.
 _TORCHRUN_ONLY = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
@@ -44,7 +44,7 @@ def xla_settings(settings: Mapping[str, Any], flags: Mapping[str, Any]) -> Dict[
 
 def check_xla_environment(environ: Mapping[str, str] = os.environ) -> None:
     """Several XLA:CPU devices are refused before anything starts (see strategies.xla)."""
-    from strategies.xla import check_xla_cpu_devices
+    from trainforge.strategies.xla import check_xla_cpu_devices
 
     if environ.get("PJRT_DEVICE", "").upper() == "CPU":
         count = environ.get("CPU_NUM_DEVICES", "1")
@@ -54,8 +54,8 @@ def check_xla_environment(environ: Mapping[str, str] = os.environ) -> None:
 
 
 def run_xla(settings: Mapping[str, Any], flags: Mapping[str, Any], script: str, script_args: Sequence[str]) -> int:
-    from strategies.xla import import_torch_xla
-    from trainer.launch_config import settings_for_workers
+    from trainforge.strategies.xla import import_torch_xla
+    from trainforge.trainer.launch_config import settings_for_workers
 
     worker_settings = xla_settings(settings, flags)
     check_xla_environment()

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from strategies.errors import ConfigurationError
-from trainer.events import Event
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.events import Event
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.trainer import Trainer
+    from trainforge.trainer.trainer import Trainer
 
 
 def check_manual_config(trainer: "Trainer") -> None:

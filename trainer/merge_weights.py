@@ -20,9 +20,9 @@ from typing import Dict, Union
 
 import torch
 
-from strategies.checkpoint_io import (METADATA_FILE, CheckpointWriter, parse_size, read_metadata,
+from trainforge.strategies.checkpoint_io import (METADATA_FILE, CheckpointWriter, parse_size, read_metadata,
                                       resolve_checkpoint, verify_checkpoint)
-from strategies.errors import CheckpointError, ConfigurationError
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes next to its shards
 HELP = "consolidate a sharded FSDP checkpoint into safetensors weights (no processes needed)"
@@ -70,7 +70,7 @@ def read_model_weights(dcp_dir: Path, prefix: str = "model") -> Dict[str, torch.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from strategies.dcp_safe import load_metadata, safe_load  # never torch's bare pickle.load
+    from trainforge.strategies.dcp_safe import load_metadata, safe_load  # never torch's bare pickle.load
 
     meta = load_metadata(dcp_dir / DCP_METADATA)  # restricted unpickling: a crafted file executes nothing
     paths = meta.planner_data or {}

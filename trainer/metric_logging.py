@@ -16,10 +16,10 @@ from typing import Any, Dict, Optional, Set
 
 import torch
 
-from strategies.data_utils import batch_size_of
-from strategies.errors import invalid_choice
-from trainer.metrics import REDUCE_FX
-from trainer.events import Event
+from trainforge.strategies.data_utils import batch_size_of
+from trainforge.strategies.errors import invalid_choice
+from trainforge.trainer.metrics import REDUCE_FX
+from trainforge.trainer.events import Event
 
 
 class MetricLogging:

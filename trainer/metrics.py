@@ -10,7 +10,7 @@ from typing import Any, Dict
 
 import torch
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 
 REDUCE_FX = ("mean", "sum", "max", "min")

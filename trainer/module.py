@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from callbacks.base import Callback
-from strategies.errors import TrainforgeError, check_metric_name
-from trainer.hooks import ModuleHooks
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import TrainforgeError, check_metric_name
+from trainforge.trainer.hooks import ModuleHooks
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.trainer import Trainer
+    from trainforge.trainer.trainer import Trainer
 
 
 class TrainingModule(ModuleHooks, nn.Module):
@@ -103,7 +103,7 @@ class TrainingModule(ModuleHooks, nn.Module):
 
     def optimizers(self) -> Any:
         """The prepared optimizer(s): one object, or a list when configure_optimizers returned several."""
-        from trainer.manual import ManualOptimizer
+        from trainforge.trainer.manual import ManualOptimizer
 
         opts = [ManualOptimizer(o, self.trainer) for o in self.trainer._prepared_optimizers]
         return opts[0] if len(opts) == 1 else opts
@@ -115,7 +115,7 @@ class TrainingModule(ModuleHooks, nn.Module):
 
     def manual_backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the strategy (scaling, DDP sync, DeepSpeed engine)."""
-        from trainer.manual import manual_backward
+        from trainforge.trainer.manual import manual_backward
 
         manual_backward(self.trainer, loss)
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from strategies.environment import find_free_port, port_is_free
-from strategies.errors import ConfigurationError, LaunchError
+from trainforge.strategies.environment import find_free_port, port_is_free
+from trainforge.strategies.errors import ConfigurationError, LaunchError
 
 MASTER_ADDR = "127.0.0.1"
 

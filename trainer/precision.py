@@ -11,7 +11,7 @@ from typing import Any, ContextManager, Dict, Optional
 import torch
 from torch import nn
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
 _NO_AUTOCAST = contextlib.nullcontext()
@@ -75,7 +75,7 @@ class Precision:
         dtype = self.input_dtype
         if dtype is None:
             return data
-        from strategies.data_utils import apply_to_tensors
+        from trainforge.strategies.data_utils import apply_to_tensors
 
         return apply_to_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() else t)
 

@@ -21,7 +21,7 @@ def seed_everything(seed: int = 0, workers: bool = True, rank_offset: bool = Fal
     process rank (from RANK) so augmentation differs across ranks while staying reproducible.
     Returns the seed used."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= _MAX_SEED:
-        from strategies.errors import ConfigurationError
+        from trainforge.strategies.errors import ConfigurationError
 
         raise ConfigurationError(f"seed={seed!r} must be an int in [0, {_MAX_SEED}]")
     if rank_offset:

@@ -10,22 +10,22 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from callbacks.base import Callback
-from strategies import Strategy
-from strategies.async_save import resolve_async_save
-from strategies.data_utils import batch_size_of
-from strategies.errors import ConfigurationError, TrainforgeError
-from trainer.accelerator import Accelerator
-from trainer.checkpointing import restore_pending_rng, start_run
-from trainer.config import LoopConfig, Progress, check_callbacks, limited, parse_optimizers, resolve_root_dir
-from trainer.events import Event
-from trainer.evaluation import Evaluation, module_modes, restore_modes
-from trainer.hooks import bind_module_hook, warn_unknown_hooks
-from trainer.manual import check_manual_config, run_manual_step
-from trainer.metric_logging import MetricLogging
-from trainer.metrics import MetricStore
-from trainer.module import TrainingModule
-from trainer.seed import seed_everything
+from trainforge.callbacks.base import Callback
+from trainforge.strategies import Strategy
+from trainforge.strategies.async_save import resolve_async_save
+from trainforge.strategies.data_utils import batch_size_of
+from trainforge.strategies.errors import ConfigurationError, TrainforgeError
+from trainforge.trainer.accelerator import Accelerator
+from trainforge.trainer.checkpointing import restore_pending_rng, start_run
+from trainforge.trainer.config import LoopConfig, Progress, check_callbacks, limited, parse_optimizers, resolve_root_dir
+from trainforge.trainer.events import Event
+from trainforge.trainer.evaluation import Evaluation, module_modes, restore_modes
+from trainforge.trainer.hooks import bind_module_hook, warn_unknown_hooks
+from trainforge.trainer.manual import check_manual_config, run_manual_step
+from trainforge.trainer.metric_logging import MetricLogging
+from trainforge.trainer.metrics import MetricStore
+from trainforge.trainer.module import TrainingModule
+from trainforge.trainer.seed import seed_everything
 
 log = logging.getLogger("trainforge")
 
@@ -68,7 +68,7 @@ class Trainer(MetricLogging, Evaluation):
                                      "N batches (default 2) or -1 (the whole validation set)")
         self.num_sanity_val_steps = num_sanity_val_steps
         self.datamodule: Any = None
-        from trainer.defaults import default_callbacks
+        from trainforge.trainer.defaults import default_callbacks
 
         self.callbacks: List[Callback] = default_callbacks(list(callbacks or []), enable_progress_bar,
                                                            enable_checkpointing)
@@ -443,7 +443,7 @@ class Trainer(MetricLogging, Evaluation):
         """Everything needed to resume exactly, as one checkpoint directory (every rank calls it).
         ``async_save=True``: returns once the state is staged; the write and commit run in the
         background (``fit`` waits for it before returning; see strategies/async_save.py)."""
-        from trainer.checkpointing import save_trainer_checkpoint
+        from trainforge.trainer.checkpointing import save_trainer_checkpoint
 
         return save_trainer_checkpoint(self, path, async_save=resolve_async_save(async_save, self.device))
 
@@ -456,7 +456,7 @@ class Trainer(MetricLogging, Evaluation):
 
     def save_weights(self, path: str, max_shard_size: Optional[int] = None) -> Any:
         """Consolidated safetensors weights of the module (loadable by safetensors and transformers)."""
-        from trainer.checkpointing import save_weights
+        from trainforge.trainer.checkpointing import save_weights
 
         self.accelerator.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, self.model, path, max_shard_size=max_shard_size)
@@ -465,7 +465,7 @@ class Trainer(MetricLogging, Evaluation):
     def _attach(self, module: TrainingModule, stage: str) -> None:
         if not isinstance(module, TrainingModule):
             raise ConfigurationError(f"expected a TrainingModule, got {type(module).__name__}; subclass "
-                                     "trainer.TrainingModule and implement training_step and configure_optimizers")
+                                     "trainforge.TrainingModule and implement training_step and configure_optimizers")
         required = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}.get(stage)
         if required and getattr(type(module), required) is getattr(TrainingModule, required):
             raise ConfigurationError(f"{type(module).__name__} does not implement {required}(self, batch, batch_idx),"

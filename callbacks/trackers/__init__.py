@@ -2,11 +2,11 @@
 
 Backends are imported lazily, when a tracker is constructed, so this package imports without them.
 """
-from callbacks.trackers.base import FailurePolicy, TrackerCallback, TrackerWarning
-from callbacks.trackers.comet import CometLogger
-from callbacks.trackers.csv import CSVLogger
-from callbacks.trackers.mlflow import MLflowLogger
-from callbacks.trackers.tensorboard import TensorBoardLogger
+from trainforge.callbacks.trackers.base import FailurePolicy, TrackerCallback, TrackerWarning
+from trainforge.callbacks.trackers.comet import CometLogger
+from trainforge.callbacks.trackers.csv import CSVLogger
+from trainforge.callbacks.trackers.mlflow import MLflowLogger
+from trainforge.callbacks.trackers.tensorboard import TensorBoardLogger
 
 __all__ = [
     "CSVLogger",

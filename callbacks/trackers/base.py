@@ -41,11 +41,11 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from callbacks.base import Callback
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import ConfigurationError
 
-if TYPE_CHECKING:  # pragma: no cover - type hints only, see DESIGN.md "Layers"
-    from trainer import Trainer, TrainingModule
+if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.md "Floors"
+    from trainforge import Trainer, TrainingModule
 
 MetricRecords = List[Tuple[int, Dict[str, float]]]
 _PARAM_ATTEMPTS = 3

@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
+from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer
+    from trainforge import Trainer
 
 # Comet's automatic collection, all off (these keywords exist on all four experiment classes).
 _QUIET = dict(

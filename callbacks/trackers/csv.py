@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import yaml
 
-from callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback
+from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer
+    from trainforge import Trainer
 
 
 class CSVLogger(TrackerCallback):

@@ -35,11 +35,11 @@ from urllib.parse import urlsplit
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
+from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer, TrainingModule
+    from trainforge import Trainer, TrainingModule
 
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
 

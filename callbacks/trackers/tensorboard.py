@@ -17,10 +17,10 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
+from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer import Trainer
+    from trainforge import Trainer
 
 
 class TensorBoardLogger(TrackerCallback):

@@ -1,4 +1,4 @@
-"""Model-parallel building blocks for ``MegatronStrategy`` (DESIGN.md "Strategy interface").
+"""Model-parallel building blocks for ``MegatronStrategy`` (docs/ARCHITECTURE.md "The strategy interface").
 
 Applied in this fixed order, each step in its own file::
 
@@ -11,7 +11,7 @@ Applied in this fixed order, each step in its own file::
     apply_data_parallel("fsdp"|"ddp", blocks, ...) # dp.py: FSDP2 or replicate on dp, blocks then root (each stage)
     PipelineRunner(stages, ...)                    # pp_schedule.py: PipelineStage + the named schedule
 """
-from strategies.parallel.dims import ParallelDims
-from strategies.parallel.tp import apply_tp, resolve_plan
+from trainforge.strategies.parallel.dims import ParallelDims
+from trainforge.strategies.parallel.tp import apply_tp, resolve_plan
 
 __all__ = ["ParallelDims", "apply_tp", "resolve_plan"]

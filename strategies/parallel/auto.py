@@ -18,10 +18,10 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from torch import nn
 
-from strategies.errors import ConfigurationError
-from strategies.memory_estimate import format_bytes
-from strategies.parallel.dims import ParallelDims
-from strategies.parallel.layout import (ModelShape, choose_layout, estimate_layouts, format_layouts,
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.memory_estimate import format_bytes
+from trainforge.strategies.parallel.dims import ParallelDims
+from trainforge.strategies.parallel.layout import (ModelShape, choose_layout, estimate_layouts, format_layouts,
                                         measure_activation_bytes)
 
 log = logging.getLogger("trainforge")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 Size = Union[int, str]
 DIM_NAMES = ("pp", "dp", "tp")

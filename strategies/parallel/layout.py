@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from strategies.errors import ConfigurationError
-from strategies.memory_estimate import DEFAULT_HEADROOM, bytes_per_param, format_bytes
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.memory_estimate import DEFAULT_HEADROOM, bytes_per_param, format_bytes
 
 PIPELINE_MEMORY = {"1f1b": "first stage holds pp micro-batches", "gpipe": "holds every micro-batch"}
 

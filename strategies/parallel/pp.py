@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 #: schedule name -> torch class name; single: one stage per rank, looped: several (stage s on rank s % pp)
 SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}

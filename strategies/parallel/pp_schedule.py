@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from strategies.errors import ConfigurationError
-from strategies.parallel.pp import SINGLE, PipelineSplit, schedule_class, stage_rank
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.parallel.pp import SINGLE, PipelineSplit, schedule_class, stage_rank
 
 
 class PipelineRunner:

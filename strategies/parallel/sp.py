@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterator
 
 from torch import nn
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
-from strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 Plan = Union[None, str, Mapping[str, Any]]
 
@@ -128,7 +128,7 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan, only: Optional[Callable
     ``sequence_parallel``/``loss_parallel``: the plan rewritten by ``sp.rewrite_plan``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from strategies.parallel.sp import rewrite_plan
+    from trainforge.strategies.parallel.sp import rewrite_plan
 
     resolved = resolve_plan(model, plan, tp_mesh.size()) if only is None else \
         {name: style for name, style in plan.items() if only(name)}

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.early_stopping import EarlyStopping
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.early_stopping import EarlyStopping
+from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
 
@@ -92,7 +92,7 @@ def test_monitors_a_training_metric_without_validation_loop(tmp_path):
     from torch.utils.data import DataLoader
 
     from tests.helpers.models import Regressor, make_net, regression_data
-    from trainer import Trainer
+    from trainforge import Trainer
 
     class Flat(Regressor):
         def training_step(self, batch, batch_idx):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.base import Callback
-from callbacks.grad_norm import GradientNormMonitor, total_norm
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.base import Callback
+from trainforge.callbacks.grad_norm import GradientNormMonitor, total_norm
+from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.lr_monitor import LearningRateMonitor
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.lr_monitor import LearningRateMonitor
+from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
 

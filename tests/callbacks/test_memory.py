@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.base import Callback
-from callbacks.memory import MemoryLeakWarning, MemoryMonitor
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.base import Callback
+from trainforge.callbacks.memory import MemoryLeakWarning, MemoryMonitor
+from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank, multirank_output
 from tests.scripts.cb_standin import StandInTrainer
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from callbacks.rng_sync import RNGSync, _apply_sampler_state, _sampler_state, _samplers
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.rng_sync import RNGSync, _apply_sampler_state, _sampler_state, _samplers
+from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
 

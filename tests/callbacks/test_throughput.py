@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.throughput import ThroughputMonitor, gpu_key, is_transformer, parameter_count, peak_flops_for
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.throughput import ThroughputMonitor, gpu_key, is_transformer, parameter_count, peak_flops_for
+from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.timer import Timer, parse_duration
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.timer import Timer, parse_duration
+from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
 

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.base import Callback
-from callbacks.trackers import FailurePolicy, TrackerCallback, TrackerWarning
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.base import Callback
+from trainforge.callbacks.trackers import FailurePolicy, TrackerCallback, TrackerWarning
+from trainforge.strategies.errors import ConfigurationError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def mlflow_store(tmp_path_factory, dest: Path) -> str:
 
 
 def make_module(**kwargs):
-    from trainer import TrainingModule
+    from trainforge import TrainingModule
 
     class Tiny(TrainingModule):
         def __init__(self, lr: float = 0.05, width: int = 4, fail_at_step: int | None = None, after_step=None):
@@ -115,7 +115,7 @@ def make_loader(n: int = 32, batch_size: int = 4, width: int = 4, seed: int = 0)
 
 def fit(callbacks, root: Path, module=None, max_epochs: int = 2, log_every: int = 1, val: bool = True, **kwargs):
     """A real ``Trainer.fit`` of a tiny regression; returns the trainer."""
-    from trainer import Trainer
+    from trainforge import Trainer
 
     trainer = Trainer(max_epochs=max_epochs, log_every_n_steps=log_every, callbacks=callbacks,
                       default_root_dir=str(root), enable_progress_bar=False, enable_checkpointing=False, **kwargs)
@@ -326,8 +326,7 @@ def test_bad_policy_is_rejected_with_the_value(bad):
                                               ("comet_ml", "CometLogger", "comet"),
                                               ("tensorboard", "TensorBoardLogger", "tensorboard")])
 def test_missing_backend_names_the_pip_extra_at_construction(monkeypatch, module, cls, extra):
-    import callbacks.trackers as trackers
-
+    import trainforge.callbacks.trackers as trackers
     for name in list(sys.modules):
         if name == module or name.startswith(module + "."):
             monkeypatch.delitem(sys.modules, name)
@@ -338,7 +337,7 @@ def test_missing_backend_names_the_pip_extra_at_construction(monkeypatch, module
 
 def test_trackers_import_without_any_backend():
     code = ("import sys\nfor m in ('mlflow', 'comet_ml', 'tensorboard'): sys.modules[m] = None\n"
-            "import callbacks.trackers as t\nprint(sorted(t.__all__))")
+            "import trainforge.callbacks.trackers as t\nprint(sorted(t.__all__))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "MLflowLogger" in out.stdout and "CSVLogger" in out.stdout

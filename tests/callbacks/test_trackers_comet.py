@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from callbacks.trackers import CometLogger
-from callbacks.trackers.base import flatten_params
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.trackers import CometLogger
+from trainforge.callbacks.trackers.base import flatten_params
+from trainforge.strategies.errors import ConfigurationError
 from tests.callbacks.test_trackers_base import Recorder, StandIn, fit, tracker_warnings
 
 pytest.importorskip("comet_ml")

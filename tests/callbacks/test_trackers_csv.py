@@ -6,7 +6,7 @@ import warnings
 
 import yaml
 
-from callbacks.trackers import CSVLogger, FailurePolicy
+from trainforge.callbacks.trackers import CSVLogger, FailurePolicy
 import pytest
 
 from tests.callbacks.test_trackers_base import (FakeClock, Recorder, StandIn, fit, make_loader, make_module,

@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 
-from callbacks import ModelCheckpoint
-from callbacks.trackers import FailurePolicy
-from strategies.errors import ConfigurationError
+from trainforge.callbacks import ModelCheckpoint
+from trainforge.callbacks.trackers import FailurePolicy
+from trainforge.strategies.errors import ConfigurationError
 from tests.callbacks.test_trackers_base import fit, tracker_warnings
 
 
@@ -56,7 +56,7 @@ def _fit(tmp_path, tracker):
 
 def test_dead_mlflow_server_costs_the_loop_nothing(tmp_path):
     pytest.importorskip("mlflow")
-    from callbacks.trackers import MLflowLogger
+    from trainforge.callbacks.trackers import MLflowLogger
 
     tracker = timed(MLflowLogger)(tracking_uri=f"http://127.0.0.1:{closed_port()}",
                                   failure_policy=FailurePolicy(flush_timeout_s=1.0))
@@ -71,7 +71,7 @@ def test_dead_mlflow_server_costs_the_loop_nothing(tmp_path):
 
 def test_dead_comet_server_is_bounded_by_the_policy(tmp_path, monkeypatch):
     pytest.importorskip("comet_ml")
-    from callbacks.trackers import CometLogger
+    from trainforge.callbacks.trackers import CometLogger
 
     monkeypatch.setenv("COMET_URL_OVERRIDE", f"http://127.0.0.1:{closed_port()}/clientlib/")
     monkeypatch.setenv("COMET_API_KEY", "not-a-real-key-0123456789")

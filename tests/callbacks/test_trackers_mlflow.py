@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from callbacks.trackers import MLflowLogger
-from callbacks.trackers.base import flatten_params
-from strategies.errors import ConfigurationError
+from trainforge.callbacks.trackers import MLflowLogger
+from trainforge.callbacks.trackers.base import flatten_params
+from trainforge.strategies.errors import ConfigurationError
 from tests.callbacks.test_trackers_base import Recorder, StandIn, fit, make_loader, make_module, mlflow_store
 
 pytest.importorskip("mlflow")
@@ -45,7 +45,7 @@ def test_fit_logs_params_and_metric_history_to_the_default_sqlite_store(tmp_path
 
 def test_resume_from_a_checkpoint_continues_the_same_run(tmp_path, store):
     """A real resume: the checkpoint carries the logger's state; the new logger appends to that run."""
-    from trainer import Trainer
+    from trainforge import Trainer
 
     first, second = MLflowLogger(), MLflowLogger()
     for logger, epochs, ckpt in ((first, 1, None), (second, 2, "last")):
@@ -79,7 +79,7 @@ def test_state_dict_to_a_new_logger_appends_to_the_same_run(tmp_path, store):
 
 def test_exception_marks_the_run_failed_and_checkpoints_are_uploaded(tmp_path, store):
     logger = MLflowLogger(log_checkpoints=True)
-    from trainer import Trainer
+    from trainforge import Trainer
 
     trainer = Trainer(max_epochs=3, log_every_n_steps=1, callbacks=[logger], default_root_dir=str(tmp_path),
                       enable_progress_bar=False)

@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 
-from callbacks.trackers import FailurePolicy, MLflowLogger
-from callbacks.trackers.base import flatten_params
+from trainforge.callbacks.trackers import FailurePolicy, MLflowLogger
+from trainforge.callbacks.trackers.base import flatten_params
 from tests.callbacks.test_trackers_base import Recorder, fit, make_module, mlflow_store, tracker_warnings
 
 pytest.importorskip("mlflow")

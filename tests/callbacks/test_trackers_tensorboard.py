@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from callbacks.trackers import TensorBoardLogger
-from callbacks.trackers.base import flatten_params
+from trainforge.callbacks.trackers import TensorBoardLogger
+from trainforge.callbacks.trackers.base import flatten_params
 from tests.callbacks.test_trackers_base import Recorder, StandIn, fit
 
 pytest.importorskip("tensorboard")

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from trainer import TrainingModule
+from trainforge import TrainingModule
 
 
 def regression_data(n: int = 64, dim: int = 8, seed: int = 1234) -> TensorDataset:

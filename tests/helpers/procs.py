@@ -82,5 +82,5 @@ def torchrun(script: Path | str, *args: str, nproc: int = 2) -> list:
 
 def trainforge_launch(script: Path | str, *args: str, nproc: int = 2, launch_args: Sequence[str] = ()) -> list:
     """The same through the launcher users use (`trainforge launch`)."""
-    return [sys.executable, "-m", "trainer", "launch", "--nproc-per-node", str(nproc), *launch_args, str(script),
+    return [sys.executable, "-m", "trainforge", "launch", "--nproc-per-node", str(nproc), *launch_args, str(script),
             *map(str, args)]

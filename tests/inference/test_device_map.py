@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 from tests.inference.common import gpt2_config, plain, quiet_transformers
-from trainer.inference import compute_module_sizes, infer_auto_device_map, init_empty_weights
-from trainer.inference.device_map import _balanced, get_max_memory
+from trainforge.trainer.inference import compute_module_sizes, infer_auto_device_map, init_empty_weights
+from trainforge.trainer.inference.device_map import _balanced, get_max_memory
 
 BLOCK = (32 * 32 + 32) * 4 + 4 * 32 * 4 + 8  # Linear + BatchNorm (weight, bias, running mean/var, count)
 

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from strategies.checkpoint_io import CheckpointWriter
+from trainforge.strategies.checkpoint_io import CheckpointWriter
 from tests.inference.common import gpt2_config, greedy, llama_config, plain, quiet_transformers, storages
-from trainer.inference import (cpu_offload, disk_offload, dispatch_model, init_empty_weights,
+from trainforge.trainer.inference import (cpu_offload, disk_offload, dispatch_model, init_empty_weights,
                                load_checkpoint_and_dispatch, materialize, remove_dispatch)
 
 MAPS = {"cpu": {"": "cpu"}, "disk": {"": "disk"},
@@ -165,7 +165,7 @@ def test_materialize_restores_ties():
 
 
 def test_accelerator_exposes_big_model_inference(tmp_path):
-    from trainer.accelerator import Accelerator
+    from trainforge.trainer.accelerator import Accelerator
     ref_model = _trained_plain()
     ref = ref_model(X)
     save_file(ref_model.state_dict(), str(tmp_path / "model.safetensors"))

@@ -20,15 +20,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from callbacks.base import Callback
-from callbacks.early_stopping import EarlyStopping
-from callbacks.grad_norm import GradientNormMonitor
-from callbacks.lr_monitor import LearningRateMonitor
-from callbacks.memory import MemoryMonitor
-from callbacks.rng_sync import RNGSync
-from callbacks.throughput import ThroughputMonitor
-from callbacks.timer import Timer
-from trainer import Trainer, TrainingModule
+from trainforge.callbacks.base import Callback
+from trainforge.callbacks.early_stopping import EarlyStopping
+from trainforge.callbacks.grad_norm import GradientNormMonitor
+from trainforge.callbacks.lr_monitor import LearningRateMonitor
+from trainforge.callbacks.memory import MemoryMonitor
+from trainforge.callbacks.rng_sync import RNGSync
+from trainforge.callbacks.throughput import ThroughputMonitor
+from trainforge.callbacks.timer import Timer
+from trainforge import Trainer, TrainingModule
 
 OUT = os.environ["CB_OUT"]
 MB_FLOATS = 262144

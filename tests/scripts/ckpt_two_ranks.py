@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from strategies.checkpoint_io import CheckpointWriter, load_object, load_tensors, read_latest_pointer
-from strategies.errors import CheckpointError
+from trainforge.strategies.checkpoint_io import CheckpointWriter, load_object, load_tensors, read_latest_pointer
+from trainforge.strategies.errors import CheckpointError
 
 
 def save(root: Path, name: str, step: int, rank: int, world_size: int) -> Path:

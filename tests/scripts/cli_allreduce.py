@@ -6,8 +6,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from strategies.environment import default_backend, detect_environment
-from trainer.launch_config import launch_defaults
+from trainforge.strategies.environment import default_backend, detect_environment
+from trainforge.trainer.launch_config import launch_defaults
 
 
 def main(out_dir: str) -> None:

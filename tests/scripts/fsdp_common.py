@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Trainer, TrainingModule
+from trainforge import Trainer, TrainingModule
 
 VOCAB, DIM, SEQ, N_BLOCKS, SAMPLES = 32, 16, 8, 3, 160
 BLOCK_NAMES = [f"net.blocks.{i}" for i in range(N_BLOCKS)]

@@ -14,8 +14,8 @@ from pathlib import Path
 from fsdp_common import fit, full_state, write_json
 from safetensors.torch import save_file
 
-from strategies import FSDPStrategy
-from strategies.fsdp import local_state_bytes
+from trainforge.strategies import FSDPStrategy
+from trainforge.strategies.fsdp import local_state_bytes
 
 
 def main(out: Path) -> None:

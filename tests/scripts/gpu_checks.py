@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from callbacks import Callback, MemoryMonitor  # noqa: E402
-from trainer import Trainer, TrainingModule, seed_everything  # noqa: E402
+from trainforge.callbacks import Callback, MemoryMonitor  # noqa: E402
+from trainforge import Trainer, TrainingModule, seed_everything  # noqa: E402
 
 
 def data(n=512, dim=64, seed=0):
@@ -131,7 +131,7 @@ def check_memory(out):
 def check_async_ckpt(out):
     """ModelCheckpoint's default on CUDA: asynchronous saves staged in reused pinned host buffers; the
     checkpoint of the last step resumes to the same weights."""
-    from callbacks import ModelCheckpoint
+    from trainforge.callbacks import ModelCheckpoint
 
     root = os.path.join(os.path.dirname(out), "async")
     module = Net()
@@ -182,7 +182,7 @@ def simple(**kwargs):
 
 
 def strategy(name, **kwargs):
-    import strategies
+    import trainforge.strategies as strategies
 
     return getattr(strategies, name)(**kwargs)
 

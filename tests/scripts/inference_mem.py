@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from trainer.inference import disk_offload, init_empty_weights, load_checkpoint_and_dispatch
+from trainforge.trainer.inference import disk_offload, init_empty_weights, load_checkpoint_and_dispatch
 
 WIDTH, DEPTH = 512, 16
 

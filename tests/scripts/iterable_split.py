@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from torch import nn
 
-from trainer import Accelerator, ConfigurationError, Trainer, TrainingModule
+from trainforge import Accelerator, ConfigurationError, Trainer, TrainingModule
 
 
 class Naive(IterableDataset):

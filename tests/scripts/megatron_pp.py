@@ -20,10 +20,10 @@ from fsdp_common import Block, loader, write_json
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from callbacks.base import Callback
-from strategies.errors import ConfigurationError
-from strategies.megatron import MegatronStrategy
-from trainer import Accelerator, Trainer, TrainingModule
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.megatron import MegatronStrategy
+from trainforge import Accelerator, Trainer, TrainingModule
 
 VOCAB, DIM, DEPTH = 32, 16, 4
 PLAN = {"net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise", "net.head": "colwise_rep"}
@@ -288,7 +288,7 @@ def tp2pp2(out: Path) -> Dict[str, Any]:
            "weights_diff": max(float((full[k] - ref["state"][k]).abs().max()) for k in ref["state"]),
            "placements": str(next(p.placements for n, p in strategy._params.items() if "mlp.0.weight" in n))}
     # the tp2 x pp2 checkpoint, optimizer state included, resumed under FSDPStrategy on the 4 processes
-    from strategies.fsdp import FSDPStrategy
+    from trainforge.strategies.fsdp import FSDPStrategy
     fsdp = FSDPStrategy()
     fsdp.setup_environment()
     lit = LitGPT()

@@ -20,9 +20,9 @@ from fsdp_common import SEQ, LitLM, TinyLM, full_state, lm_loss, loader, make_tr
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from callbacks.base import Callback
-from strategies.megatron import MegatronStrategy
-from trainer import Accelerator, TrainingModule
+from trainforge.callbacks.base import Callback
+from trainforge.strategies.megatron import MegatronStrategy
+from trainforge import Accelerator, TrainingModule
 
 PLAN = {"net.blocks.*.mix": "colwise_rep", "net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise",
         "net.head": "colwise_rep"}
@@ -82,7 +82,7 @@ def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
 def grad_diff(make_net: Any, loss_fn: Any, plan: Any, **kwargs: Any) -> Any:
     """First-step gradients of the TP=2 model (gathered) against the unsharded model's; with
     ``kwargs`` (sequence/loss parallel) also the loss difference."""
-    from strategies.parallel.sp import loss_parallel_context
+    from trainforge.strategies.parallel.sp import loss_parallel_context
 
     strategy = MegatronStrategy(tensor_parallel_size=2, tp_plan=plan, **kwargs)
     strategy.setup_environment()
@@ -229,8 +229,8 @@ def tp2(out: Path) -> Dict[str, Any]:
 
 def forcing_tp2_memory() -> int:
     """A device size between the tp2 layout's bytes and dp2's (dp2 holds more activations)."""
-    from strategies.memory_estimate import DEFAULT_HEADROOM
-    from strategies.parallel.layout import ModelShape, estimate_layouts, measure_activation_bytes
+    from trainforge.strategies.memory_estimate import DEFAULT_HEADROOM
+    from trainforge.strategies.parallel.layout import ModelShape, estimate_layouts, measure_activation_bytes
 
     net = LitLlama().net
     rows = {r.name: r.total for r in estimate_layouts(
@@ -245,7 +245,7 @@ def auto_layouts(out: Path, explicit_tp2_losses: List[float]) -> Dict[str, Any]:
     """'auto' sizes: the Trainer (loader prepared before the model) with a device that only tp2 fits,
     against the explicit tp=2 run; the Accelerator with room for dp2 (each rank its own shard); a
     loader prepared alone before the model is refused."""
-    from strategies.errors import ConfigurationError
+    from trainforge.strategies.errors import ConfigurationError
 
     res: Dict[str, Any] = {}
     memory = forcing_tp2_memory()

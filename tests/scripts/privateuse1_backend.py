@@ -19,10 +19,10 @@ def _gloo_for_tpu(store, rank, size, timeout):
 
 dist.Backend.register_backend("tpu", _gloo_for_tpu, devices=["tpu"])
 
-from strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
-from strategies.devices import default_device, normalize_accelerator  # noqa: E402
-from strategies.environment import default_backend  # noqa: E402
-from strategies.errors import ConfigurationError  # noqa: E402
+from trainforge.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
+from trainforge.strategies.devices import default_device, normalize_accelerator  # noqa: E402
+from trainforge.strategies.environment import default_backend  # noqa: E402
+from trainforge.strategies.errors import ConfigurationError  # noqa: E402
 
 out = {"current": str(torch.accelerator.current_accelerator()), "normalized": normalize_accelerator("TPU"),
        "auto_device": str(default_device("auto", 0)), "backend": default_backend("tpu:0")}

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils import backend_registration
 
-from strategies import DDPStrategy, SingleDeviceStrategy
-from strategies.devices import accelerator_choices, current_accelerator, default_device, normalize_accelerator
-from strategies.environment import default_backend, find_free_port
+from trainforge.strategies import DDPStrategy, SingleDeviceStrategy
+from trainforge.strategies.devices import accelerator_choices, current_accelerator, default_device, normalize_accelerator
+from trainforge.strategies.environment import default_backend, find_free_port
 from tests.helpers import procs
-from trainer import ConfigurationError, Trainer
+from trainforge import ConfigurationError, Trainer
 
 
 def test_cpu_machine_reports_no_accelerator_and_trains_on_cpu_with_gloo():

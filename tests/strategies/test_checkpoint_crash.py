@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from strategies.checkpoint_io import (
+from trainforge.strategies.checkpoint_io import (
     CheckpointWriter, load_object, load_tensors, read_latest_pointer, resolve_checkpoint, verify_checkpoint)
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

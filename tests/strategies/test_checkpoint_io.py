@@ -11,11 +11,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from strategies.checkpoint_io import (
+from trainforge.strategies.checkpoint_io import (
     CheckpointWriter, delete_checkpoint, find_latest_valid, from_plain, list_checkpoints, load_object,
     load_tensors, metadata_checksum, parse_size, read_latest_pointer, read_metadata, resolve_checkpoint, to_plain,
     verify_checkpoint, write_latest_pointer)
-from strategies.errors import CheckpointError, ConfigurationError
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 
 class TiedNet(torch.nn.Module):

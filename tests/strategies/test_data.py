@@ -9,10 +9,10 @@ import torch
 from torch.utils.data import (
     BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler)
 
-from strategies.data import (
+from trainforge.strategies.data import (
     ResumableDataLoader, ResumableDistributedSampler, drop_padding, load_loader_state, loader_state_dict,
     num_padding_samples, prepare_dataloader, set_loader_epoch, split_between_processes)
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 
 class Ids(Dataset):

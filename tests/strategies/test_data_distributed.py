@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from strategies.data import prepare_dataloader
+from trainforge.strategies.data import prepare_dataloader
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "data_shard_check.py"
 

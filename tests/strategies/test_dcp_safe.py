@@ -19,13 +19,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from strategies import FSDPStrategy
-from strategies.checkpoint_io import CheckpointWriter, verify_checkpoint
-from strategies.dcp_safe import load_metadata
-from strategies.errors import CheckpointError
+from trainforge.strategies import FSDPStrategy
+from trainforge.strategies.checkpoint_io import CheckpointWriter, verify_checkpoint
+from trainforge.strategies.dcp_safe import load_metadata
+from trainforge.strategies.errors import CheckpointError
 from tests.helpers.procs import run
 from tests.helpers.procs import test_env as child_env
-from trainer.cli import main as cli_main
+from trainforge.trainer.cli import main as cli_main
 
 
 class Payload:
@@ -134,9 +134,9 @@ def test_truncated_metadata_is_a_checkpoint_error(tmp_path):
 
 ACCELERATOR_SCRIPT = textwrap.dedent("""
     import sys, torch
-    from strategies import FSDPStrategy
-    from strategies.errors import CheckpointError
-    from trainer import Accelerator
+    from trainforge.strategies import FSDPStrategy
+    from trainforge.strategies.errors import CheckpointError
+    from trainforge import Accelerator
     acc = Accelerator(strategy=FSDPStrategy())
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

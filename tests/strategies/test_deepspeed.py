@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from strategies import strategy_class
-from strategies.checkpoint_io import load_tensors
-from strategies.deepspeed import DeepSpeedStrategy
-from strategies.errors import ConfigurationError
+from trainforge.strategies import strategy_class
+from trainforge.strategies.checkpoint_io import load_tensors
+from trainforge.strategies.deepspeed import DeepSpeedStrategy
+from trainforge.strategies.errors import ConfigurationError
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ds_parity.py"
 TIMEOUT = 420

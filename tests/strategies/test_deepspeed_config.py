@@ -4,11 +4,11 @@ import json
 import pytest
 from torch import nn
 
-from strategies.deepspeed import DeepSpeedStrategy
-from strategies.deepspeed_config import (QUIET_STEPS, TrainingSettings, ZeroSettings, explicit_settings,
+from trainforge.strategies.deepspeed import DeepSpeedStrategy
+from trainforge.strategies.deepspeed_config import (QUIET_STEPS, TrainingSettings, ZeroSettings, explicit_settings,
                                          generate_config, load_user_config, merge_config)
-from strategies.errors import ConfigurationError
-from trainer.precision import Precision
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.precision import Precision
 
 SETTINGS = TrainingSettings(micro_batch_size=8, accumulation_steps=4, world_size=2, gradient_clip_val=1.0,
                             precision="bf16-mixed")

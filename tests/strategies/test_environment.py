@@ -4,9 +4,9 @@ import socket
 import pytest
 import torch
 
-from strategies.environment import (ClusterEnvironment, default_backend, detect_environment,
+from trainforge.strategies.environment import (ClusterEnvironment, default_backend, detect_environment,
                                     port_is_free, slurm_first_host, slurm_tasks_on_node)
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "job"}

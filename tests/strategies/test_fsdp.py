@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from strategies import FSDPStrategy
-from strategies.errors import CheckpointError, ConfigurationError
-from strategies.fsdp_wrap import repeated_blocks, select_modules
-from trainer.cli import main as cli_main
+from trainforge.strategies import FSDPStrategy
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.strategies.fsdp_wrap import repeated_blocks, select_modules
+from trainforge.trainer.cli import main as cli_main
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -220,5 +220,5 @@ def test_merge_weights_refuses_what_is_not_a_sharded_checkpoint(tmp_path, capsys
     err = capsys.readouterr().err
     assert "is not a directory" in err and "no sharded checkpoint here" in err and "--max-shard-size='x'" in err
     with pytest.raises(CheckpointError):
-        from trainer.merge_weights import find_dcp_dir
+        from trainforge.trainer.merge_weights import find_dcp_dir
         find_dcp_dir(tmp_path / "empty")

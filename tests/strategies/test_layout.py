@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from strategies.errors import ConfigurationError
-from strategies.memory_estimate import bytes_per_param
-from strategies.parallel.layout import (LayoutRow, ModelShape, choose_layout, estimate_layouts,
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.memory_estimate import bytes_per_param
+from trainforge.strategies.parallel.layout import (LayoutRow, ModelShape, choose_layout, estimate_layouts,
                                         layer_activation_bytes, measure_activation_bytes)
-from trainer import cli
+from trainforge.trainer import cli
 
 SHAPE = ModelShape(params=1_000_000_000, layers=24, hidden=2048, heads=16)
 

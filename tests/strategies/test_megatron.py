@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from strategies import resolve_strategy
-from strategies.errors import ConfigurationError
-from strategies.megatron import MegatronStrategy
-from strategies.parallel import ParallelDims, resolve_plan
+from trainforge.strategies import resolve_strategy
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.megatron import MegatronStrategy
+from trainforge.strategies.parallel import ParallelDims, resolve_plan
 from tests.helpers.procs import run, torchrun
-from trainer.cli import main as cli_main
+from trainforge.trainer.cli import main as cli_main
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -129,7 +129,7 @@ def test_unknown_choices_and_unbuilt_options():
 def test_auto_layout_bad_inputs():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from strategies.parallel.auto import choose_auto_layout
+    from trainforge.strategies.parallel.auto import choose_auto_layout
 
     for kwargs, match in (({"seq_len": 0}, r"seq_len=0 must be None or an int >= 1"),
                           ({"device_memory": "80GB"}, r"device_memory='80GB' must be None or an int >= 1 \(bytes"),
@@ -163,7 +163,7 @@ def test_auto_layout_bad_inputs():
 
 
 def test_sequence_and_loss_parallel_bad_inputs():
-    from strategies.parallel.sp import rewrite_plan
+    from trainforge.strategies.parallel.sp import rewrite_plan
 
     with pytest.raises(ConfigurationError, match=r"sequence_parallel='yes' must be True or False"):
         MegatronStrategy(tensor_parallel_size=2, sequence_parallel="yes")
@@ -218,7 +218,7 @@ def test_plan_globs_are_one_path_component():
 
 
 def test_megatron_section_of_the_launch_config():
-    from trainer.launch_config import strategy_kwargs
+    from trainforge.trainer.launch_config import strategy_kwargs
 
     kwargs = strategy_kwargs("megatron", {"megatron": {"tensor_parallel_size": 2, "schedule": "gpipe"}})
     assert kwargs == {"tensor_parallel_size": 2, "schedule": "gpipe"}

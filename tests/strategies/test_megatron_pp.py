@@ -19,13 +19,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from strategies.errors import ConfigurationError
-from strategies.megatron import MegatronStrategy
-from strategies.parallel import ParallelDims
-from strategies.parallel.pp import check_tied_placement, plan_split, prune, stage_ids, stage_module
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.megatron import MegatronStrategy
+from trainforge.strategies.parallel import ParallelDims
+from trainforge.strategies.parallel.pp import check_tied_placement, plan_split, prune, stage_ids, stage_module
 from tests.helpers.procs import run, torchrun
-from trainer import TrainingModule
-from trainer.cli import main as cli_main
+from trainforge import TrainingModule
+from trainforge.trainer.cli import main as cli_main
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -245,7 +245,7 @@ class NoLoss(TrainingModule):
 
 
 def test_pipeline_settings_from_the_launch_config():
-    from trainer.launch_config import strategy_kwargs
+    from trainforge.trainer.launch_config import strategy_kwargs
 
     kwargs = strategy_kwargs("megatron", {"megatron": {"pipeline_parallel_size": 2, "schedule": "interleaved_1f1b",
                                                        "num_microbatches": 4, "pp_split": ["net.blocks.1",
@@ -268,7 +268,7 @@ def test_pipeline_needs_loss_fn_and_no_extra_accumulation():
 
 def test_base_forward_backward_is_the_plain_step():
     """Strategies without a pipeline: forward_backward is the Trainer's inline path (step, then backward)."""
-    from strategies.single import SingleDeviceStrategy
+    from trainforge.strategies.single import SingleDeviceStrategy
 
     strategy, net = SingleDeviceStrategy(), nn.Linear(3, 1)
     assert not strategy.pipelined
@@ -280,7 +280,7 @@ def test_base_forward_backward_is_the_plain_step():
 
 def test_accelerator_forward_backward_without_a_pipeline():
     """The same loop runs without pipelining: loss_fn(model(inputs), target), then backward."""
-    from trainer import Accelerator
+    from trainforge import Accelerator
 
     acc, net = Accelerator(strategy="single"), nn.Linear(3, 1)
     ref = nn.Linear(3, 1)

@@ -8,21 +8,21 @@ import sys
 import pytest
 import torch
 
-from strategies import STRATEGY_NAMES, XLAStrategy, resolve_strategy
-from strategies.xla import check_torch_xla_versions, check_xla_cpu_devices
+from trainforge.strategies import STRATEGY_NAMES, XLAStrategy, resolve_strategy
+from trainforge.strategies.xla import check_torch_xla_versions, check_xla_cpu_devices
 from tests.helpers import procs
-from trainer import Accelerator, ConfigurationError
+from trainforge import Accelerator, ConfigurationError
 
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 TORCH_IS_29 = torch.__version__.startswith("2.9.")
 
 LAZY = """
 import json, sys
-import trainer, strategies, callbacks
-from strategies import XLAStrategy, resolve_strategy, strategy_class
-from trainer import Accelerator, Trainer
-from trainer.cli import build_parser
-import strategies.xla
+import trainforge, trainforge.trainer, trainforge.strategies, trainforge.callbacks
+from trainforge.strategies import XLAStrategy, resolve_strategy, strategy_class
+from trainforge import Accelerator, Trainer
+from trainforge.trainer.cli import build_parser
+import trainforge.strategies.xla
 build_parser()
 picked = [type(resolve_strategy(n)).__name__ for n in ("auto", "single", "ddp")]
 XLAStrategy()
@@ -71,7 +71,7 @@ def test_installed_torch_xla_of_another_torch_is_refused_before_its_import(tmp_p
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_xla\nVersion: 2.9.0\n")
     (tmp_path / "torch_xla").mkdir()
     (tmp_path / "torch_xla" / "__init__.py").write_text("raise SystemExit('torch_xla must not be imported')\n")
-    code = ("from trainer import Accelerator, ConfigurationError\n"
+    code = ("from trainforge import Accelerator, ConfigurationError\n"
             "try:\n    Accelerator(strategy='xla')\nexcept ConfigurationError as e:\n    print('ERROR', e)\n")
     out = procs.run([sys.executable, "-c", code], timeout=120, env=procs.test_env(
         PYTHONPATH=f"{procs.REPO}:{tmp_path}"))
@@ -94,7 +94,7 @@ def test_bad_xla_strategy_arguments_fail_before_any_import():
 
 
 def _launch(*args, **env):
-    return procs.run([sys.executable, "-m", "trainer", "launch", *args], timeout=120, check=False,
+    return procs.run([sys.executable, "-m", "trainforge", "launch", *args], timeout=120, check=False,
                      env=procs.test_env(**env))
 
 

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from callbacks import ModelCheckpoint
-from strategies.checkpoint_io import load_tensors
+from trainforge.callbacks import ModelCheckpoint
+from trainforge.strategies.checkpoint_io import load_tensors
 from tests.helpers import procs
 from tests.helpers.models import Regressor, make_net, regression_data
-from trainer import Accelerator, ConfigurationError, Trainer, seed_everything
+from trainforge import Accelerator, ConfigurationError, Trainer, seed_everything
 
 pytestmark = pytest.mark.xla
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -148,8 +148,8 @@ def test_collectives_on_one_xla_device():
 
 def test_launch_xla_runs_the_script_on_the_xla_device(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("from trainer import Accelerator\nacc = Accelerator()\n"
+    script.write_text("from trainforge import Accelerator\nacc = Accelerator()\n"
                       "print('STRATEGY', acc.strategy.name, acc.device.type, acc.num_processes)\n")
-    out = procs.run([sys.executable, "-m", "trainer", "launch", "--xla", str(script)], timeout=300,
+    out = procs.run([sys.executable, "-m", "trainforge", "launch", "--xla", str(script)], timeout=300,
                     env=procs.test_env(PJRT_DEVICE="CPU"))
     assert "STRATEGY xla xla 1" in out.stdout

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers.models import make_net, regression_data
-from trainer import Accelerator, CheckpointError, ConfigurationError
+from trainforge import Accelerator, CheckpointError, ConfigurationError
 
 
 class ProjectConfiguration:  # the shape of accelerate.utils.ProjectConfiguration

@@ -19,15 +19,15 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from callbacks import ModelCheckpoint
-from strategies import resolve_strategy
-from strategies.async_save import WRITER_NICENESS, AsyncCheckpointer, resolve_async_save
-from strategies.checkpoint_io import (list_checkpoints, load_object, load_tensors, read_latest_pointer,
+from trainforge.callbacks import ModelCheckpoint
+from trainforge.strategies import resolve_strategy
+from trainforge.strategies.async_save import WRITER_NICENESS, AsyncCheckpointer, resolve_async_save
+from trainforge.strategies.checkpoint_io import (list_checkpoints, load_object, load_tensors, read_latest_pointer,
                                       resolve_checkpoint, verify_checkpoint)
 from tests.helpers import procs
 from tests.helpers.models import Regressor, make_net, regression_data
 from tests.strategies.test_checkpoint_crash import _readline
-from trainer import Accelerator, CheckpointError, ConfigurationError, Trainer, seed_everything
+from trainforge import Accelerator, CheckpointError, ConfigurationError, Trainer, seed_everything
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -240,7 +240,7 @@ def test_two_processes_async_saves_killed_and_restarted_resume_bit_identical(tmp
 @pytest.mark.slow
 def test_the_process_does_not_exit_before_an_async_save_state_is_committed(tmp_path):
     script = ("import sys, torch\n"
-              "from trainer import Accelerator\n"
+              "from trainforge import Accelerator\n"
               "acc = Accelerator()\n"
               "model, opt = acc.prepare(torch.nn.Linear(512, 512), torch.optim.AdamW([torch.zeros(1)]))\n"
               "acc.save_state(sys.argv[1], async_save=True)\n"

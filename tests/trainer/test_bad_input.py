@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers.models import Regressor, make_net, regression_data
-from trainer import Accelerator, CheckpointError, ConfigurationError, Trainer, TrainforgeError, TrainingModule
+from trainforge import Accelerator, CheckpointError, ConfigurationError, Trainer, TrainforgeError, TrainingModule
 
 
 def fit(tmp_path, module=None, loader=None, **kwargs):

@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from callbacks import EarlyStopping, ModelCheckpoint
-from strategies import DDPStrategy, FSDPStrategy
-from strategies.checkpoint_io import CheckpointWriter
+from trainforge.callbacks import EarlyStopping, ModelCheckpoint
+from trainforge.strategies import DDPStrategy, FSDPStrategy
+from trainforge.strategies.checkpoint_io import CheckpointWriter
 from tests.helpers.models import Regressor, make_net, regression_data
 from tests.helpers.procs import run
 from tests.helpers.procs import test_env as child_env
-from trainer import CheckpointError, ConfigurationError, Trainer
-from trainer.launch_config import validate
+from trainforge import CheckpointError, ConfigurationError, Trainer
+from trainforge.trainer.launch_config import validate
 
 
 def loader():
@@ -232,7 +232,7 @@ def test_fsdp_load_failure_is_a_checkpoint_error_not_a_base_exception(tmp_path):
 def test_single_strategy_in_a_multi_process_launch(tmp_path):
     script = tmp_path / "single.py"
     script.write_text(textwrap.dedent("""
-        from trainer import Trainer, ConfigurationError
+        from trainforge import Trainer, ConfigurationError
         try:
             Trainer(strategy="single", max_epochs=1)
         except ConfigurationError as e:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import make_net, regression_data
-from trainer import Accelerator, CheckpointError, seed_everything
+from trainforge import Accelerator, CheckpointError, seed_everything
 
 
 class Counter:

@@ -1,4 +1,4 @@
-"""The trainforge CLI, run as `python -m trainer ...` subprocesses (real torchrun, gloo, 2 ranks)."""
+"""The trainforge CLI, run as `python -m trainforge ...` subprocesses (real torchrun, gloo, 2 ranks)."""
 import json
 import os
 import signal
@@ -12,19 +12,19 @@ import pytest
 import torch
 import yaml
 
-from trainer import cli
-from trainer.launch import resolve_settings, torchrun_argv
-from strategies.errors import ConfigurationError
-from trainer.launch_config import LAUNCH_CONFIG_ENV, launch_defaults, resolve_answers, save_config
+from trainforge.trainer import cli
+from trainforge.trainer.launch import resolve_settings, torchrun_argv
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.launch_config import LAUNCH_CONFIG_ENV, launch_defaults, resolve_answers, save_config
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def run_cli(args, tmp_path, timeout=120, stdin=None, **env_extra):
-    """`python -m trainer ARGS` with an isolated config home; the whole process group dies on timeout."""
+    """`python -m trainforge ARGS` with an isolated config home; the whole process group dies on timeout."""
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg"), **env_extra}
     env.pop(LAUNCH_CONFIG_ENV, None)
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", *map(str, args)], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "trainforge", *map(str, args)], cwd=tmp_path, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -173,7 +173,7 @@ def test_torchrun_arguments_are_torchruns_own(tmp_path, monkeypatch):
     parsed = torchrun.parse_args(torchrun_argv(resolve_settings(args), args.script, args.script_args))
     assert (parsed.nproc_per_node, parsed.max_restarts, parsed.monitor_interval) == ("2", 3, 0.5)
     assert parsed.standalone and parsed.module  # free port on one node; script under the bootstrap
-    assert (parsed.training_script, parsed.training_script_args) == ("trainer._bootstrap",
+    assert (parsed.training_script, parsed.training_script_args) == ("trainforge.trainer._bootstrap",
                                                                      ["train.py", "--lr", "1"])
     args = parser.parse_args(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0",
                               "--master-port", "1234", "train.py"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Accelerator, Trainer, TrainingModule, seed_everything
+from trainforge import Accelerator, Trainer, TrainingModule, seed_everything
 
 DATA = TensorDataset(torch.arange(40))
 

@@ -70,7 +70,7 @@ def _parity_in_notebook(out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_notebook_launcher_ddp_matches_raw_ddp(tmp_path):
-    from trainer import notebook_launcher
+    from trainforge import notebook_launcher
 
     notebook_launcher(_parity_in_notebook, args=(str(tmp_path),), num_processes=2, timeout=240)
     for accum in (1, 2):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import DataLoader
 
-from callbacks import Callback
+from trainforge.callbacks import Callback
 from tests.helpers.models import Regressor, make_net, regression_data
-from trainer import Event, Trainer
+from trainforge import Event, Trainer
 
 
 class Recorder(Callback):

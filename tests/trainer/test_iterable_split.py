@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from strategies.data import prepare_dataloader
-from strategies.data_iterable import fingerprint
+from trainforge.strategies.data import prepare_dataloader
+from trainforge.strategies.data_iterable import fingerprint
 from tests.helpers import procs
-from trainer import Accelerator, ConfigurationError
-from trainer.config import limited
-from trainer.dispatch import BatchDispatcher
+from trainforge import Accelerator, ConfigurationError
+from trainforge.trainer.config import limited
+from trainforge.trainer.dispatch import BatchDispatcher
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "iterable_split.py"
 

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import Regressor, make_net, regression_data
-from trainer import Trainer
+from trainforge import Trainer
 
 
 class MeanLogger(Regressor):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from callbacks import Callback, ProgressBar
+from trainforge.callbacks import Callback, ProgressBar
 from tests.helpers.models import Regressor, make_net, regression_data
-from trainer import Trainer
+from trainforge import Trainer
 
 
 class CountValidations(Callback):

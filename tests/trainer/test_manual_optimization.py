@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import make_net, regression_data
-from trainer import ConfigurationError, Trainer, TrainingModule, seed_everything
+from trainforge import ConfigurationError, Trainer, TrainingModule, seed_everything
 
 
 class TwoNets(TrainingModule):

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from strategies.errors import ConfigurationError, LaunchError
-from trainer.notebook import notebook_launcher
+from trainforge.strategies.errors import ConfigurationError, LaunchError
+from trainforge.trainer.notebook import notebook_launcher
 
 
 @pytest.mark.slow

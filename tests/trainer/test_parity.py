@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import Regressor, make_net, regression_data
-from trainer import Accelerator, Trainer, seed_everything
+from trainforge import Accelerator, Trainer, seed_everything
 
 EPOCHS, BATCH = 2, 8
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from callbacks import ModelCheckpoint
+from trainforge.callbacks import ModelCheckpoint
 from tests.helpers.models import make_net, regression_data
-from trainer import Trainer, TrainingModule, seed_everything
+from trainforge import Trainer, TrainingModule, seed_everything
 
 BATCH, STEPS_PER_EPOCH = 8, 8  # 64 samples
 
@@ -64,7 +64,7 @@ def test_step_checkpoint_on_last_batch_of_epoch_resumes_with_the_epoch_end_still
 
 # ---- Accelerator ------------------------------------------------------------------------------
 def _acc_objects(initial):
-    from trainer import Accelerator
+    from trainforge import Accelerator
 
     acc = Accelerator()
     model = copy.deepcopy(initial)

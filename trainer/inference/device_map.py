@@ -12,9 +12,9 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 import torch
 from torch import nn
 
-from strategies.checkpoint_io import parse_size
-from strategies.errors import ConfigurationError, invalid_choice
-from trainer.inference.meta import tie_groups
+from trainforge.strategies.checkpoint_io import parse_size
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
+from trainforge.trainer.inference.meta import tie_groups
 
 MODES = ("auto", "balanced", "balanced_low_0", "sequential")
 Device = Union[int, str]

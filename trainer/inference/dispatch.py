@@ -13,12 +13,12 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from strategies.errors import CheckpointError, ConfigurationError
-from strategies.safetensors_mmap import mmap_safetensors
-from trainer.inference.device_map import Device, infer_auto_device_map, MODES, normalize_device
-from trainer.inference.hooks import first_device, Runner, send_to
-from trainer.inference.meta import retie, set_tensor, tie_groups
-from trainer.inference.sources import check_writable, open_source, Source, write_offload
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.strategies.safetensors_mmap import mmap_safetensors
+from trainforge.trainer.inference.device_map import Device, infer_auto_device_map, MODES, normalize_device
+from trainforge.trainer.inference.hooks import first_device, Runner, send_to
+from trainforge.trainer.inference.meta import retie, set_tensor, tie_groups
+from trainforge.trainer.inference.sources import check_writable, open_source, Source, write_offload
 
 
 def _all_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:

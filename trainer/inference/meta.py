@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List
 import torch
 from torch import nn
 
-from strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError
 
 
 @contextlib.contextmanager

@@ -13,8 +13,8 @@ from typing import Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 from safetensors.torch import save_file
 
-from strategies.errors import CheckpointError, ConfigurationError
-from strategies.safetensors_mmap import _DTYPES, mmap_safetensors, read_header
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.strategies.safetensors_mmap import _DTYPES, mmap_safetensors, read_header
 
 OFFLOAD_TAG = "trainforge_offload"  # in the header of every file trainforge writes to an offload folder
 

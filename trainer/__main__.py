@@ -1,7 +1,0 @@
-"""``python -m trainer`` is the ``trainforge`` command line."""
-import sys
-
-from trainer.cli import main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m trainforge`` is the ``trainforge`` command line."""
+import sys
+
+from trainforge.trainer.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
