@@ -1,7 +1,6 @@
 """DistributedDataParallel over the process group that the environment describes."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import inspect
 import logging
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from trainforge.strategies import clean_exit
 from trainforge.strategies.base import REDUCE_OPS, Strategy, mean_from_sum
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
@@ -79,7 +79,8 @@ class ProcessGroupMixin:
             backend = backend or default_backend(device)
             dist.init_process_group(backend=backend, timeout=timeout, **_elastic_store(env, timeout))
             self._owns_process_group = True
-            atexit.register(self._stop_process_group)  # torch warns at exit about a group left open
+            clean_exit.register(self._stop_process_group)  # torch warns at exit about a group left open
+        clean_exit.register()  # a group someone else started exits cleanly too
         if dist.get_rank() == 0:
             log.info("trainforge: strategy=%s backend=%s world_size=%d environment=%s master=%s:%s device=%s",
                      self.name, dist.get_backend(), dist.get_world_size(), env.kind, env.master_addr,
