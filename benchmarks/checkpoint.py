@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
-
 from checkpoint_stall import part_stall  # beside this script
+
 from trainforge.strategies.checkpoint_io import CheckpointWriter, load_object, load_tensors, verify_checkpoint
 
 

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from trainforge.callbacks import Callback
 from trainforge import Trainer, TrainingModule
+from trainforge.callbacks import Callback
 
 WARMUP = 3
 

@@ -61,10 +61,20 @@ def child(a: argparse.Namespace) -> None:
     ckpt, off, dev = Path(a.dir) / "model.safetensors", Path(a.dir) / f"off-{a.lib}-{a.path}", a.device
     exec_dev = 0 if dev == "cuda" else "cpu"
     if a.lib == "trainforge":
-        from trainforge.trainer.inference import cpu_offload, disk_offload, init_empty_weights, load_checkpoint_and_dispatch
+        from trainforge.trainer.inference import (
+            cpu_offload,
+            disk_offload,
+            init_empty_weights,
+            load_checkpoint_and_dispatch,
+        )
     else:
-        from accelerate import (cpu_offload, disk_offload, infer_auto_device_map, init_empty_weights,
-                                load_checkpoint_and_dispatch)
+        from accelerate import (
+            cpu_offload,
+            disk_offload,
+            infer_auto_device_map,
+            init_empty_weights,
+            load_checkpoint_and_dispatch,
+        )
     from safetensors.torch import load_file
     x = torch.randn(a.batch, a.width, device=dev)
     nn.Linear(4, 4)(torch.randn(1, 4))

@@ -111,8 +111,8 @@ def measure(row: Row, dim: int, layers: int) -> Dict[str, int]:
     if row.strategy.startswith("zero"):
         return measure_deepspeed(row, dim, layers)
 
-    from trainforge.strategies.fsdp import local_state_bytes
     from trainforge import Accelerator
+    from trainforge.strategies.fsdp import local_state_bytes
 
     torch.manual_seed(0)
     model = build_model(dim, layers)
@@ -135,8 +135,8 @@ def measure_deepspeed(row: Row, dim: int, layers: int) -> Dict[str, int]:
     full step (Adam's states exist), then count after the second backward, before its step."""
     import torch
 
-    from trainforge.strategies.deepspeed import local_state_bytes
     from trainforge import Accelerator
+    from trainforge.strategies.deepspeed import local_state_bytes
 
     torch.manual_seed(0)
     model = build_model(dim, layers)

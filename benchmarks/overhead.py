@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from trainforge.callbacks import ProgressBar
 from trainforge import Accelerator, Trainer, TrainingModule
+from trainforge.callbacks import ProgressBar
 
 TARGETS = {"accelerator": 1.01, "trainer": 1.03}
 

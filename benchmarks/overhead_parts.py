@@ -26,9 +26,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402  (the sibling benchmark: same data and loops)
 
+from trainforge import Accelerator  # noqa: E402
 from trainforge.callbacks import ProgressBar  # noqa: E402
 from trainforge.strategies.data import prepare_dataloader  # noqa: E402
-from trainforge import Accelerator  # noqa: E402
 from trainforge.trainer.metrics import MetricStore  # noqa: E402
 
 

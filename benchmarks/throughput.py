@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from trainforge.callbacks import ProgressBar
 from trainforge import Accelerator, Trainer, TrainingModule
+from trainforge.callbacks import ProgressBar
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s from the vendors' datasheets; first match wins,
 # so more specific names come first.

@@ -19,11 +19,11 @@ from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from char_gpt_model import CharGPT, CharTokenizer, GPTConfig, generate, load_corpus, split_datasets
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import Callback, ModelCheckpoint
-from char_gpt_model import CharGPT, CharTokenizer, GPTConfig, generate, load_corpus, split_datasets
 from trainforge import ConfigurationError, Trainer, TrainingModule, seed_everything
+from trainforge.callbacks import Callback, ModelCheckpoint
 
 
 class LitCharGPT(TrainingModule):

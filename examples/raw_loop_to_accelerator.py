@@ -18,9 +18,9 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from char_gpt_model import CharGPT, CharTokenizer, GPTConfig, load_corpus, split_datasets
 from torch.utils.data import DataLoader
 
-from char_gpt_model import CharGPT, CharTokenizer, GPTConfig, load_corpus, split_datasets
 from trainforge import Accelerator, seed_everything  # ADDED
 
 

@@ -49,10 +49,27 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from trainforge.strategies.checkpoint_verify import (  # noqa: F401  (re-exported API)
-    ASIDE, FORMAT_VERSION, METADATA_FILE, PARTIAL, RESERVED_KEYS, PathLike, check_name, check_replaceable,
+    ASIDE,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    PARTIAL,
+    RESERVED_KEYS,
+    PathLike,
+    check_name,
+    check_replaceable,
     delete_checkpoint,
-    file_crc32, find_latest_valid, fsync_dir, list_checkpoints, metadata_checksum, read_latest_pointer,
-    read_metadata, remove_stale, resolve_checkpoint, verify_checkpoint, write_latest_pointer)
+    file_crc32,
+    find_latest_valid,
+    fsync_dir,
+    list_checkpoints,
+    metadata_checksum,
+    read_latest_pointer,
+    read_metadata,
+    remove_stale,
+    resolve_checkpoint,
+    verify_checkpoint,
+    write_latest_pointer,
+)
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB" as Hugging Face counts it

@@ -25,6 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as _TorchdataRandomSampler
 
+from .data_iterable import _TagCollate, shard_iterable, shards_itself
 from .data_sampler import (
     KEEP_POSITION,
     ResumableDistributedSampler,
@@ -32,7 +33,6 @@ from .data_sampler import (
     as_sampler_state,
     epoch_length,
 )
-from .data_iterable import _TagCollate, shard_iterable, shards_itself
 from .data_split import drop_padding, split_between_processes  # noqa: F401  (re-exported)
 from .errors import ConfigurationError
 

@@ -43,8 +43,15 @@ from torch import nn
 from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
 from trainforge.strategies.checkpoint_verify import file_crc32, read_metadata
 from trainforge.strategies.ddp import ProcessGroupMixin, check_timeout
-from trainforge.strategies.deepspeed_config import (OFFLOAD_DEVICES, TrainingSettings, ZeroSettings, explicit_settings,
-                                         generate_config, load_user_config, merge_config)
+from trainforge.strategies.deepspeed_config import (
+    OFFLOAD_DEVICES,
+    TrainingSettings,
+    ZeroSettings,
+    explicit_settings,
+    generate_config,
+    load_user_config,
+    merge_config,
+)
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 
 log = logging.getLogger("trainforge")
@@ -236,7 +243,12 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                             hidden_size=hidden if isinstance(hidden, int) else None)
 
     def _choose_auto(self, module: nn.Module, optimizer: Any, precision: str) -> ZeroSettings:
-        from trainforge.strategies.memory_estimate import available_memory, choose_deepspeed, count_parameters, optimizer_kind
+        from trainforge.strategies.memory_estimate import (
+            available_memory,
+            choose_deepspeed,
+            count_parameters,
+            optimizer_kind,
+        )
 
         ranks_per_node = getattr(getattr(self, "cluster", None), "local_world_size", 1)
         free = available_memory(self.root_device, ranks_per_node)

@@ -72,8 +72,13 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, U
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
@@ -87,11 +92,20 @@ from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
 from trainforge.strategies.parallel.dims import _positive
 from trainforge.strategies.parallel.dp import DATA_PARALLEL, apply_data_parallel
-from trainforge.strategies.parallel.sp import install_loss_parallel, loss_parallel_context
-from trainforge.strategies.parallel.pp import (SCHEDULES, check_tied_placement, guard_forward, num_stages_for, plan_split,
-                                    prune, schedule_class, stage_blocks, stage_ids,
-                                    stage_module)
+from trainforge.strategies.parallel.pp import (
+    SCHEDULES,
+    check_tied_placement,
+    guard_forward,
+    num_stages_for,
+    plan_split,
+    prune,
+    schedule_class,
+    stage_blocks,
+    stage_ids,
+    stage_module,
+)
 from trainforge.strategies.parallel.pp_schedule import PipelineRunner
+from trainforge.strategies.parallel.sp import install_loss_parallel, loss_parallel_context
 
 log = logging.getLogger("trainforge")
 

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from trainforge.strategies.base import REDUCE_OPS, Strategy, mean_from_sum, build_optimizers
+from trainforge.strategies.base import REDUCE_OPS, Strategy, build_optimizers, mean_from_sum
 from trainforge.strategies.data_utils import apply_to_tensors
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
 

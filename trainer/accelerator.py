@@ -24,8 +24,8 @@ from torch import nn
 
 from trainforge.strategies import Strategy, resolve_strategy
 from trainforge.strategies.async_save import AsyncCheckpointer
-from trainforge.strategies.devices import check_device_matches, normalize_accelerator
 from trainforge.strategies.data_utils import apply_to_tensors
+from trainforge.strategies.devices import check_device_matches, normalize_accelerator
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.precision import Precision
 from trainforge.trainer.process_control import ProcessControl
@@ -215,8 +215,8 @@ class Accelerator(ProcessControl):
         return dispatch
 
     def _dispatcher(self, loader: Any) -> Any:
-        from trainforge.trainer.dispatch import BatchDispatcher
         from trainforge.strategies.data import loader_state_dict
+        from trainforge.trainer.dispatch import BatchDispatcher
 
         return BatchDispatcher(loader, rank=self.process_index, world_size=self.num_processes, device=self.device,
                                broadcast=lambda obj: self.strategy.broadcast(obj, 0), split_batches=self.split_batches,

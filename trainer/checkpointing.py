@@ -22,8 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from trainforge.strategies.async_save import resolve_async_save
-from trainforge.strategies.checkpoint_io import (CheckpointWriter, list_checkpoints, load_object, read_metadata,
-                                      resolve_checkpoint)
+from trainforge.strategies.checkpoint_io import (
+    CheckpointWriter,
+    list_checkpoints,
+    load_object,
+    read_metadata,
+    resolve_checkpoint,
+)
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.events import Event
 from trainforge.trainer.seed import rng_state, set_rng_state

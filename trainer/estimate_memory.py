@@ -30,8 +30,15 @@ from torch import nn
 
 from trainforge.strategies.checkpoint_io import parse_size
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.strategies.memory_estimate import (OPTIMIZER_STATES, MemoryRow, count_parameters, estimate_memory, format_bytes,
-                                        format_table, recommend)
+from trainforge.strategies.memory_estimate import (
+    OPTIMIZER_STATES,
+    MemoryRow,
+    count_parameters,
+    estimate_memory,
+    format_bytes,
+    format_table,
+    recommend,
+)
 from trainforge.trainer.precision import normalize_precision
 
 HELP = "estimate per-rank memory of a model under DDP / ZeRO / FSDP and recommend a strategy"
@@ -173,8 +180,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_layouts(args: argparse.Namespace, model: nn.Module, param_count: int, precision: str,
                  device_memory: Optional[int], source: str) -> int:
-    from trainforge.strategies.parallel.layout import (ModelShape, choose_layout, estimate_layouts, format_layouts,
-                                            measure_activation_bytes)
+    from trainforge.strategies.parallel.layout import (
+        ModelShape,
+        choose_layout,
+        estimate_layouts,
+        format_layouts,
+        measure_activation_bytes,
+    )
 
     if args.seq_len is None:
         raise ConfigurationError("--layouts needs --seq-len S (tokens per sequence): activations grow with it")

@@ -26,9 +26,15 @@ from typing import Any, List, Mapping, Sequence
 
 from trainforge.strategies.environment import port_is_free
 from trainforge.strategies.errors import ConfigurationError, LaunchError
+from trainforge.trainer.launch_config import (
+    add_setting_arguments,
+    default_config_path,
+    flags_given,
+    load_config,
+    settings_for_workers,
+    validate,
+)
 from trainforge.trainer.launch_xla import run_xla
-from trainforge.trainer.launch_config import (add_setting_arguments, default_config_path, flags_given, load_config,
-                                   settings_for_workers, validate)
 
 HELP = "run a training script on N processes per node (torchrun underneath)"
 TORCHRUN_DEFAULT_PORT = 29500

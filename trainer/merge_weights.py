@@ -20,8 +20,14 @@ from typing import Dict, Union
 
 import torch
 
-from trainforge.strategies.checkpoint_io import (METADATA_FILE, CheckpointWriter, parse_size, read_metadata,
-                                      resolve_checkpoint, verify_checkpoint)
+from trainforge.strategies.checkpoint_io import (
+    METADATA_FILE,
+    CheckpointWriter,
+    parse_size,
+    read_metadata,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes next to its shards

@@ -18,8 +18,8 @@ import torch
 
 from trainforge.strategies.data_utils import batch_size_of
 from trainforge.strategies.errors import invalid_choice
-from trainforge.trainer.metrics import REDUCE_FX
 from trainforge.trainer.events import Event
+from trainforge.trainer.metrics import REDUCE_FX
 
 
 class MetricLogging:

@@ -12,7 +12,6 @@ import torch
 
 from trainforge.strategies.errors import ConfigurationError
 
-
 REDUCE_FX = ("mean", "sum", "max", "min")
 
 

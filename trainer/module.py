@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 import torch
 from torch import nn
 
-from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import TrainforgeError, check_metric_name
 from trainforge.trainer.hooks import ModuleHooks
 

@@ -13,13 +13,12 @@ import torch
 from trainforge.callbacks.base import Callback
 from trainforge.strategies import Strategy
 from trainforge.strategies.async_save import resolve_async_save
-from trainforge.strategies.data_utils import batch_size_of
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.accelerator import Accelerator
 from trainforge.trainer.checkpointing import restore_pending_rng, start_run
 from trainforge.trainer.config import LoopConfig, Progress, check_callbacks, limited, parse_optimizers, resolve_root_dir
-from trainforge.trainer.events import Event
 from trainforge.trainer.evaluation import Evaluation, module_modes, restore_modes
+from trainforge.trainer.events import Event
 from trainforge.trainer.hooks import bind_module_hook, warn_unknown_hooks
 from trainforge.trainer.manual import check_manual_config, run_manual_step
 from trainforge.trainer.metric_logging import MetricLogging

@@ -31,9 +31,9 @@ import os
 import re
 import socket
 import time
-from urllib.parse import urlsplit
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from urllib.parse import urlsplit
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
 from trainforge.strategies.errors import ConfigurationError

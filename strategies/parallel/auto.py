@@ -21,8 +21,13 @@ from torch import nn
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.memory_estimate import format_bytes
 from trainforge.strategies.parallel.dims import ParallelDims
-from trainforge.strategies.parallel.layout import (ModelShape, choose_layout, estimate_layouts, format_layouts,
-                                        measure_activation_bytes)
+from trainforge.strategies.parallel.layout import (
+    ModelShape,
+    choose_layout,
+    estimate_layouts,
+    format_layouts,
+    measure_activation_bytes,
+)
 
 log = logging.getLogger("trainforge")
 SHAPE_KEYS = ("layers", "hidden", "heads")

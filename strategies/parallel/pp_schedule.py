@@ -122,7 +122,7 @@ class PipelineRunner:
             with torch.no_grad():
                 self.schedule.eval(*args, **kwargs)
         if self.has_last:
-            loss = torch.stack([l.detach().float() for l in losses]).mean()
+            loss = torch.stack([part.detach().float() for part in losses]).mean()
         else:
             loss = torch.zeros((), device=self.stages[0].device)
         if self.pp > 1:

@@ -41,8 +41,12 @@ def rewrite_plan(model: nn.Module, plan: Dict[str, Any], *, sequence_parallel: b
                  loss_parallel: bool) -> Dict[str, Any]:
     """``plan`` (``{module name: ParallelStyle}``, resolved) with the sequence- and loss-parallel layouts."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     out: Dict[str, Any] = {}
     seq = Shard(1)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainforge.callbacks.early_stopping import EarlyStopping
-from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
+from trainforge.callbacks.early_stopping import EarlyStopping
+from trainforge.strategies.errors import ConfigurationError
 
 
 def _fit(callback, values, val_every=2, max_steps=100):

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from tests.scripts.cb_launch import multirank
+from tests.scripts.cb_standin import StandInTrainer
 from trainforge.callbacks.base import Callback
 from trainforge.callbacks.grad_norm import GradientNormMonitor, total_norm
 from trainforge.strategies.errors import ConfigurationError
-from tests.scripts.cb_launch import multirank
-from tests.scripts.cb_standin import StandInTrainer
 
 
 class ClipReference(Callback):

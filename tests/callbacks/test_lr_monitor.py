@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainforge.callbacks.lr_monitor import LearningRateMonitor
-from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
+from trainforge.callbacks.lr_monitor import LearningRateMonitor
+from trainforge.strategies.errors import ConfigurationError
 
 
 def _loader(n: int):

@@ -8,11 +8,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.scripts.cb_launch import multirank, multirank_output
+from tests.scripts.cb_standin import StandInTrainer
 from trainforge.callbacks.base import Callback
 from trainforge.callbacks.memory import MemoryLeakWarning, MemoryMonitor
 from trainforge.strategies.errors import ConfigurationError
-from tests.scripts.cb_launch import multirank, multirank_output
-from tests.scripts.cb_standin import StandInTrainer
 
 MB_FLOATS = 262144  # float32 elements in 1 MiB
 

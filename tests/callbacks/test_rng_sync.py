@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from trainforge.callbacks.rng_sync import RNGSync, _apply_sampler_state, _sampler_state, _samplers
-from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
+from trainforge.callbacks.rng_sync import RNGSync, _apply_sampler_state, _sampler_state, _samplers
+from trainforge.strategies.errors import ConfigurationError
 
 
 def test_single_process_sync_keeps_the_streams():

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainforge.callbacks.throughput import ThroughputMonitor, gpu_key, is_transformer, parameter_count, peak_flops_for
-from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
+from trainforge.callbacks.throughput import ThroughputMonitor, gpu_key, is_transformer, parameter_count, peak_flops_for
+from trainforge.strategies.errors import ConfigurationError
 
 BATCH, SEQ, SLEEP = 8, 16, 0.02
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainforge.callbacks.timer import Timer, parse_duration
-from trainforge.strategies.errors import ConfigurationError
 from tests.scripts.cb_launch import multirank
 from tests.scripts.cb_standin import StandInTrainer
+from trainforge.callbacks.timer import Timer, parse_duration
+from trainforge.strategies.errors import ConfigurationError
 
 STEP_SLEEP = 0.05
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.callbacks.test_trackers_base import Recorder, StandIn, fit, tracker_warnings
 from trainforge.callbacks.trackers import CometLogger
 from trainforge.callbacks.trackers.base import flatten_params
 from trainforge.strategies.errors import ConfigurationError
-from tests.callbacks.test_trackers_base import Recorder, StandIn, fit, tracker_warnings
 
 pytest.importorskip("comet_ml")
 SECRET = "tfk-SENTINEL-0123456789abcdefXYZ"

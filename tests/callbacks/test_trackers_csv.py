@@ -4,13 +4,19 @@ from __future__ import annotations
 import csv
 import warnings
 
+import pytest
 import yaml
 
+from tests.callbacks.test_trackers_base import (
+    FakeClock,
+    Recorder,
+    StandIn,
+    fit,
+    make_loader,
+    make_module,
+    tracker_warnings,
+)
 from trainforge.callbacks.trackers import CSVLogger, FailurePolicy
-import pytest
-
-from tests.callbacks.test_trackers_base import (FakeClock, Recorder, StandIn, fit, make_loader, make_module,
-                                               tracker_warnings)
 
 
 def read_csv(path):

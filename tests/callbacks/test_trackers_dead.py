@@ -11,11 +11,10 @@ import warnings
 
 import pytest
 
+from tests.callbacks.test_trackers_base import fit, tracker_warnings
 from trainforge.callbacks import ModelCheckpoint
 from trainforge.callbacks.trackers import FailurePolicy
 from trainforge.strategies.errors import ConfigurationError
-from tests.callbacks.test_trackers_base import fit, tracker_warnings
-
 
 
 def closed_port() -> int:

@@ -22,9 +22,9 @@ def main(root: Path) -> None:
     import torch
     from torch import nn
 
-    from trainforge.callbacks.trackers import CSVLogger, MLflowLogger
     from tests.callbacks.test_trackers_base import Recorder, make_loader
     from trainforge import Trainer, TrainingModule
+    from trainforge.callbacks.trackers import CSVLogger, MLflowLogger
 
     class RankModule(TrainingModule):
         def __init__(self):

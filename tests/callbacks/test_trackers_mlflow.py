@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
+from tests.callbacks.test_trackers_base import Recorder, StandIn, fit, make_loader, make_module, mlflow_store
 from trainforge.callbacks.trackers import MLflowLogger
 from trainforge.callbacks.trackers.base import flatten_params
 from trainforge.strategies.errors import ConfigurationError
-from tests.callbacks.test_trackers_base import Recorder, StandIn, fit, make_loader, make_module, mlflow_store
 
 pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402

@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 
+from tests.callbacks.test_trackers_base import Recorder, fit, make_module, mlflow_store, tracker_warnings
 from trainforge.callbacks.trackers import FailurePolicy, MLflowLogger
 from trainforge.callbacks.trackers.base import flatten_params
-from tests.callbacks.test_trackers_base import Recorder, fit, make_module, mlflow_store, tracker_warnings
 
 pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.callbacks.test_trackers_base import Recorder, StandIn, fit
 from trainforge.callbacks.trackers import TensorBoardLogger
 from trainforge.callbacks.trackers.base import flatten_params
-from tests.callbacks.test_trackers_base import Recorder, StandIn, fit
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

@@ -4,9 +4,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from tests.inference.common import plain
-from trainforge.trainer.inference import (disk_offload, dispatch_model, init_empty_weights, load_checkpoint_and_dispatch)
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.trainer.inference import disk_offload, dispatch_model, init_empty_weights, load_checkpoint_and_dispatch
 
 
 @pytest.fixture

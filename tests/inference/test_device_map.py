@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from trainforge.strategies.errors import ConfigurationError
 from tests.inference.common import gpt2_config, plain, quiet_transformers
+from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.inference import compute_module_sizes, infer_auto_device_map, init_empty_weights
 from trainforge.trainer.inference.device_map import _balanced, get_max_memory
 

@@ -7,10 +7,17 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from trainforge.strategies.checkpoint_io import CheckpointWriter
 from tests.inference.common import gpt2_config, greedy, llama_config, plain, quiet_transformers, storages
-from trainforge.trainer.inference import (cpu_offload, disk_offload, dispatch_model, init_empty_weights,
-                               load_checkpoint_and_dispatch, materialize, remove_dispatch)
+from trainforge.strategies.checkpoint_io import CheckpointWriter
+from trainforge.trainer.inference import (
+    cpu_offload,
+    disk_offload,
+    dispatch_model,
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+    materialize,
+    remove_dispatch,
+)
 
 MAPS = {"cpu": {"": "cpu"}, "disk": {"": "disk"},
         "mixed": {"0": "cpu", "1": "disk", "2": "cpu", "3": "disk", "4.0": "cpu", "4.1": "disk", "5": "disk",

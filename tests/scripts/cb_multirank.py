@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from trainforge import Trainer, TrainingModule
 from trainforge.callbacks.base import Callback
 from trainforge.callbacks.early_stopping import EarlyStopping
 from trainforge.callbacks.grad_norm import GradientNormMonitor
@@ -28,7 +29,6 @@ from trainforge.callbacks.memory import MemoryMonitor
 from trainforge.callbacks.rng_sync import RNGSync
 from trainforge.callbacks.throughput import ThroughputMonitor
 from trainforge.callbacks.timer import Timer
-from trainforge import Trainer, TrainingModule
 
 OUT = os.environ["CB_OUT"]
 MB_FLOATS = 262144

@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from trainforge.strategies import ConfigurationError, DDPStrategy  # noqa: E402
 from trainforge import Accelerator  # noqa: E402
+from trainforge.strategies import ConfigurationError, DDPStrategy  # noqa: E402
 
 
 class Indices(Dataset):

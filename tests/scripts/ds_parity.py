@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trainforge import Trainer, TrainingModule
 from trainforge.strategies.deepspeed import DeepSpeedStrategy, local_state_bytes
 from trainforge.strategies.errors import CheckpointError
-from trainforge import Trainer, TrainingModule
 
 STEPS = 20
 

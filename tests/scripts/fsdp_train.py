@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from trainforge import Accelerator
 from trainforge.callbacks.base import Callback
 from trainforge.strategies import DDPStrategy, FSDPStrategy
 from trainforge.strategies.fsdp import local_state_bytes
-from trainforge import Accelerator
 
 STEPS = 20  # the full runs; the Accelerator runs STEPS // 2 (compared with the step-10 weights)
 SHORT = 6   # hybrid/no_shard/activation checkpointing/accumulation (optimizer steps)

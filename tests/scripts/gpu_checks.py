@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from trainforge.callbacks import Callback, MemoryMonitor  # noqa: E402
 from trainforge import Trainer, TrainingModule, seed_everything  # noqa: E402
+from trainforge.callbacks import Callback, MemoryMonitor  # noqa: E402
 
 
 def data(n=512, dim=64, seed=0):

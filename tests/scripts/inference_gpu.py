@@ -12,6 +12,7 @@ import torch
 from tests.inference.common import gpt2_config, greedy, quiet_transformers
 from trainforge.trainer.inference import cpu_offload, disk_offload, init_empty_weights, load_checkpoint_and_dispatch
 
+
 def _gpt2():
     quiet_transformers()
     from transformers import GPT2LMHeadModel

@@ -8,9 +8,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainforge import Accelerator, ConfigurationError, Trainer, TrainingModule
 

@@ -20,10 +20,10 @@ from fsdp_common import Block, loader, write_json
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from trainforge import Accelerator, Trainer, TrainingModule
 from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.megatron import MegatronStrategy
-from trainforge import Accelerator, Trainer, TrainingModule
 
 VOCAB, DIM, DEPTH = 32, 16, 4
 PLAN = {"net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise", "net.head": "colwise_rep"}

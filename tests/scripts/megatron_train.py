@@ -20,9 +20,9 @@ from fsdp_common import SEQ, LitLM, TinyLM, full_state, lm_loss, loader, make_tr
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
+from trainforge import Accelerator, TrainingModule
 from trainforge.callbacks.base import Callback
 from trainforge.strategies.megatron import MegatronStrategy
-from trainforge import Accelerator, TrainingModule
 
 PLAN = {"net.blocks.*.mix": "colwise_rep", "net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise",
         "net.head": "colwise_rep"}

@@ -8,11 +8,16 @@ import pytest
 import torch
 from torch.utils import backend_registration
 
-from trainforge.strategies import DDPStrategy, SingleDeviceStrategy
-from trainforge.strategies.devices import accelerator_choices, current_accelerator, default_device, normalize_accelerator
-from trainforge.strategies.environment import default_backend, find_free_port
 from tests.helpers import procs
 from trainforge import ConfigurationError, Trainer
+from trainforge.strategies import SingleDeviceStrategy
+from trainforge.strategies.devices import (
+    accelerator_choices,
+    current_accelerator,
+    default_device,
+    normalize_accelerator,
+)
+from trainforge.strategies.environment import default_backend, find_free_port
 
 
 def test_cpu_machine_reports_no_accelerator_and_trains_on_cpu_with_gloo():

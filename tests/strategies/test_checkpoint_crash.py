@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from trainforge.strategies.checkpoint_io import (
-    CheckpointWriter, load_object, load_tensors, read_latest_pointer, resolve_checkpoint, verify_checkpoint)
+    CheckpointWriter,
+    load_object,
+    load_tensors,
+    read_latest_pointer,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TRIALS = 12

@@ -12,9 +12,22 @@ import safetensors.torch
 import torch
 
 from trainforge.strategies.checkpoint_io import (
-    CheckpointWriter, delete_checkpoint, find_latest_valid, from_plain, list_checkpoints, load_object,
-    load_tensors, metadata_checksum, parse_size, read_latest_pointer, read_metadata, resolve_checkpoint, to_plain,
-    verify_checkpoint, write_latest_pointer)
+    CheckpointWriter,
+    delete_checkpoint,
+    find_latest_valid,
+    from_plain,
+    list_checkpoints,
+    load_object,
+    load_tensors,
+    metadata_checksum,
+    parse_size,
+    read_latest_pointer,
+    read_metadata,
+    resolve_checkpoint,
+    to_plain,
+    verify_checkpoint,
+    write_latest_pointer,
+)
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 

@@ -6,12 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import (
-    BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler)
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler
 
 from trainforge.strategies.data import (
-    ResumableDataLoader, ResumableDistributedSampler, drop_padding, load_loader_state, loader_state_dict,
-    num_padding_samples, prepare_dataloader, set_loader_epoch, split_between_processes)
+    ResumableDataLoader,
+    ResumableDistributedSampler,
+    drop_padding,
+    load_loader_state,
+    loader_state_dict,
+    num_padding_samples,
+    prepare_dataloader,
+    set_loader_epoch,
+    split_between_processes,
+)
 from trainforge.strategies.errors import ConfigurationError
 
 

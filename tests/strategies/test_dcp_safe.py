@@ -19,12 +19,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from tests.helpers.procs import run
+from tests.helpers.procs import test_env as child_env
 from trainforge.strategies import FSDPStrategy
 from trainforge.strategies.checkpoint_io import CheckpointWriter, verify_checkpoint
 from trainforge.strategies.dcp_safe import load_metadata
 from trainforge.strategies.errors import CheckpointError
-from tests.helpers.procs import run
-from tests.helpers.procs import test_env as child_env
 from trainforge.trainer.cli import main as cli_main
 
 

@@ -5,8 +5,15 @@ import pytest
 from torch import nn
 
 from trainforge.strategies.deepspeed import DeepSpeedStrategy
-from trainforge.strategies.deepspeed_config import (QUIET_STEPS, TrainingSettings, ZeroSettings, explicit_settings,
-                                         generate_config, load_user_config, merge_config)
+from trainforge.strategies.deepspeed_config import (
+    QUIET_STEPS,
+    TrainingSettings,
+    ZeroSettings,
+    explicit_settings,
+    generate_config,
+    load_user_config,
+    merge_config,
+)
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.precision import Precision
 

@@ -4,8 +4,14 @@ import socket
 import pytest
 import torch
 
-from trainforge.strategies.environment import (ClusterEnvironment, default_backend, detect_environment,
-                                    port_is_free, slurm_first_host, slurm_tasks_on_node)
+from trainforge.strategies.environment import (
+    ClusterEnvironment,
+    default_backend,
+    detect_environment,
+    port_is_free,
+    slurm_first_host,
+    slurm_tasks_on_node,
+)
 from trainforge.strategies.errors import ConfigurationError
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",

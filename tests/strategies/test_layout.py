@@ -5,8 +5,14 @@ import torch
 
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.memory_estimate import bytes_per_param
-from trainforge.strategies.parallel.layout import (LayoutRow, ModelShape, choose_layout, estimate_layouts,
-                                        layer_activation_bytes, measure_activation_bytes)
+from trainforge.strategies.parallel.layout import (
+    LayoutRow,
+    ModelShape,
+    choose_layout,
+    estimate_layouts,
+    layer_activation_bytes,
+    measure_activation_bytes,
+)
 from trainforge.trainer import cli
 
 SHAPE = ModelShape(params=1_000_000_000, layers=24, hidden=2048, heads=16)

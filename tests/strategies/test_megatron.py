@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.procs import run, torchrun
 from trainforge.strategies import resolve_strategy
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.megatron import MegatronStrategy
 from trainforge.strategies.parallel import ParallelDims, resolve_plan
-from tests.helpers.procs import run, torchrun
 from trainforge.trainer.cli import main as cli_main
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

@@ -19,12 +19,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from tests.helpers.procs import run, torchrun
+from trainforge import TrainingModule
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.megatron import MegatronStrategy
 from trainforge.strategies.parallel import ParallelDims
 from trainforge.strategies.parallel.pp import check_tied_placement, plan_split, prune, stage_ids, stage_module
-from tests.helpers.procs import run, torchrun
-from trainforge import TrainingModule
 from trainforge.trainer.cli import main as cli_main
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

@@ -7,8 +7,16 @@ import torch
 from torch import nn
 
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.strategies.memory_estimate import (DEEPSPEED_ROWS, SPEED_ORDER, bytes_per_param, choose_deepspeed,
-                                        count_parameters, estimate_memory, optimizer_kind, recommend)
+from trainforge.strategies.memory_estimate import (
+    DEEPSPEED_ROWS,
+    SPEED_ORDER,
+    bytes_per_param,
+    choose_deepspeed,
+    count_parameters,
+    estimate_memory,
+    optimizer_kind,
+    recommend,
+)
 from trainforge.trainer import cli
 
 PSI, N = 7_500_000_000, 64  # the ZeRO paper's figure 1: 7.5B parameters on 64 GPUs

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from trainforge.strategies import STRATEGY_NAMES, XLAStrategy, resolve_strategy
-from trainforge.strategies.xla import check_torch_xla_versions, check_xla_cpu_devices
 from tests.helpers import procs
 from trainforge import Accelerator, ConfigurationError
+from trainforge.strategies import STRATEGY_NAMES, XLAStrategy, resolve_strategy
+from trainforge.strategies.xla import check_torch_xla_versions, check_xla_cpu_devices
 
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 TORCH_IS_29 = torch.__version__.startswith("2.9.")

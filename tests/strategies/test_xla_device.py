@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import ModelCheckpoint
-from trainforge.strategies.checkpoint_io import load_tensors
 from tests.helpers import procs
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Accelerator, ConfigurationError, Trainer, seed_everything
+from trainforge.callbacks import ModelCheckpoint
+from trainforge.strategies.checkpoint_io import load_tensors
 
 pytestmark = pytest.mark.xla
 os.environ.setdefault("PJRT_DEVICE", "CPU")

@@ -19,15 +19,21 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import ModelCheckpoint
-from trainforge.strategies import resolve_strategy
-from trainforge.strategies.async_save import WRITER_NICENESS, AsyncCheckpointer, resolve_async_save
-from trainforge.strategies.checkpoint_io import (list_checkpoints, load_object, load_tensors, read_latest_pointer,
-                                      resolve_checkpoint, verify_checkpoint)
 from tests.helpers import procs
 from tests.helpers.models import Regressor, make_net, regression_data
 from tests.strategies.test_checkpoint_crash import _readline
 from trainforge import Accelerator, CheckpointError, ConfigurationError, Trainer, seed_everything
+from trainforge.callbacks import ModelCheckpoint
+from trainforge.strategies import resolve_strategy
+from trainforge.strategies.async_save import WRITER_NICENESS, AsyncCheckpointer, resolve_async_save
+from trainforge.strategies.checkpoint_io import (
+    list_checkpoints,
+    load_object,
+    load_tensors,
+    read_latest_pointer,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import EarlyStopping, ModelCheckpoint
-from trainforge.strategies import DDPStrategy, FSDPStrategy
-from trainforge.strategies.checkpoint_io import CheckpointWriter
 from tests.helpers.models import Regressor, make_net, regression_data
 from tests.helpers.procs import run
 from tests.helpers.procs import test_env as child_env
 from trainforge import CheckpointError, ConfigurationError, Trainer
+from trainforge.callbacks import EarlyStopping, ModelCheckpoint
+from trainforge.strategies import DDPStrategy, FSDPStrategy
+from trainforge.strategies.checkpoint_io import CheckpointWriter
 from trainforge.trainer.launch_config import validate
 
 
@@ -212,8 +212,9 @@ def test_ckpt_path_pointing_at_the_checkpoints_root(tmp_path):
 
 def test_fsdp_load_failure_is_a_checkpoint_error_not_a_base_exception(tmp_path):
     """torch's CheckpointException is a BaseException: it must not escape ``except Exception``."""
-    import torch.distributed.checkpoint as dcp
     import warnings
+
+    import torch.distributed.checkpoint as dcp
 
     writer = CheckpointWriter(tmp_path / "step-1")
     with warnings.catch_warnings():

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
+from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer import cli
 from trainforge.trainer.launch import resolve_settings, torchrun_argv
-from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.launch_config import LAUNCH_CONFIG_ENV, launch_defaults, resolve_answers, save_config
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"

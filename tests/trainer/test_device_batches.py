@@ -10,10 +10,10 @@ import copy
 import torch
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import ModelCheckpoint
-from trainforge.strategies import SingleDeviceStrategy
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Trainer, seed_everything
+from trainforge.callbacks import ModelCheckpoint
+from trainforge.strategies import SingleDeviceStrategy
 
 
 class ReadAhead(SingleDeviceStrategy):

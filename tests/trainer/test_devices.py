@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from trainforge.strategies import SingleDeviceStrategy
-from trainforge.strategies.devices import default_device, normalize_accelerator
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Accelerator, ConfigurationError, Trainer
+from trainforge.strategies import SingleDeviceStrategy
+from trainforge.strategies.devices import default_device, normalize_accelerator
 
 
 class Recording(Regressor):

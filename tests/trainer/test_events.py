@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import Callback
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Event, Trainer
+from trainforge.callbacks import Callback
 
 
 class Recorder(Callback):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from trainforge.strategies.data import prepare_dataloader
-from trainforge.strategies.data_iterable import fingerprint
 from tests.helpers import procs
 from trainforge import Accelerator, ConfigurationError
+from trainforge.strategies.data import prepare_dataloader
+from trainforge.strategies.data_iterable import fingerprint
 from trainforge.trainer.config import limited
 from trainforge.trainer.dispatch import BatchDispatcher
 

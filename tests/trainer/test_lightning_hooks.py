@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import Callback
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import DataModule, Trainer
+from trainforge.callbacks import Callback
 
 
 def _trainer(tmp_path, **kwargs):

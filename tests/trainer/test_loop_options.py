@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import Callback, ProgressBar
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Trainer
+from trainforge.callbacks import Callback, ProgressBar
 
 
 class CountValidations(Callback):

@@ -12,10 +12,15 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import ModelCheckpoint
-from trainforge.strategies.checkpoint_io import CheckpointWriter, delete_checkpoint, list_checkpoints, read_latest_pointer
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Accelerator, CheckpointError, ConfigurationError, Trainer
+from trainforge.callbacks import ModelCheckpoint
+from trainforge.strategies.checkpoint_io import (
+    CheckpointWriter,
+    delete_checkpoint,
+    list_checkpoints,
+    read_latest_pointer,
+)
 
 
 def _trainer(tmp_path, callbacks=None, **kwargs):

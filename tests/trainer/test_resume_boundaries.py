@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainforge.callbacks import ModelCheckpoint
 from tests.helpers.models import make_net, regression_data
 from trainforge import Trainer, TrainingModule, seed_everything
+from trainforge.callbacks import ModelCheckpoint
 
 BATCH, STEPS_PER_EPOCH = 8, 8  # 64 samples
 

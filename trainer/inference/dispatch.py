@@ -15,10 +15,10 @@ from torch import nn
 
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.strategies.safetensors_mmap import mmap_safetensors
-from trainforge.trainer.inference.device_map import Device, infer_auto_device_map, MODES, normalize_device
-from trainforge.trainer.inference.hooks import first_device, Runner, send_to
+from trainforge.trainer.inference.device_map import MODES, Device, infer_auto_device_map, normalize_device
+from trainforge.trainer.inference.hooks import Runner, first_device, send_to
 from trainforge.trainer.inference.meta import retie, set_tensor, tie_groups
-from trainforge.trainer.inference.sources import check_writable, open_source, Source, write_offload
+from trainforge.trainer.inference.sources import Source, check_writable, open_source, write_offload
 
 
 def _all_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
