@@ -111,6 +111,7 @@ class ModelCheckpoint(Callback):
         self._last_written_step = -1  # the step of the ``last`` checkpoint
         self.current_score: Optional[float] = None
         self._last_time = time.monotonic()
+        self._restored_paths = False  # set by load_state_dict: paths to place in this run at fit start
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -125,6 +126,20 @@ class ModelCheckpoint(Callback):
         self.last_path = state.get("last_path")
         self.last_model_path = state.get("last_model_path")
         self.current_score = state.get("current_score")
+        self._restored_paths = True  # placed in this run's directory at fit start
+
+    def _place_restored_paths(self, root: Path) -> None:
+        """The checkpoint's paths, which name the directory of the run that wrote them, resolved against
+        this run's directory by name: a copied run (``cp -r``) keeps top-k and pruning inside its copy,
+        and a downloaded checkpoint cannot name another folder (a checkpoint's state is data)."""
+        def here(path: Optional[str]) -> Optional[str]:
+            name = Path(path).name if isinstance(path, str) else ""
+            return str(root / name) if name not in ("", ".", "..") else None
+
+        best = {here(p): score for p, score in self.best_k.items()}
+        self.best_k = {p: score for p, score in best.items() if p is not None}
+        self.periodic = [p for p in map(here, self.periodic) if p is not None]
+        self.last_path, self.last_model_path = here(self.last_path), here(self.last_model_path)
 
     @property
     def best_model_path(self) -> Optional[str]:
@@ -156,6 +171,9 @@ class ModelCheckpoint(Callback):
     # ---- triggers ------------------------------------------------------------------------------
     def on_fit_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
         self._last_time = time.monotonic()
+        if self._restored_paths:
+            self._restored_paths = False
+            self._place_restored_paths(self.directory(trainer))
 
     def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -20,6 +20,7 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
+from trainforge.callbacks.trackers.run_paths import resolve_in_run, run_relative
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,6 +68,8 @@ class CometLogger(TrackerCallback):
         self.offline_directory = offline_directory
         self._experiment_key = experiment_key
         self._directory: Optional[str] = None
+        self._root: Optional[str] = None
+        self._saved_directory: Optional[str] = None
         self._experiment = None
 
     def __repr__(self) -> str:
@@ -86,20 +89,23 @@ class CometLogger(TrackerCallback):
 
     def state_dict(self) -> Dict[str, Any]:
         self._wait_opened()
-        return {"experiment_key": self._experiment_key, "offline": self.offline, "offline_directory": self._directory}
+        return {"experiment_key": self._experiment_key, "offline": self.offline,
+                "offline_directory": run_relative(self._directory, self._root)}  # relative to the run
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if state_dict.get("experiment_key"):
             self._experiment_key = state_dict["experiment_key"]
-        if state_dict.get("offline_directory") and self.offline_directory is None:
-            self.offline_directory = state_dict["offline_directory"]
+        self._saved_directory = state_dict.get("offline_directory")  # resolved inside the run in _prepare
 
     def _secrets(self) -> List[str]:
         return [self._known_secret] if self._known_secret else []
 
     # --- backend ---
     def _prepare(self, trainer: "Trainer") -> None:
-        self._directory = os.path.abspath(self.offline_directory or os.path.join(trainer.default_root_dir, "comet"))
+        self._root = os.path.abspath(trainer.default_root_dir)
+        saved, self._saved_directory = self._saved_directory, None
+        restored = resolve_in_run(saved, self._root) if self.offline_directory is None else None
+        self._directory = restored or os.path.abspath(self.offline_directory or os.path.join(self._root, "comet"))
 
     def _open(self) -> None:
         import comet_ml as comet

@@ -9,19 +9,30 @@ reads directly. The run's end status (FINISHED or FAILED) goes to ``status.txt``
 A new run (not a resume) that finds a previous run's file renames it to ``metrics.1.csv`` (next free
 number) rather than mixing two runs in one file. A resumed fit appends to the same file and first
 drops the rows written after the checkpoint's step, which the resumed fit logs again.
+
+Where it writes comes from the current run, never from a checkpoint (``run_paths.py``): the file is
+``path`` or ``<default_root_dir>/metrics.csv``. It writes over or moves only files trainforge wrote
+(listed in the folder's ``.trainforge-owned.json``): ``path=`` beside the user's own metrics file,
+``hparams.yaml`` or ``status.txt`` is refused when the logger is built; a default folder holding such
+files gets the logger's files in a ``csv_logger/`` subfolder instead, with a warning.
 """
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import yaml
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback
+from trainforge.callbacks.trackers.run_paths import claim, foreign_files, run_relative
+from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge import Trainer
+
+log = logging.getLogger("trainforge")
 
 
 class CSVLogger(TrackerCallback):
@@ -32,6 +43,14 @@ class CSVLogger(TrackerCallback):
     def __init__(self, path: Optional[str] = None, failure_policy: Optional[FailurePolicy] = None) -> None:
         super().__init__(failure_policy)
         self.path = os.fspath(path) if path is not None else None
+        if self.path is not None:
+            foreign = foreign_files(_targets(os.path.abspath(self.path)))
+            if foreign:
+                raise ConfigurationError(
+                    f"CSVLogger(path={self.path!r}) would overwrite or move {foreign}, which trainforge did not "
+                    "write; give it a path in a folder of its own (it writes the CSV file, hparams.yaml and "
+                    "status.txt there), or move those files away")
+        self._root: Optional[str] = None
         self._file: Optional[str] = None  # resolved path of the current run
         self._resumed_step: Optional[int] = None
         self._started_once = False
@@ -48,29 +67,32 @@ class CSVLogger(TrackerCallback):
         return self._file
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"path": self._file}
+        # where the file was, relative to the run (for reading only: a resume writes where the current
+        # run's settings say, so a copied or downloaded checkpoint never names the file to write)
+        return {"file": run_relative(self._file, self._root), "resumed": True}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if state_dict.get("path"):
-            self._file = state_dict["path"]
+        if state_dict.get("resumed") or state_dict.get("path"):  # "path": checkpoints of older versions
             self._resumed_step = -1  # set to the trainer's step in _prepare
 
     # --- backend ---
     def _prepare(self, trainer: "Trainer") -> None:
         self._hparams = dict(getattr(trainer, "hparams", None) or {})
         self._fresh = not self._started_once and self._resumed_step is None
-        if self.path is not None:
-            self._file = os.path.abspath(self.path)
-        elif self._file is None:
-            self._file = os.path.join(os.path.abspath(trainer.default_root_dir), "metrics.csv")
+        self._root = os.path.abspath(trainer.default_root_dir)
+        wanted = os.path.abspath(self.path) if self.path is not None else os.path.join(self._root, "metrics.csv")
+        self._file = _own_place(wanted)
         if self._resumed_step is not None:
             self._resumed_step = int(trainer.global_step)
         self._started_once = True
 
     def _open(self) -> None:
         os.makedirs(os.path.dirname(self._file), exist_ok=True)
+        claim(_targets(self._file))
         if self._fresh and os.path.exists(self._file) and os.path.getsize(self._file) > 0:
-            os.replace(self._file, _free_name(self._file))
+            older = _free_name(self._file)
+            claim([older])
+            os.replace(self._file, older)  # a previous run's file, written by trainforge (checked in _prepare)
         self._fresh = False
         header, rows = self._read()
         if self._resumed_step is not None:
@@ -114,6 +136,27 @@ class CSVLogger(TrackerCallback):
             writer.writeheader()
             writer.writerows(rows)
         os.replace(tmp, self._file)
+
+
+def _targets(file: str) -> List[str]:
+    """Every file the logger writes for the CSV file ``file``."""
+    folder = os.path.dirname(file)
+    return [file, os.path.join(folder, "hparams.yaml"), os.path.join(folder, "status.txt")]
+
+
+def _own_place(wanted: str) -> str:
+    """``wanted``, or the same name in a ``csv_logger`` subfolder when ``wanted``'s folder holds files of
+    the same names that trainforge did not write (said once, as a warning)."""
+    candidate, n = wanted, 0
+    while foreign_files(_targets(candidate)):
+        sub = "csv_logger" if n == 0 else f"csv_logger.{n}"
+        candidate, n = os.path.join(os.path.dirname(wanted), sub, os.path.basename(wanted)), n + 1
+        if n > 1000:
+            raise FileExistsError(f"no folder of its own left for {wanted}")
+    if candidate != wanted:
+        log.warning("trainforge: CSVLogger leaves %s alone (not written by trainforge) and writes to %s",
+                    foreign_files(_targets(wanted)), candidate)
+    return candidate
 
 
 def _free_name(path: str) -> str:

@@ -22,11 +22,13 @@ later hook, once a new directory stands at that path (checkpoints are written to
 directory and renamed into place, so a new directory there is a complete one). The upload runs on
 the writer thread; a checkpoint deleted meanwhile (top-k pruning) is reported by the failure policy.
 
-Resume: ``state_dict`` holds the run id (and tracking URI); a resumed fit continues that run.
+Resume: ``state_dict`` holds the run id (and which store: this run's local one or the tracking URI); a
+resumed fit continues that run when the MLflowLogger of the resumed fit uses the same store.
 MLflow parameters cannot change within a run, so on resume only parameters the run lacks are added.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -37,6 +39,9 @@ from urllib.parse import urlsplit
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
 from trainforge.strategies.errors import ConfigurationError
+
+log = logging.getLogger("trainforge")
+LOCAL_STORE = "local"  # how a checkpoint names the default store, <default_root_dir>/mlflow.db of the run
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge import Trainer, TrainingModule
@@ -107,7 +112,7 @@ class MLflowLogger(TrackerCallback):
         self.artifact_location = artifact_location
         self._run_id = run_id
         self._explicit_run_id = run_id is not None
-        self._state_uri: Optional[str] = None
+        self._saved: Dict[str, Any] = {}  # the checkpoint's state: data to check, never a store to follow
         self._uri: Optional[str] = None
         self._experiment_id: Optional[str] = None
         self._client = None
@@ -130,12 +135,29 @@ class MLflowLogger(TrackerCallback):
 
     def state_dict(self) -> Dict[str, Any]:
         self._wait_opened()
-        return {"run_id": self._run_id, "tracking_uri": self._uri, "experiment_id": self._experiment_id}
+        store = LOCAL_STORE if self.tracking_uri is None else self._uri
+        return {"run_id": self._run_id, "store": store, "experiment_id": self._experiment_id}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if not self._explicit_run_id and state_dict.get("run_id"):
-            self._run_id = state_dict["run_id"]
-            self._state_uri = state_dict.get("tracking_uri")
+            self._saved = dict(state_dict)
+
+    def _continue_saved_run(self) -> None:
+        """Continue the checkpoint's run only in the store the user configured now: the default local
+        store of this run (a copied run's copy of it), or the same tracking URI. Never the store the
+        checkpoint names (``run_paths.py``: a checkpoint's state is data, never an instruction)."""
+        saved, self._saved = self._saved, {}
+        if not saved:
+            return
+        store = saved.get("store")
+        if store is None:  # checkpoints of older versions kept the URI itself
+            store = saved.get("tracking_uri")
+            store = LOCAL_STORE if store == self._uri and self.tracking_uri is None else store
+        if (store == LOCAL_STORE and self.tracking_uri is None) or (store is not None and store == self.tracking_uri):
+            self._run_id = str(saved["run_id"])
+            return
+        log.warning("trainforge: the checkpoint's MLflow run %r belongs to the store %r, not to the store this "
+                    "MLflowLogger uses (%s): a new run is started there", saved["run_id"], store, self._uri)
 
     # --- checkpoints ---
     def log_checkpoint(self, path: str) -> None:
@@ -172,7 +194,8 @@ class MLflowLogger(TrackerCallback):
     # --- backend ---
     def _prepare(self, trainer: "Trainer") -> None:
         root = os.path.abspath(trainer.default_root_dir)
-        self._uri = self.tracking_uri or self._state_uri or "sqlite:///" + os.path.join(root, "mlflow.db")
+        self._uri = self.tracking_uri or "sqlite:///" + os.path.join(root, "mlflow.db")
+        self._continue_saved_run()
         self._default_artifacts = None
         if self.artifact_location is not None:
             self._default_artifacts = self.artifact_location

@@ -6,21 +6,26 @@ Hyperparameters go both to the HParams plugin (one session, values as numbers/st
 markdown table under the text tag ``hparams``; metrics are scalars at the LOG step. A run that ends
 in an exception gets the text ``status`` = FAILED.
 
-Resume: ``state_dict`` holds the directory; a resumed fit writes to the same directory and passes
+Resume: ``state_dict`` holds the directory relative to the run (a resumed fit writes to it when it
+lies inside the current run, see ``run_paths.py``) and passes
 ``purge_step`` so TensorBoard hides the events the crashed run wrote after the checkpoint's step.
 SummaryWriter writes files on its own thread; an I/O error there is logged by TensorBoard rather than
 raised, so the failure policy sees only errors raised by the calls themselves.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
+from trainforge.callbacks.trackers.run_paths import resolve_in_run, run_relative
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge import Trainer
+
+log = logging.getLogger("trainforge")
 
 
 class TensorBoardLogger(TrackerCallback):
@@ -33,6 +38,8 @@ class TensorBoardLogger(TrackerCallback):
         require("tensorboard", "tensorboard", "TensorBoardLogger")  # torch.utils.tensorboard needs it
         self.log_dir = os.fspath(log_dir) if log_dir is not None else None
         self._dir: Optional[str] = None
+        self._root: Optional[str] = None
+        self._saved_dir: Optional[str] = None
         self._resumed = False
         self._purge_step: Optional[int] = None
         self._summary = None
@@ -46,19 +53,27 @@ class TensorBoardLogger(TrackerCallback):
         return self._dir
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"log_dir": self._dir}
+        return {"log_dir": run_relative(self._dir, self._root)}  # relative to the run (run_paths.py)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if state_dict.get("log_dir"):
-            self._dir = state_dict["log_dir"]
+        if state_dict:
+            self._saved_dir = state_dict.get("log_dir")
             self._resumed = True
 
     # --- backend ---
     def _prepare(self, trainer: "Trainer") -> None:
+        self._root = os.path.abspath(trainer.default_root_dir)
+        saved, self._saved_dir = self._saved_dir, None
         if self.log_dir is not None:
             self._dir = os.path.abspath(self.log_dir)
+        elif saved is not None:  # resumed: the checkpoint's directory, if it lies inside this run
+            self._dir = resolve_in_run(saved, self._root)
+            if self._dir is None:
+                self._dir = _next_version(os.path.join(self._root, "tensorboard"))
+                log.warning("trainforge: the checkpoint's TensorBoard directory %r is outside this run (%s); "
+                            "writing to %s instead", saved, self._root, self._dir)
         elif self._dir is None:
-            self._dir = _next_version(os.path.join(os.path.abspath(trainer.default_root_dir), "tensorboard"))
+            self._dir = _next_version(os.path.join(self._root, "tensorboard"))
         self._purge_step = int(trainer.global_step) + 1 if self._resumed else None
         self._resumed = False
 

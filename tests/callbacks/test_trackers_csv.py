@@ -76,7 +76,9 @@ def test_resume_continues_the_same_file_without_the_rows_after_the_checkpoint(tm
     state = first.state_dict()
     first.on_exception(trainer, None, RuntimeError("crash"))  # the process died after step 6
 
-    resumed = CSVLogger()
+    # The resumed run configures the same file (where it writes comes from the run, not from the
+    # checkpoint: tests/callbacks/test_tracker_run_paths.py); its root may be elsewhere.
+    resumed = CSVLogger(str(path))
     resumed.load_state_dict(state)
     trainer = StandIn(tmp_path / "elsewhere", step=4)  # resuming the checkpoint of step 4
     resumed.on_fit_start(trainer, None)
@@ -88,6 +90,13 @@ def test_resume_continues_the_same_file_without_the_rows_after_the_checkpoint(tm
     assert [(r["step"], r["loss"], r["acc"]) for r in rows] == [
         ("1", "0.1", ""), ("2", "0.2", ""), ("3", "0.3", ""), ("4", "0.4", ""),
         ("5", "0.5", "0.5"), ("6", "0.6", "0.5"), ("7", "0.7", "0.5")]
+    # without a path, a resume elsewhere writes into its own run and leaves this file alone
+    before = path.read_bytes()
+    other = CSVLogger()
+    other.load_state_dict(state)
+    other.on_fit_start(StandIn(tmp_path / "other", step=4), None)
+    other.on_fit_end(StandIn(tmp_path / "other", step=4), None)
+    assert path.read_bytes() == before and other.file == str(tmp_path / "other" / "metrics.csv")
 
 
 def test_disk_failure_does_not_stop_training_and_the_logger_recovers(tmp_path):
