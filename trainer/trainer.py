@@ -221,7 +221,7 @@ class Trainer(MetricLogging, Evaluation):
             restore_modes(train_modes)
             loader.set_epoch(p.epoch)
             self._fire(Event.EPOCH_START)
-            first_batch = p.batch_idx
+            first_batch, first_step = p.batch_idx, p.global_step
             for batch in loader:
                 self._train_batch(batch, p.batch_idx)
                 p.batch_idx += 1
@@ -236,6 +236,7 @@ class Trainer(MetricLogging, Evaluation):
             self._warn_none_epoch(p.batch_idx - first_batch)
             if p.epoch_end_pending:  # a complete epoch (not a max_steps/should_stop cut)
                 self._end_epoch()
+                self._refuse_endless(first_step)
             else:
                 break
         self._raise_if_flagged()  # a non-finite loss after the last log point (accelerators)
@@ -248,6 +249,18 @@ class Trainer(MetricLogging, Evaluation):
         p.epoch_end_pending = 0  # a checkpoint written from here on already includes the epoch's end
         self._fire_epoch_end(Event.EPOCH_END)
         p.epoch, p.batch_idx = p.epoch + 1, 0
+
+    def _refuse_endless(self, first_step: int) -> None:
+        """With max_epochs=None only max_steps ends the run: an epoch that took no optimizer step would
+        repeat forever (audit N-MO3: manual optimization that never calls ``opt.step()``)."""
+        p = self.progress
+        if self.config.max_epochs is None and p.global_step == first_step:
+            manual = "" if self.module.automatic_optimization else (
+                "; under manual optimization global_step counts optimizer steps: call opt.step() in training_step")
+            raise TrainforgeError(
+                f"epoch {p.epoch - 1} ran its batches without an optimizer step (global_step stays at "
+                f"{p.global_step}); with max_epochs=None the run ends only at max_steps={self.config.max_steps}, "
+                f"so it would never end{manual}, or set max_epochs")
 
     def _finished(self) -> bool:
         max_steps = self.config.max_steps

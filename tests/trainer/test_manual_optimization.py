@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import make_net, regression_data
-from trainforge import ConfigurationError, Trainer, TrainingModule, seed_everything
+from trainforge import ConfigurationError, Trainer, TrainforgeError, TrainingModule, seed_everything
 
 
 class TwoNets(TrainingModule):
@@ -91,3 +91,37 @@ def test_several_optimizers_need_manual_optimization_and_manual_rejects_accumula
         Trainer(accumulate_grad_batches=2, **kwargs).fit(TwoNets(make_net(), make_net()), loader)
     with pytest.raises(ConfigurationError, match="gradient_clip_val=1.0 with manual optimization"):
         Trainer(gradient_clip_val=1.0, **kwargs).fit(TwoNets(make_net(), make_net()), loader)
+
+
+class NeverSteps(TrainingModule):
+    """Audit N-MO3: manual optimization that forgets ``opt.step()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = make_net()
+        self.batches = 0
+
+    def training_step(self, batch, batch_idx):
+        self.batches += 1
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_epoch_without_an_optimizer_step_and_no_max_epochs_is_an_error_not_an_endless_run(tmp_path):
+    module = NeverSteps()
+    trainer = Trainer(max_steps=4, max_epochs=None, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    with pytest.raises(TrainforgeError, match=r"epoch 0 ran its batches without an optimizer step.*max_steps=4.*"
+                                              r"call opt\.step\(\) in training_step"):
+        trainer.fit(module, DataLoader(regression_data(16), batch_size=4))
+    assert module.batches == 4  # one epoch, then the error
+    # with max_epochs the run ends on its own: no error
+    done = Trainer(max_steps=4, max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                   enable_checkpointing=False)
+    done.fit(NeverSteps(), DataLoader(regression_data(16), batch_size=4))
+    assert done.current_epoch == 2 and done.global_step == 0
