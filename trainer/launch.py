@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, List, Mapping, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 from trainforge.strategies.environment import port_is_free
 from trainforge.strategies.errors import ConfigurationError, LaunchError
@@ -105,6 +105,27 @@ def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = 
                           f"single node leave --master-port out to pick a free port automatically")
 
 
+def waiting_message(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """What a multi-node launch waits for, where and how long (audit N-LC3: it waited without a word);
+    None on one node."""
+    nnodes = str(_effective(settings, "nnodes", environ) or 1)
+    if nnodes in ("1", "1:1"):
+        return None
+    backend = _effective(settings, "rdzv_backend", environ) or "static"
+    if backend == "static":
+        where = (f"{_effective(settings, 'master_addr', environ) or '127.0.0.1'}:"
+                 f"{_effective(settings, 'master_port', environ) or TORCHRUN_DEFAULT_PORT}")
+        how_long = "up to 600 s (torch's static rendezvous timeout)"
+        rank = f"node {_effective(settings, 'node_rank', environ) or 0} of {nnodes}"
+    else:
+        where = f"{_effective(settings, 'rdzv_endpoint', environ) or '(no --rdzv-endpoint)'} ({backend} rendezvous)"
+        how_long = "until the rendezvous times out (--rdzv-conf timeout=...)"
+        rank = f"a node of {nnodes}"
+    return (f"trainforge launch: {rank}: waiting for all {nnodes} nodes to join at {where}, {how_long}. "
+            "Start the same command on every other node (its own --node-rank, the same --master-addr and "
+            "--master-port); Ctrl-C stops the wait.")
+
+
 def run(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     if args.script is None:
@@ -124,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     parsed = torchrun.parse_args(torchrun_argv(settings, args.script, args.script_args))
+    waiting = waiting_message(settings)
+    if waiting:
+        print(waiting, file=sys.stderr, flush=True)
     with settings_for_workers(settings):  # read by every worker torchrun starts
         try:
             torchrun.run(parsed)

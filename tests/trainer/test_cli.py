@@ -190,3 +190,38 @@ def test_launch_defaults_empty_outside_launch_and_read_inside(tmp_path):
                                                               "deepspeed": {"zero_stage": 2}}
     with pytest.raises(ConfigurationError, match="does not exist"):
         launch_defaults({LAUNCH_CONFIG_ENV: str(tmp_path / "gone.yaml")})
+
+
+def test_waiting_message_names_what_where_and_how_long():
+    from trainforge.trainer.launch import waiting_message
+
+    assert waiting_message({"nnodes": 1}, environ={}) is None
+    text = waiting_message({"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.1", "master_port": 29999}, environ={})
+    assert "node 0 of 2: waiting for all 2 nodes to join at 10.0.0.1:29999, up to 600 s" in text
+    assert "--node-rank" in text
+    elastic = waiting_message({"nnodes": "2:4", "rdzv_backend": "c10d", "rdzv_endpoint": "h:1"}, environ={})
+    assert "h:1 (c10d rendezvous)" in elastic
+
+
+@pytest.mark.slow
+def test_launch_of_two_nodes_says_what_it_waits_for_before_waiting(tmp_path):
+    """Audit N-LC3: `launch --nnodes 2` without the other node waited silently."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "train.py").write_text("print('never started')\n")
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    env.pop(LAUNCH_CONFIG_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-m", "trainforge", "launch", "--nnodes", "2", "--node-rank", "0",
+                             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                             "train.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline, seen = time.monotonic() + 90, ""
+        while "waiting for all 2 nodes" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stderr.readline()
+        assert f"node 0 of 2: waiting for all 2 nodes to join at 127.0.0.1:{port}" in seen, seen[-2000:]
+        assert proc.poll() is None  # still waiting for the other node, as it said
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
