@@ -208,14 +208,40 @@ class PreparedDataLoader:
             loader = self.loader
             source = ((batch, getattr(loader, "last_padding", 0), loader_state_dict(loader)) for batch in loader)
         previous = next(source, None)
-        if self.gather_object is not None and getattr(self.loader, "kind", None) == "stream":
+        kind = getattr(self.loader, "kind", None)
+        if self.gather_object is not None and kind == "stream":
             self._check_same_stream(previous is not None and self.loader.last_fingerprint or None)
+        # every rank reads its own stream: agree at each batch that all still have one (else DDP hangs)
+        # (a split stream with even_batches=False may end one batch early on the last ranks, by design)
+        uneven_by_design = kind == "stream" and not getattr(self.loader.dataset, "even_batches", True)
+        agree = (self.gather_object is not None and self.dispatcher is None and kind in ("stream", "iterable")
+                 and not uneven_by_design)
+        if agree:
+            self._check_same_end(previous is not None, 0)
         while previous is not None:
             current = next(source, None)
+            if agree:
+                self._check_same_end(current is not None, self.batch_in_epoch + 1)
             batch, padding, position = previous
             self._held_state = position
             yield batch, padding, current is None
             previous = current
+
+    def _check_same_end(self, has_batch: bool, read: int) -> None:
+        """Audit N-IT1/N-IT4: an IterableDataset whose stream is longer on one rank (or empty on one)
+        hung until the process-group timeout. One small gather per batch of such a loader (only with
+        several processes and no dispatch) finds it: every rank stops with the same error."""
+        seen = self.gather_object((bool(has_batch), int(read)))
+        if len({flag for flag, _ in seen}) > 1:
+            ended = [f"rank {r} after {n} batch(es)" for r, (flag, n) in enumerate(seen) if not flag]
+            going = [r for r, (flag, _) in enumerate(seen) if flag]
+            name = type(getattr(self.loader.dataset, "dataset", self.loader.dataset)).__name__
+            raise ConfigurationError(
+                f"{name} ran out of data on {', '.join(ended)} while rank(s) {going} still had batches: every "
+                "process must get the same number of batches per epoch, or training waits for the ranks that "
+                "ended. Give every rank a stream of the same length (a dataset that shards itself by rank: "
+                "equal shards, or drop the remainder), or let trainforge split one stream (drop "
+                "`shards_by_rank`, and read the same stream on every rank), or dispatch_batches=True")
 
     def _check_same_stream(self, mark: Optional[str]) -> None:
         """A split stream must be the same on every rank; compare the first sample each read (one small
