@@ -34,6 +34,9 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (), nu
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ConfigurationError(f"num_processes={num_processes!r} must be an integer >= 1")
+    if not isinstance(args, (tuple, list)):  # a string would be spread into characters (audit N-NB2)
+        raise ConfigurationError(f"args={args!r} must be a tuple (or list) of the function's arguments, e.g. "
+                                 f"args=({args!r},) to pass it as one argument")
     if num_processes == 1:
         function(*args)
         return None

@@ -154,6 +154,7 @@ class Trainer(MetricLogging, Evaluation):
             self._fire(Event.FIT_START)
             self._sanity_check()
             self._fire(Event.TRAIN_START)
+            self._warn_if_nothing_to_train()
             restore_pending_rng(self)  # last thing before the loop: keeps resumed random streams exact
             self._fit_loop()
             self._fire(Event.TRAIN_END)
@@ -233,6 +234,10 @@ class Trainer(MetricLogging, Evaluation):
                 self._batch = self._last_output = batch = None  # free them before the next batch arrives
                 if self._finished() or p.epoch_end_pending:
                     break
+            if p.batch_idx == first_batch == 0:  # a stream that yields nothing (audit N-IT3): say so, save nothing
+                raise ConfigurationError(f"train_dataloaders yielded no batch in epoch {p.epoch} on this process: "
+                                         "nothing can be trained; give it data (an IterableDataset whose stream is "
+                                         "empty, or a filter that drops everything?)")
             self._warn_none_epoch(p.batch_idx - first_batch)
             if p.epoch_end_pending:  # a complete epoch (not a max_steps/should_stop cut)
                 self._end_epoch()
@@ -249,6 +254,19 @@ class Trainer(MetricLogging, Evaluation):
         p.epoch_end_pending = 0  # a checkpoint written from here on already includes the epoch's end
         self._fire_epoch_end(Event.EPOCH_END)
         p.epoch, p.batch_idx = p.epoch + 1, 0
+
+    def _warn_if_nothing_to_train(self) -> None:
+        """Audit N-RE7 / L5: a resume past max_epochs, or a second fit of a finished Trainer, returned
+        at once without a word. Lightning says so too ("`Trainer.fit` stopped: `max_epochs=2` reached")."""
+        cfg, p = self.config, self.progress
+        ended = p.batch_idx >= self.num_training_batches or p.epoch_end_pending  # the epoch's batches all ran
+        epoch = p.epoch + 1 if ended else p.epoch  # the first epoch that would still train
+        at_epochs = cfg.max_epochs is not None and epoch >= cfg.max_epochs
+        if (at_epochs or self._finished()) and self.is_global_zero:
+            limit = f"max_epochs={cfg.max_epochs}" if at_epochs else f"max_steps={cfg.max_steps}"
+            log.warning("trainforge: fit has nothing to train: the run has done %d epoch(s) and %d step(s) (from "
+                        "the checkpoint or an earlier fit) and %s is reached; raise %s to train more", epoch,
+                        p.global_step, limit, limit.split("=")[0])
 
     def _refuse_endless(self, first_step: int) -> None:
         """With max_epochs=None only max_steps ends the run: an epoch that took no optimizer step would
