@@ -31,6 +31,23 @@ _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")  # {name} or {name:format} in a 
 log = logging.getLogger("trainforge")
 
 
+def _check_template(filename: Any, within_epoch: bool) -> None:
+    """Audit N-CK2 / N-CK5: a malformed template was used literally, and one without ``{step}`` made the
+    saves of one epoch replace each other."""
+    if not isinstance(filename, str):
+        raise ConfigurationError(f"ModelCheckpoint filename={filename!r} must be a string template, e.g. "
+                                 "'{epoch}-{step}'")
+    rest = _FIELD.sub("", filename)
+    if "{" in rest or "}" in rest:
+        raise ConfigurationError(f"ModelCheckpoint filename={filename!r} is not a valid template: every '{{' and "
+                                 "'}' must enclose a field name, e.g. '{epoch}-{step}' or '{epoch}-{val/loss:.3f}'")
+    if within_epoch and {m.group(1) for m in _FIELD.finditer(filename)} <= {"epoch"}:
+        raise ConfigurationError(f"ModelCheckpoint(filename={filename!r}) saves several times per epoch "
+                                 "(every_n_steps or train_time_interval) but its names change only with the epoch: "
+                                 "each save of an epoch would replace the one before; add {step}, e.g. "
+                                 "'{epoch}-{step}'")
+
+
 class ModelCheckpoint(Callback):
     """
     Args:
@@ -90,6 +107,7 @@ class ModelCheckpoint(Callback):
             raise ConfigurationError(f"train_time_interval={train_time_interval!r} must be a datetime.timedelta")
         self.dirpath = dirpath
         self.filename = filename or ("{epoch}-{step}" + ("" if monitor is None else "-{" + monitor + ":.4g}"))
+        _check_template(self.filename, within_epoch=every_n_steps is not None or train_time_interval is not None)
         self.auto_insert_metric_name = auto_insert_metric_name
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.every_n_steps, self.every_n_epochs = every_n_steps, every_n_epochs

@@ -93,11 +93,35 @@ def _lightning_signature(name: str) -> str:
     return str(inspect.signature(getattr(ModuleHooks, name))).replace("self, ", "").replace("(self)", "()")
 
 
+# Lightning 1.x epoch-end hooks, removed in Lightning 2.0 (which refuses them): their replacements.
+REMOVED_HOOKS = {"training_epoch_end": "on_train_epoch_end", "validation_epoch_end": "on_validation_epoch_end",
+                 "test_epoch_end": "on_test_epoch_end", "predict_epoch_end": "on_predict_epoch_end"}
+
+
 def warn_unknown_hooks(module: Any) -> None:
-    """A Lightning user's ``on_*`` method that the Trainer never calls would be silently ignored."""
+    """A Lightning user's ``on_*`` method that the Trainer never calls would be silently ignored; a
+    Lightning 1.x ``*_epoch_end(outputs)`` hook is refused as Lightning 2.0 does (audit N-HK3)."""
+    removed = [name for name in REMOVED_HOOKS if callable(getattr(type(module), name, None))]
+    if removed:
+        from trainforge.strategies.errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"{type(module).__name__} defines {', '.join(removed)}, which Lightning 2.0 removed and the Trainer "
+            f"never calls; move the code to {', '.join(REMOVED_HOOKS[n] for n in removed)}(self) and keep the "
+            "step outputs you need in a list on the module (clear it there)")
     unknown = sorted(name for name in dir(type(module))
                      if name.startswith("on_") and name not in MODULE_HOOKS and callable(getattr(type(module), name)))
     if unknown:
         warnings.warn(f"{type(module).__name__} defines {', '.join(unknown)}, which the Trainer never calls (its "
                       f"module hooks: {', '.join(sorted(MODULE_HOOKS))}); rename or remove "
                       f"{'it' if len(unknown) == 1 else 'them'}", UserWarning, stacklevel=3)
+
+
+def warn_unknown_callback_hooks(callback: Any, base: type) -> None:
+    """A callback's ``on_*`` method that is not a hook of ``base`` (a typo, audit N-HK5) never runs."""
+    unknown = sorted(name for name in dir(type(callback))
+                     if name.startswith("on_") and not hasattr(base, name) and callable(getattr(type(callback), name)))
+    if unknown:
+        warnings.warn(f"{type(callback).__name__} defines {', '.join(unknown)}, which is not a Callback hook and "
+                      f"never runs (the hooks are the on_* methods of trainforge.callbacks.Callback); rename or "
+                      f"remove {'it' if len(unknown) == 1 else 'them'}", UserWarning, stacklevel=3)

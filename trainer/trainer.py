@@ -19,7 +19,7 @@ from trainforge.trainer.checkpointing import restore_pending_rng, start_run
 from trainforge.trainer.config import LoopConfig, Progress, check_callbacks, limited, parse_optimizers, resolve_root_dir
 from trainforge.trainer.evaluation import Evaluation, module_modes, restore_modes
 from trainforge.trainer.events import Event
-from trainforge.trainer.hooks import bind_module_hook, warn_unknown_hooks
+from trainforge.trainer.hooks import bind_module_hook, warn_unknown_callback_hooks, warn_unknown_hooks
 from trainforge.trainer.manual import check_manual_config, run_manual_step
 from trainforge.trainer.metric_logging import MetricLogging
 from trainforge.trainer.metrics import MetricStore
@@ -507,6 +507,8 @@ class Trainer(MetricLogging, Evaluation):
         self.module, self.stage, self.should_stop = module, stage, False
         if stage == "fit":
             warn_unknown_hooks(module)
+            for cb in self.callbacks:
+                warn_unknown_callback_hooks(cb, Callback)
         self._build_listeners()
 
     def _loaders_for(self, stage: str, given: Any, datamodule: Any, required: bool = True) -> List[Any]:

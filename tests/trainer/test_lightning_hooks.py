@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import Regressor, make_net, regression_data
-from trainforge import DataModule, Trainer
+from trainforge import ConfigurationError, DataModule, Trainer
 from trainforge.callbacks import Callback
 
 
@@ -115,6 +115,39 @@ def test_unknown_module_hook_warns_and_callback_style_module_hook_still_runs_lou
         with pytest.warns(FutureWarning, match=r"on_fit_start\(trainer, module, ...\) uses the callback signature"):
             _trainer(tmp_path).fit(Typo(make_net()), _loader())
     assert Typo.ran == 1
+
+
+def test_lightning_1x_epoch_end_hooks_are_refused_with_their_replacement(tmp_path):
+    """Audit N-HK3: validation_epoch_end/training_epoch_end (removed in Lightning 2.0, which refuses
+    them) were never called and nothing said so."""
+
+    class Old(Regressor):
+        def validation_epoch_end(self, outputs):
+            raise AssertionError("never called")
+
+        def training_epoch_end(self, outputs):
+            raise AssertionError("never called")
+
+    with pytest.raises(ConfigurationError, match=r"Old defines training_epoch_end, validation_epoch_end, which "
+                                                 r"Lightning 2\.0 removed.*on_train_epoch_end, on_validation_epoch_end"):
+        _trainer(tmp_path).fit(Old(make_net()), _loader(), _loader())
+
+
+def test_a_callback_hook_with_a_typo_gets_a_warning(tmp_path):
+    """Audit N-HK5: a Callback's misspelt hook never ran and, unlike the module's, got no warning."""
+
+    class Export(Callback):
+        calls = 0
+
+        def on_train_epoch_ends(self, trainer, module):  # typo
+            type(self).calls += 1
+
+        def on_train_epoch_end(self, trainer, module):
+            pass
+
+    with pytest.warns(UserWarning, match=r"Export defines on_train_epoch_ends, which is not a Callback hook"):
+        _trainer(tmp_path, callbacks=[Export()]).fit(Regressor(make_net()), _loader())
+    assert Export.calls == 0
 
 
 def test_sanity_validation_fails_fast_and_its_metrics_are_dropped(tmp_path):
