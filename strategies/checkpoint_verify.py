@@ -31,7 +31,7 @@ import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
@@ -122,14 +122,15 @@ def read_metadata(ckpt_dir: PathLike) -> Dict[str, Any]:
     return meta
 
 
-def verify_checkpoint(ckpt_dir: PathLike) -> Dict[str, Any]:
-    """Check every file in the manifest (exists, size, crc32); return the metadata.
+def verify_checkpoint(ckpt_dir: PathLike, only: Optional[Callable[[str], bool]] = None) -> Dict[str, Any]:
+    """Check every file in the manifest (exists, size, crc32), or those whose relative name ``only``
+    accepts (e.g. just the weights, for inference); return the metadata.
 
     Raises CheckpointError naming the first bad file and the problem. Files not in the manifest
     are ignored (they cannot be part of what was saved)."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_metadata(ckpt_dir)
-    entries = sorted(meta["files"].items())
+    entries = sorted((rel, e) for rel, e in meta["files"].items() if only is None or only(rel))
     for rel, entry in entries:  # cheap checks first, so a missing or short file is named at once
         path = ckpt_dir / rel
         if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(entry, dict):

@@ -91,3 +91,27 @@ def test_tie_group_split_across_devices_and_other_arguments(ckpt):
             pass
     with pytest.raises(ConfigurationError, match=r"weights still on meta"):
         dispatch_model(_meta(), {"": "cpu"})
+
+
+def test_a_corrupted_trainforge_checkpoint_is_refused_for_inference_too(tmp_path):
+    """Audit N-IN6: a flipped bit in model.safetensors loaded without complaint (a resume refuses it)."""
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainforge import Trainer
+    from trainforge.callbacks import ModelCheckpoint
+
+    Trainer(default_root_dir=str(tmp_path), max_epochs=1, enable_progress_bar=False,
+            callbacks=[ModelCheckpoint(save_top_k=-1)]).fit(
+        Regressor(make_net()), torch.utils.data.DataLoader(regression_data(16), batch_size=4))
+    ck = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    with init_empty_weights():
+        intact = Regressor(make_net())
+    load_checkpoint_and_dispatch(intact, str(ck), device_map={"": "cpu"})  # verifies and loads
+    weights = ck / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x40  # one bit of the last tensor
+    weights.write_bytes(bytes(data))
+    for path in (ck, weights):  # the directory or the weights file inside it
+        with init_empty_weights():
+            model = Regressor(make_net())
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: checksum mismatch"):
+            load_checkpoint_and_dispatch(model, str(path), device_map={"": "cpu"})

@@ -13,6 +13,7 @@ from typing import Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 from safetensors.torch import save_file
 
+from trainforge.strategies.checkpoint_verify import METADATA_FILE, verify_checkpoint
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.strategies.safetensors_mmap import _DTYPES, mmap_safetensors, read_header
 
@@ -63,8 +64,22 @@ def _index_source(index: Path) -> Source:
     return Source(shards, entries, aliases)
 
 
+def _verify_if_ours(path: Path) -> None:
+    """A trainforge checkpoint directory (its metadata.json has a manifest): the weight files are checked
+    against it (sizes, crc32) before anything is read, as a resume does (audit N-IN6: a flipped bit
+    loaded silently). Other folders (a Hugging Face model directory) have no manifest to check."""
+    folder = path if path.is_dir() else path.parent
+    try:
+        meta = json.loads((folder / METADATA_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if isinstance(meta, dict) and "files" in meta and "format_version" in meta:
+        verify_checkpoint(folder, only=lambda rel: "/" not in rel and rel.startswith("model"))
+
+
 def open_source(checkpoint: Union[str, os.PathLike]) -> Source:
     path = Path(checkpoint)
+    _verify_if_ours(path)
     if path.is_dir():
         for name in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json"):
             if (path / name).is_file():
