@@ -139,7 +139,13 @@ class Trainer(MetricLogging, Evaluation):
         ``train_dataloader()``/``val_dataloader()`` (Lightning)."""
         self._attach(module, "fit")
         if train_dataloaders is None:
-            train_dataloaders = self._loaders_for("fit", None, datamodule)[0]
+            loaders = self._loaders_for("fit", None, datamodule)
+            if len(loaders) > 1:  # audit N-DM3: the second one was dropped without a word
+                owner = type(datamodule if datamodule is not None else module).__name__
+                raise ConfigurationError(f"{owner}.train_dataloader() returned {len(loaders)} loaders; the Trainer "
+                                         "trains on one: return a single DataLoader (e.g. over a "
+                                         "torch.utils.data.ConcatDataset of the datasets)")
+            train_dataloaders = loaders[0]
             if val_dataloaders is None:
                 val_dataloaders = self._loaders_for("validate", None, datamodule, required=False) or None
         self._check_loader(train_dataloaders, "train_dataloaders")
@@ -496,6 +502,10 @@ class Trainer(MetricLogging, Evaluation):
         if not isinstance(module, TrainingModule):
             raise ConfigurationError(f"expected a TrainingModule, got {type(module).__name__}; subclass "
                                      "trainforge.TrainingModule and implement training_step and configure_optimizers")
+        if "hparams" not in vars(module):  # audit M18: nn.Module.__init__ instead of super().__init__()
+            raise ConfigurationError(f"{type(module).__name__}.__init__ did not run TrainingModule.__init__ (it calls "
+                                     "nn.Module.__init__(self) or another base directly): call super().__init__() "
+                                     "first, or its hyperparameters and hooks are lost")
         required = {"fit": "training_step", "validate": "validation_step", "test": "test_step"}.get(stage)
         if required and getattr(type(module), required) is getattr(TrainingModule, required):
             raise ConfigurationError(f"{type(module).__name__} does not implement {required}(self, batch, batch_idx),"

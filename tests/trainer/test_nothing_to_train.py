@@ -1,4 +1,5 @@
-"""A fit that would train nothing says so (audit N-RE7, L5, N-IT3), and notebook_launcher's args must
+"""A fit that would train nothing says so (audit N-RE7, L5, N-IT3), a module or DataModule that would
+lose part of the run is refused (M18, N-DM3), and notebook_launcher's args must
 be a tuple (N-NB2): silent no-ops turned into a warning or an error before work is lost."""
 from __future__ import annotations
 
@@ -53,3 +54,29 @@ def test_notebook_launcher_refuses_args_that_are_not_a_tuple():
     assert called == []
     notebook_launcher(lambda *a: called.append(a), args=["abc"])
     assert called == [("abc",)]
+
+
+def test_a_module_that_skips_training_module_init_is_refused(tmp_path):
+    """Audit M18: nn.Module.__init__(self) instead of super().__init__() trained with no hyperparameters."""
+    from torch import nn
+
+    class Skips(Regressor):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.net = make_net()
+            self.lr, self.step_lr, self.losses = 0.01, False, []
+
+    with pytest.raises(ConfigurationError, match=r"Skips.__init__ did not run TrainingModule.__init__.*super\(\)"):
+        trainer(tmp_path).fit(Skips(), DataLoader(regression_data(16), batch_size=4))
+
+
+def test_a_datamodule_with_two_training_loaders_is_refused(tmp_path):
+    """Audit N-DM3: the second loader was dropped without a word."""
+    from trainforge import DataModule
+
+    class Two(DataModule):
+        def train_dataloader(self):
+            return [DataLoader(regression_data(16), batch_size=4), DataLoader(regression_data(64), batch_size=4)]
+
+    with pytest.raises(ConfigurationError, match=r"Two.train_dataloader\(\) returned 2 loaders.*ConcatDataset"):
+        trainer(tmp_path).fit(Regressor(make_net()), datamodule=Two())
