@@ -10,6 +10,7 @@ are rejected with a clear error, as Lightning does. DeepSpeed takes one optimize
 """
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from trainforge.strategies.errors import ConfigurationError
@@ -40,9 +41,21 @@ class ManualOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         trainer = self._trainer
+        if trainer.module.automatic_optimization:  # audit N-MO5: two updates per batch, counted twice
+            raise ConfigurationError(
+                f"{type(trainer.module).__name__} calls self.optimizers().step() under automatic optimization, "
+                "where the Trainer steps the optimizer itself after training_step returns the loss: remove the "
+                "call, or set self.automatic_optimization = False and step (and backward) by hand")
         if closure is not None:
             closure()
         raw = self._prepared.optimizer
+        stepped = trainer._manual_stepped_since_backward  # audit N-MO2: the same gradients applied twice
+        if id(raw) in stepped and not trainer._warned_double_step:
+            trainer._warned_double_step = True
+            warnings.warn(f"{type(raw).__name__}.step() ran twice without a manual_backward in between (batch "
+                          f"{trainer.progress.batch_idx} of training_step): the same gradients were applied twice and "
+                          "global_step counted both; step once per backward", UserWarning, stacklevel=2)
+        stepped.add(id(raw))
         if trainer.accelerator.precision.scaler is not None:
             trainer.accelerator.precision.unscale_(raw)
         trainer._fire(Event.BEFORE_OPTIMIZER_STEP, raw)
@@ -62,6 +75,7 @@ def run_manual_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
     """One batch: the user's training_step does backward and steps; metrics are popped at the
     log points the automatic loop uses."""
     before = trainer.progress.global_step
+    trainer._manual_stepped_since_backward.clear()
     with trainer.accelerator.autocast():
         trainer._last_output = trainer._training_step(batch, batch_idx)
     after, every = trainer.progress.global_step, trainer.config.log_every_n_steps
@@ -70,6 +84,7 @@ def run_manual_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
 
 
 def manual_backward(trainer: "Trainer", loss: Any) -> None:
+    trainer._manual_stepped_since_backward.clear()
     trainer._fire(Event.BEFORE_BACKWARD, loss)
     trainer.strategy.prepare_for_manual_backward(trainer.model, loss)
     trainer.accelerator.backward(loss, trainer.model)

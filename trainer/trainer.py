@@ -94,6 +94,8 @@ class Trainer(MetricLogging, Evaluation):
         self._last_flag_check = 0
         self._last_output: Any = None
         self._none_steps, self._warned_none = 0, False  # training_step returning None (see _warn_none_epoch)
+        self._manual_stepped_since_backward: set = set()  # manual optimization: see trainer/manual.py
+        self._warned_double_step = False
         self._data_ended = False  # this batch was the last of a loader without length
 
     # ---- read-only views callbacks rely on -------------------------------------------------------

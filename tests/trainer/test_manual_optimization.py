@@ -125,3 +125,44 @@ def test_an_epoch_without_an_optimizer_step_and_no_max_epochs_is_an_error_not_an
                    enable_checkpointing=False)
     done.fit(NeverSteps(), DataLoader(regression_data(16), batch_size=4))
     assert done.current_epoch == 2 and done.global_step == 0
+
+
+class StepsInAutomatic(TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.net = make_net()
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.optimizers().step()  # audit N-MO5: the Trainer steps too
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class StepsTwice(NeverSteps):
+    def training_step(self, batch, batch_idx):
+        self.batches += 1
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+        opt.step()
+        opt.step()  # audit N-MO2: a copy-paste slip
+
+
+def test_optimizer_step_in_training_step_under_automatic_optimization_is_refused(tmp_path):
+    trainer = Trainer(max_steps=4, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    with pytest.raises(ConfigurationError, match=r"calls self.optimizers\(\).step\(\) under automatic optimization"):
+        trainer.fit(StepsInAutomatic(), DataLoader(regression_data(16), batch_size=4))
+    assert trainer.global_step == 0
+
+
+def test_stepping_one_optimizer_twice_per_backward_warns_once(tmp_path):
+    trainer = Trainer(max_steps=8, max_epochs=None, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    with pytest.warns(UserWarning, match=r"SGD.step\(\) ran twice without a manual_backward in between") as seen:
+        trainer.fit(StepsTwice(), DataLoader(regression_data(16), batch_size=4))
+    assert sum("ran twice" in str(w.message) for w in seen) == 1
+    assert trainer.global_step == 8  # Lightning counts every step too; the warning says so
