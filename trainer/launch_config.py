@@ -183,6 +183,12 @@ def validate(settings: Mapping[str, Any], source: str = "") -> Dict[str, Any]:
     if isinstance(nnodes, int) and node_rank is not None and node_rank >= nnodes:
         raise ConfigurationError(f"node_rank={node_rank} must be < nnodes={nnodes}{where}; "
                                  "number the machines 0 .. nnodes-1")
+    deepspeed = sorted(k for k in settings if k.startswith("deepspeed.") and settings[k] is not None)
+    if deepspeed and settings.get("strategy") != "deepspeed":  # audit N-LC2: ignored without a word
+        flags = ", ".join("--" + k.split(".", 1)[1].replace("_", "-") for k in deepspeed)
+        raise ConfigurationError(f"{flags} {'is a DeepSpeed setting' if len(deepspeed) == 1 else 'are DeepSpeed settings'}"
+                                 f", but strategy={settings.get('strategy')!r}{where}: add --strategy deepspeed, or "
+                                 "leave them out")
     offload_param = settings.get("deepspeed.offload_param_device", "none")
     if offload_param != "none" and settings.get("deepspeed.zero_stage") != 3:
         raise ConfigurationError(f"deepspeed offload_param_device={offload_param!r} needs zero_stage=3, "

@@ -144,6 +144,9 @@ def test_env_reports_versions_and_config(tmp_path, monkeypatch, capsys):
     (["config", "--non-interactive", "--zero-stage", "4"], "--zero-stage='4' must be an integer >= 0 and <= 3"),
     (["config", "--non-interactive", "--strategy", "deepspeed", "--offload-param-device", "cpu"],
      "offload_param_device='cpu' needs zero_stage=3"),
+    (["launch", "--strategy", "fsdp", "--zero-stage", "3", "s.py"],  # audit N-LC2: was ignored
+     "--zero-stage is a DeepSpeed setting, but strategy='fsdp'"),
+    (["launch", "--zero-stage", "2", "s.py"], "--zero-stage is a DeepSpeed setting, but strategy=None"),
 ])
 def test_bad_inputs_are_reported_without_traceback(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
