@@ -130,7 +130,7 @@ class OptimizerConfig:
 
 
 SCHEDULER_INTERVALS = ("step", "epoch")
-SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "name")
+SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "name", "monitor", "strict")  # Lightning's keys
 
 
 def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> OptimizerConfig:
@@ -182,6 +182,11 @@ def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> Opt
         entry.setdefault("interval", "epoch")
         entry.setdefault("frequency", 1)
         entry.setdefault("name", None)
+        entry.setdefault("monitor", None)
+        entry.setdefault("strict", True)
+        if isinstance(entry.get("scheduler"), torch.optim.lr_scheduler.ReduceLROnPlateau) and entry["monitor"] is None:
+            raise ConfigurationError(f"{module_name}.configure_optimizers: a ReduceLROnPlateau steps on a metric; "
+                                     "name it: {'scheduler': sched, 'monitor': 'val/loss'} (a key you self.log)")
         if entry["interval"] not in SCHEDULER_INTERVALS:
             raise invalid_choice("lr_scheduler interval", entry["interval"], SCHEDULER_INTERVALS)
         if not hasattr(entry.get("scheduler"), "step"):

@@ -446,8 +446,12 @@ class Trainer(MetricLogging, Evaluation):
                 if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                     key = cfg.get("monitor")
                     if key not in self.callback_metrics:
-                        raise ConfigurationError(f"ReduceLROnPlateau monitors {key!r}, not among the logged metrics "
-                                                 f"{sorted(self.callback_metrics)}; set 'monitor' in its config")
+                        message = (f"ReduceLROnPlateau monitors {key!r}, not among the logged metrics "
+                                   f"{sorted(self.callback_metrics)}; log it, or set 'monitor' in its config")
+                        if cfg.get("strict", True):
+                            raise ConfigurationError(message + " ('strict': False skips such steps with a warning)")
+                        warnings.warn(message + "; this scheduler step is skipped ('strict': False)", UserWarning)
+                        continue
                     scheduler.step(float(self.callback_metrics[key]))
                 else:
                     scheduler.step()

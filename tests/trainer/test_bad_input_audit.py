@@ -252,3 +252,43 @@ def test_single_strategy_in_a_multi_process_launch(tmp_path):
 def test_config_never_writes_what_launch_refuses(settings, message):
     with pytest.raises(ConfigurationError, match=message):
         validate(settings)
+
+
+class Plateau(Regressor):
+    """ReduceLROnPlateau configured as in Lightning (audit: the 'monitor' key was refused, so it could
+    not be configured at all)."""
+
+    def __init__(self, net, entry):
+        super().__init__(net)
+        self.entry = entry
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/const", 1.0)  # never improves
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min", factor=0.5, patience=0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, **self.entry}}
+
+
+def test_reduce_lr_on_plateau_with_monitor_steps_on_the_metric_like_torch(tmp_path):
+    module = Plateau(make_net(), {"monitor": "val/const"})
+    trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    trainer.fit(module, DataLoader(regression_data(16), batch_size=4), DataLoader(regression_data(8), batch_size=4))
+    reference = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(reference, mode="min", factor=0.5, patience=0)
+    for _ in range(3):
+        plateau.step(1.0)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 0.025
+
+
+def test_reduce_lr_on_plateau_needs_a_monitor_and_strict_false_skips_with_a_warning(tmp_path):
+    with pytest.raises(ConfigurationError, match=r"ReduceLROnPlateau steps on a metric; name it"):
+        fit(tmp_path / "a", Plateau(make_net(), {}))
+    trainer = Trainer(max_epochs=2, default_root_dir=str(tmp_path / "b"), enable_progress_bar=False,
+                      enable_checkpointing=False)
+    with pytest.warns(UserWarning, match=r"monitors 'val/missing'.*skipped \('strict': False\)"):
+        trainer.fit(Plateau(make_net(), {"monitor": "val/missing", "strict": False}),
+                    DataLoader(regression_data(16), batch_size=4), DataLoader(regression_data(8), batch_size=4))
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1
