@@ -183,6 +183,9 @@ def validate(settings: Mapping[str, Any], source: str = "") -> Dict[str, Any]:
     if isinstance(nnodes, int) and node_rank is not None and node_rank >= nnodes:
         raise ConfigurationError(f"node_rank={node_rank} must be < nnodes={nnodes}{where}; "
                                  "number the machines 0 .. nnodes-1")
+    if settings.get("megatron") and settings.get("strategy") != "megatron":
+        raise ConfigurationError(f"a megatron section (MegatronStrategy arguments) needs strategy megatron, but "
+                                 f"strategy={settings.get('strategy')!r}{where}: set strategy: megatron, or remove it")
     deepspeed = sorted(k for k in settings if k.startswith("deepspeed.") and settings[k] is not None)
     if deepspeed and settings.get("strategy") != "deepspeed":  # audit N-LC2: ignored without a word
         flags = ", ".join("--" + k.split(".", 1)[1].replace("_", "-") for k in deepspeed)
@@ -226,6 +229,15 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     if not isinstance(document, dict):
         raise ConfigurationError(f"config file {str(path)!r} must hold a mapping of settings")
     flat: Dict[str, Any] = {}
+    megatron = document.pop("megatron", None)  # MegatronStrategy's own arguments, kept as a mapping
+    if megatron is not None:
+        if not isinstance(megatron, dict):
+            raise ConfigurationError(f"megatron in {path} must be a mapping of MegatronStrategy arguments, e.g. "
+                                     "megatron: {tensor_parallel_size: 2}")
+        unknown = sorted(set(megatron) - set(MEGATRON_KEYS), key=str)
+        if unknown:
+            raise ConfigurationError(f"megatron.{unknown[0]} (in {path}) is not a MegatronStrategy setting; valid "
+                                     f"keys: {', '.join(MEGATRON_KEYS)}")
     for key, value in document.items():
         if key in ("deepspeed", "fsdp") and isinstance(value, dict):
             flat.update({f"{key}.{k}": v for k, v in value.items()})
@@ -236,6 +248,8 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
         if key not in _BY_KEY:
             raise invalid_choice(f"key in {path}", key, _BY_KEY, "Remove or rename it")
         settings[key] = _BY_KEY[key].parse(f"{key} (in {path})", value)
+    if megatron is not None:
+        settings["megatron"] = dict(megatron)
     return validate(settings, str(path))
 
 
@@ -266,6 +280,8 @@ def save_config(settings: Mapping[str, Any], path: "str | os.PathLike[str]") -> 
     for key in (s.key for s in SETTINGS if s.key in settings):
         section, _, name = key.rpartition(".")
         (document.setdefault(section, {}) if section else document)[name or key] = settings[key]
+    if settings.get("megatron"):
+        document["megatron"] = dict(settings["megatron"])
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".yaml")
     with os.fdopen(fd, "w") as handle:
         yaml.safe_dump(document, handle, sort_keys=False)

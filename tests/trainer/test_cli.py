@@ -228,3 +228,22 @@ def test_launch_of_two_nodes_says_what_it_waits_for_before_waiting(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+
+
+@pytest.mark.slow
+def test_launch_reads_the_megatron_section_the_readme_documents(tmp_path):
+    """Audit: `megatron: {tensor_parallel_size: 2}` in a config file was refused by launch."""
+    config = tmp_path / "mg.yaml"
+    config.write_text("strategy: megatron\nnproc_per_node: 2\nmegatron: {tensor_parallel_size: 2}\n")
+    (tmp_path / "s.py").write_text("from trainforge import Accelerator\na = Accelerator()\n"
+                                   "print('STRAT', type(a.strategy).__name__, a.strategy.sizes['tp'], flush=True)\n")
+    result = run_cli(["launch", "--config-file", config, "s.py"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("STRAT MegatronStrategy 2") == 2
+    (tmp_path / "bad.yaml").write_text("strategy: ddp\nmegatron: {tensor_parallel_size: 2}\n")
+    refused = run_cli(["launch", "--config-file", tmp_path / "bad.yaml", "s.py"], tmp_path)
+    assert refused.returncode == 2 and "a megatron section (MegatronStrategy arguments) needs strategy megatron" in \
+        refused.stderr
+    (tmp_path / "typo.yaml").write_text("strategy: megatron\nmegatron: {tp_size: 2}\n")
+    typo = run_cli(["launch", "--config-file", tmp_path / "typo.yaml", "s.py"], tmp_path)
+    assert typo.returncode == 2 and "megatron.tp_size" in typo.stderr and "tensor_parallel_size" in typo.stderr
