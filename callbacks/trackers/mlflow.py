@@ -104,7 +104,11 @@ class MLflowLogger(TrackerCallback):
             raise ConfigurationError(f"MLflowLogger(experiment_name={experiment_name!r}) must be a non-empty string")
         if tags is not None and not isinstance(tags, dict):
             raise ConfigurationError(f"MLflowLogger(tags={tags!r}) must be a dict of tag name to value")
-        self.tracking_uri = tracking_uri
+        if tracking_uri is not None and (not isinstance(tracking_uri, (str, os.PathLike)) or not str(tracking_uri)):
+            raise ConfigurationError(f"MLflowLogger(tracking_uri={tracking_uri!r}) must be a URI string such as "
+                                     "'http://127.0.0.1:5000' or 'sqlite:///runs/mlflow.db', or None for this run's "
+                                     "local store")
+        self.tracking_uri = os.fspath(tracking_uri) if tracking_uri is not None else None
         self.experiment_name = experiment_name
         self.run_name = run_name
         self.tags = {str(k): str(v) for k, v in (tags or {}).items()}

@@ -148,3 +148,6 @@ def test_bad_arguments_are_rejected_with_the_value():
         MLflowLogger(experiment_name="")
     with pytest.raises(ConfigurationError, match=r"tags=\['x'\]"):
         MLflowLogger(tags=["x"])
+    for uri in (5000, "", ["http://127.0.0.1:5000"]):  # audit: an integer URI failed deep inside MLflow
+        with pytest.raises(ConfigurationError, match=r"tracking_uri=.* must be a URI string"):
+            MLflowLogger(tracking_uri=uri)
