@@ -13,6 +13,8 @@ from tests.helpers import procs
 
 USER_FILE = 'raise ImportError("the user\'s own {name}.py was imported by trainforge")\n'
 TRAIN = '''
+import sys
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -39,7 +41,7 @@ trainer = Trainer(max_steps=3, enable_progress_bar=False, default_root_dir="run"
                   callbacks=[ModelCheckpoint(every_n_steps=3)])
 trainer.fit(Net(), DataLoader(data, batch_size=4))
 assert isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy))
-print("TRAINED", trainer.global_step, type(trainer.strategy).__name__)
+sys.stdout.write(f"TRAINED {trainer.global_step} {type(trainer.strategy).__name__}\\n")  # one write: ranks interleave
 '''
 
 
