@@ -378,6 +378,28 @@ def _read_safetensors(path: Path, device: str) -> Tuple[Dict[str, torch.Tensor],
         raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupted") from None
 
 
+# Which strategies read a sharded checkpoint a whole-model reader (single device, DDP, inference) cannot.
+_SHARDED_READERS = {
+    "fsdp": "FSDPStrategy or MegatronStrategy (any layout), or make one model.safetensors with "
+            "`trainforge merge-weights CKPT OUT`",
+    "megatron": "MegatronStrategy or FSDPStrategy (any layout), or make one model.safetensors with "
+                "`trainforge merge-weights CKPT OUT`",
+    "deepspeed": "DeepSpeedStrategy (any ZeRO stage)",
+}
+
+
+def _refuse_sharded(ckpt_dir: Path) -> None:
+    """A sharded checkpoint given to a reader of whole-model files: say what it is and who reads it,
+    instead of 'model.safetensors missing' (audit: it hid the cause)."""
+    try:
+        strategy = read_metadata(ckpt_dir).get("strategy")
+    except CheckpointError:
+        return  # not a complete trainforge checkpoint: the missing-file error says enough
+    if strategy in _SHARDED_READERS:
+        raise CheckpointError(f"{ckpt_dir} is a sharded checkpoint written by strategy={strategy!r} (no "
+                              f"model.safetensors); load it with {_SHARDED_READERS[strategy]}")
+
+
 def load_tensors(ckpt_dir: PathLike, name: str = "model", device: Union[str, torch.device] = "cpu"
                  ) -> Dict[str, torch.Tensor]:
     """Tensors saved by ``save_tensors(name, ...)`` (single file or sharded), aliases restored.
@@ -407,6 +429,7 @@ def load_tensors(ckpt_dir: PathLike, name: str = "model", device: Union[str, tor
         except ValueError:
             raise CheckpointError(f"{single}: unparsable trainforge_aliases in the safetensors header") from None
     else:
+        _refuse_sharded(ckpt_dir)
         present = sorted(p.name for p in ckpt_dir.glob("*.safetensors*")) if ckpt_dir.is_dir() else []
         raise CheckpointError(f"{single}: missing file (and no {index.name}); safetensors files in {ckpt_dir}: {present}")
     for alias, kept in aliases.items():

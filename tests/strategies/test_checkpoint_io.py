@@ -321,3 +321,20 @@ def test_bad_input_is_refused_before_writing(tmp_path):
         w.finalize({"step": 1, "obj": object()})
     assert not (tmp_path / "ok").exists()
     assert parse_size("2GiB") == 2 * 2**30 and parse_size("500MB") == 5 * 10**8 and parse_size(123) == 123
+
+
+@pytest.mark.parametrize("strategy,reader", [("fsdp", "FSDPStrategy or MegatronStrategy"),
+                                             ("megatron", "MegatronStrategy or FSDPStrategy"),
+                                             ("deepspeed", "DeepSpeedStrategy")])
+def test_a_sharded_checkpoint_given_to_a_whole_model_reader_says_what_it_is(tmp_path, strategy, reader):
+    """Audit: DDP or single device resuming an FSDP/DeepSpeed checkpoint said only 'model.safetensors missing'."""
+    writer = CheckpointWriter(tmp_path / "ckpt")
+    writer.save_object("trainer_state", {"progress": {}})
+    path = writer.finalize({"strategy": strategy})
+    with pytest.raises(CheckpointError, match=rf"sharded checkpoint written by strategy='{strategy}' "
+                                              rf"\(no model.safetensors\); load it with {reader}"):
+        load_tensors(path)
+    plain = CheckpointWriter(tmp_path / "plain")  # written by a whole-model strategy: the missing file is named
+    plain.save_object("trainer_state", {"progress": {}})
+    with pytest.raises(CheckpointError, match=r"model.safetensors: missing file"):
+        load_tensors(plain.finalize({"strategy": "ddp"}))
