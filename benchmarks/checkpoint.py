@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from checkpoint_stall import part_stall  # beside this script
 
-from trainforge.strategies.checkpoint_io import CheckpointWriter, load_object, load_tensors, verify_checkpoint
+from trainforge.strategies.checkpoint.io import CheckpointWriter, load_object, load_tensors, verify_checkpoint
 
 
 def make_state(size_mb: float) -> Tuple[Dict[str, torch.Tensor], Dict[str, object]]:

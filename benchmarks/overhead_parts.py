@@ -28,7 +28,7 @@ import overhead  # noqa: E402  (the sibling benchmark: same data and loops)
 
 from trainforge import Accelerator  # noqa: E402
 from trainforge.callbacks import ProgressBar  # noqa: E402
-from trainforge.strategies.data import prepare_dataloader  # noqa: E402
+from trainforge.strategies.data.loader import prepare_dataloader  # noqa: E402
 from trainforge.trainer.metrics import MetricStore  # noqa: E402
 
 
@@ -113,7 +113,7 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
     resumable = per_batch_us(lambda: prepare_dataloader(overhead.make_loader(data, args), rank=0, world_size=1),
                              500, repeat)
     prepared = per_batch_us(lambda: acc.prepare_data_loader(overhead.make_loader(data, args)), 500, repeat)
-    out["next(batch): ResumableDataLoader, delta  [strategies/data.py, data_sampler.py]"] = resumable - plain
+    out["next(batch): ResumableDataLoader, delta  [strategies/data/loader.py, data_sampler.py]"] = resumable - plain
     out["next(batch): PreparedDataLoader on top, delta  [trainer/wrappers.py, move_to_device]"] = prepared - resumable
 
     bar = ProgressBar(stream=overhead._TerminalSink())

@@ -124,7 +124,7 @@ def to_fp8(model: nn.Module) -> nn.Module:
     """The raw loop's fp8: torchao's float8 training with the Trainer's own layer filter."""
     from torchao.float8 import convert_to_float8_training
 
-    from trainforge.trainer.precision import _fp8_filter
+    from trainforge.strategies.precision import _fp8_filter
 
     return convert_to_float8_training(model, module_filter_fn=_fp8_filter)
 

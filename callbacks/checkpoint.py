@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from trainforge.callbacks.base import Callback
-from trainforge.strategies.async_save import check_async_save, resolve_async_save
-from trainforge.strategies.checkpoint_io import delete_checkpoint, read_metadata
+from trainforge.strategies.checkpoint.async_save import check_async_save, resolve_async_save
+from trainforge.strategies.checkpoint.io import delete_checkpoint, read_metadata
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trainforge.callbacks.base import Callback
-from trainforge.strategies.data_utils import batch_size_of
+from trainforge.strategies.data.utils import batch_size_of
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover

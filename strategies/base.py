@@ -101,8 +101,8 @@ class Strategy:
         return module
 
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
-        """Shard and make resumable (see ``trainforge.strategies.data``)."""
-        from trainforge.strategies.data import prepare_dataloader
+        """Shard and make resumable (see ``trainforge.strategies.data.loader``)."""
+        from trainforge.strategies.data.loader import prepare_dataloader
 
         return prepare_dataloader(dataloader, rank=self.global_rank, world_size=self.world_size, seed=seed)
 
@@ -213,7 +213,7 @@ class Strategy:
             writer.save_object("optimizers", opt_states)
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        from trainforge.strategies.checkpoint_io import load_object, load_tensors
+        from trainforge.strategies.checkpoint.io import load_object, load_tensors
 
         weights = load_tensors(path, "model", device="cpu")
         check_model_state(path, self.unwrap(module).state_dict(), weights)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
-from trainforge.strategies.checkpoint_verify import file_crc32, read_metadata
+from trainforge.strategies.checkpoint.verify import file_crc32, read_metadata
 from trainforge.strategies.ddp import ProcessGroupMixin, check_timeout
 from trainforge.strategies.deepspeed_config import (
     OFFLOAD_DEVICES,

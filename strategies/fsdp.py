@@ -18,11 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,17 +34,21 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
-from trainforge.strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
+from trainforge.strategies.checkpoint.dcp import has_sharded, load_sharded, save_sharded
 from trainforge.strategies.ddp import ProcessGroupMixin, check_timeout
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
-from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
+from trainforge.strategies.fsdp_wrap import (
+    apply_activation_checkpointing,
+    no_gradient_sync,
+    remap_optimizers,
+    select_modules,
+)
+from trainforge.strategies.precision import AUTOCAST_DTYPES
 
 log = logging.getLogger("trainforge")
 
 SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 STATE_DICT_TYPES = ("sharded", "full")
-DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the torch.distributed.checkpoint files
-_MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16, "16-mixed": torch.float16}
 Policy = Union[None, bool, Set[Any], Callable[[nn.Module, str], bool]]
 
 
@@ -129,7 +131,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         if callable(optimizers):  # built now, on the DTensor parameters
             return module, build_optimizers(optimizers)
         if optimizers:  # built by the user on the unsharded parameters
-            _remap_optimizers(before, module, optimizers)
+            remap_optimizers(before, module, optimizers)
         return module, list(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -170,7 +172,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
         if self.mixed_precision is not None:
             return self.mixed_precision
-        dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))
+        dtype = AUTOCAST_DTYPES.get(getattr(self.precision, "name", "32"))
         if dtype is None:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -189,7 +191,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         and ``set_is_last_backward`` stays True: no reduction is pending, so none is waited for."""
         if not (enabled and isinstance(module, FSDPModule)):
             return contextlib.nullcontext()
-        return _no_gradient_sync(module)
+        return no_gradient_sync(module)
 
     def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
                        clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
@@ -232,79 +234,21 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """``sharded``: ``dcp/`` inside the writer's tmp_dir, every rank writing its own file (rank 0
-        hashes them at finalize). ``full``: consolidated files from rank 0 (the base class)."""
+        """``sharded``: ``dcp/`` (strategies/checkpoint/dcp.py), every rank writing its own file, in
+        the background for an asynchronous save. ``full``: consolidated files from rank 0 (the base class)."""
         if self.state_dict_type == "full":
             return super().save_checkpoint(writer, module, optimizers)
-        if hasattr(writer, "dcp_async_save"):  # an asynchronous save: DCP's async_save (strategies/async_save.py)
-            return writer.dcp_async_save(self._sharded_state(module, optimizers), DCP_DIR)
-        dcp.save(self._sharded_state(module, optimizers), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
+        save_sharded(writer, module, optimizers, flat=False)
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Whichever format the checkpoint holds; a sharded one may come from another world size."""
-        folder = Path(path) / DCP_DIR
-        if not folder.is_dir():
+        if not has_sharded(path):
             return super().load_checkpoint(path, module, optimizers)
-        flat = bool(optimizers) and flat_optimizer_state(folder)  # MegatronStrategy writes it flat
-        state = self._sharded_state(module, optimizers, flat)
-        try:
-            safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
-        except CheckpointError:
-            raise
-        except DCP_ERRORS as e:  # CheckpointException (a BaseException) / RuntimeError: missing keys, bad files
-            raise CheckpointError(f"{folder}: cannot load the sharded checkpoint into {type(module).__name__} "
-                                  f"({type(e).__name__}: {str(e).strip()[:500]}); was it saved from the same "
-                                  "model and optimizers?") from None
-        set_model_state_dict(module, state["model"])
-        options = StateDictOptions(flatten_optimizer_state_dict=flat)
-        for i, opt in enumerate(optimizers):
-            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)], options=options)
-
-    def _sharded_state(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                       flat: bool = False) -> Dict[str, Any]:
-        """``{"model": sharded state, "optimizers": {"0": ..}}``, DTensors keyed by parameter name
-        (``flat``: optimizer settings keyed per parameter, MegatronStrategy's form)."""
-        options = StateDictOptions(flatten_optimizer_state_dict=flat)
-        return {"model": get_model_state_dict(module),
-                "optimizers": {str(i): get_optimizer_state_dict(module, opt, options=options)
-                               for i, opt in enumerate(optimizers)}}
+        load_sharded(path, module, optimizers)
 
     def __repr__(self) -> str:
         return (f"FSDPStrategy(sharding_strategy={self.sharding_strategy!r}, device={self.root_device}, "
                 f"world_size={self.world_size})")
-
-
-@contextlib.contextmanager
-def _no_gradient_sync(module: FSDPModule):
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
-
-
-def _remap_optimizers(before: List[Tuple[str, nn.Parameter]], module: nn.Module,
-                      optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Point optimizers built on the original parameters at the sharded ones (matched by name),
-    dropping any state they had (it described unsharded tensors)."""
-    after = {clean_name(name): p for name, p in module.named_parameters()}
-    new = {}
-    for name, old in before:
-        if name not in after:
-            raise ConfigurationError(f"parameter {name!r} disappeared while sharding; keep every parameter registered "
-                                     "on the module passed to prepare()")
-        new[id(old)] = after[name]
-    for opt in optimizers:
-        if opt.state:
-            log.warning("trainforge: %s had state before FSDP sharding; it is discarded (create or prepare the "
-                        "optimizer before its first step)", type(opt).__name__)
-        for group in opt.param_groups:
-            missing = [tuple(p.shape) for p in group["params"] if id(p) not in new]
-            if missing:
-                raise ConfigurationError(f"{type(opt).__name__} holds parameters of shapes {missing[:3]} that are not "
-                                         "in the prepared model; prepare the model together with its own optimizer")
-            group["params"] = [new[id(p)] for p in group["params"]]
-        opt.state.clear()
 
 
 def local_state_bytes(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Dict[str, int]:

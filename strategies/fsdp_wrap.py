@@ -12,12 +12,16 @@ or a callable ``(module, name) -> bool``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Tuple
+import contextlib
+import logging
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from trainforge.strategies.errors import ConfigurationError
 
+log = logging.getLogger("trainforge")
 Named = List[Tuple[str, nn.Module]]
 #: The prefix ``checkpoint_wrapper`` puts between a wrapped module's name and its parameters.
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
@@ -107,3 +111,38 @@ def apply_activation_checkpointing(model: nn.Module, targets: Named) -> Dict[int
 def clean_name(name: str) -> str:
     """A parameter/module name without the activation-checkpointing wrapper's prefix."""
     return name.replace(CHECKPOINT_PREFIX, "")
+
+
+# ---- shared by FSDPStrategy, MegatronStrategy (its data-parallel dimension) and XLAStrategy ----
+@contextlib.contextmanager
+def no_gradient_sync(module: Any) -> Iterator[None]:
+    """FSDP2 module: no reduce-scatter (nor HSDP all-reduce) for the backward passes inside."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def remap_optimizers(before: List[Tuple[str, nn.Parameter]], module: nn.Module,
+                      optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Point optimizers built on the original parameters at the sharded ones (matched by name),
+    dropping any state they had (it described unsharded tensors)."""
+    after = {clean_name(name): p for name, p in module.named_parameters()}
+    new = {}
+    for name, old in before:
+        if name not in after:
+            raise ConfigurationError(f"parameter {name!r} disappeared while sharding; keep every parameter registered "
+                                     "on the module passed to prepare()")
+        new[id(old)] = after[name]
+    for opt in optimizers:
+        if opt.state:
+            log.warning("trainforge: %s had state before FSDP sharding; it is discarded (create or prepare the "
+                        "optimizer before its first step)", type(opt).__name__)
+        for group in opt.param_groups:
+            missing = [tuple(p.shape) for p in group["params"] if id(p) not in new]
+            if missing:
+                raise ConfigurationError(f"{type(opt).__name__} holds parameters of shapes {missing[:3]} that are not "
+                                         "in the prepared model; prepare the model together with its own optimizer")
+            group["params"] = [new[id(p)] for p in group["params"]]
+        opt.state.clear()

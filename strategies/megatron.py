@@ -66,28 +66,27 @@ from __future__ import annotations
 import contextlib
 import logging
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
-from trainforge.strategies.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
+from trainforge.strategies.checkpoint.dcp import DCP_DIR, has_sharded, load_sharded, save_sharded
 from trainforge.strategies.ddp import ProcessGroupMixin
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
-from trainforge.strategies.fsdp import _MIXED_DTYPES, DCP_DIR, _no_gradient_sync, _remap_optimizers
-from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
+from trainforge.strategies.fsdp_wrap import (
+    apply_activation_checkpointing,
+    clean_name,
+    no_gradient_sync,
+    remap_optimizers,
+    select_modules,
+)
 from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
 from trainforge.strategies.parallel.dims import _positive
@@ -106,6 +105,7 @@ from trainforge.strategies.parallel.pp import (
 )
 from trainforge.strategies.parallel.pp_schedule import PipelineRunner
 from trainforge.strategies.parallel.sp import install_loss_parallel, loss_parallel_context
+from trainforge.strategies.precision import AUTOCAST_DTYPES
 
 log = logging.getLogger("trainforge")
 
@@ -221,7 +221,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         return self.dims.dp if self.dims is not None else 1
 
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
-        from trainforge.strategies.data import prepare_dataloader
+        from trainforge.strategies.data.loader import prepare_dataloader
 
         if self.dims is None and "auto" in (self.sizes["tp"], self.sizes["pp"]):
             raise ConfigurationError(
@@ -265,7 +265,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if callable(optimizers):  # built now, on the DTensor parameters (the Trainer's order)
             return module, build_optimizers(optimizers)
         if optimizers:  # built by the user on the plain parameters (Accelerate's order)
-            _remap_optimizers(before, module, optimizers)
+            remap_optimizers(before, module, optimizers)
         return module, list(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -410,7 +410,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             super().backward(loss, module)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
-        dtype = _MIXED_DTYPES.get(getattr(self.precision, "name", "32"))
+        dtype = AUTOCAST_DTYPES.get(getattr(self.precision, "name", "32"))
         return MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype,
                                                                                  reduce_dtype=torch.float32)
 
@@ -425,7 +425,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         if not (enabled and isinstance(module, FSDPModule)):
             return contextlib.nullcontext()
-        return _no_gradient_sync(module)
+        return no_gradient_sync(module)
 
     def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
                        clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
@@ -470,31 +470,16 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         return out
 
     def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        dcp.save(_sharded_state(module, optimizers, flat=True), checkpoint_id=str(Path(writer.tmp_dir) / DCP_DIR))
+        """``dcp/`` (strategies/checkpoint/dcp.py) with the optimizer state flat: each pipeline rank's
+        parameter groups hold other parameters, and the flat form loads on any (pp, dp, tp) layout."""
+        save_sharded(writer, module, optimizers, flat=True)
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """A ``dcp/`` checkpoint from any (tp, dp) layout or from FSDPStrategy; DCP reshards on read."""
-        folder = Path(path) / DCP_DIR
-        if not folder.is_dir():
+        if not has_sharded(path):
             raise CheckpointError(f"{path}: no {DCP_DIR}/ folder; MegatronStrategy loads sharded checkpoints "
                                   "(written by MegatronStrategy or FSDPStrategy(state_dict_type='sharded'))")
-        flat = bool(optimizers) and flat_optimizer_state(folder)  # ours are flat; FSDPStrategy's nested
-        if optimizers and self.pipelined and not flat:
-            raise CheckpointError(f"{folder}: its optimizer state is nested (written by FSDPStrategy), which cannot be "
-                                  "split between pipeline stages; resume it without pipeline parallelism, or load the "
-                                  "weights only (load_checkpoint with no optimizers / trainforge merge-weights)")
-        state = _sharded_state(module, optimizers, flat)
-        try:
-            safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
-        except CheckpointError:
-            raise
-        except DCP_ERRORS as e:
-            raise CheckpointError(f"{folder}: cannot load into {type(module).__name__} ({type(e).__name__}: "
-                                  f"{str(e).strip()[:500]}); was it saved from the same model and optimizers?") from None
-        set_model_state_dict(module, state["model"])
-        for i, opt in enumerate(optimizers):
-            set_optimizer_state_dict(module, opt, state["optimizers"][str(i)],
-                                     options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        load_sharded(path, module, optimizers, nested_ok=not self.pipelined)
 
     def __repr__(self) -> str:
         return f"MegatronStrategy({self.dims or self.sizes}, device={self.root_device})"
@@ -513,13 +498,3 @@ def _keep_local_parameters(before: List[Tuple[str, nn.Parameter]], after: Dict[s
                                          "in the prepared model; prepare the model together with its own optimizer")
             group["params"] = [after[names[id(p)]] for p in group["params"] if names[id(p)] in after]
         opt.state.clear()
-
-
-def _sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool = False) -> Dict[str, Any]:
-    """``flat``: optimizer settings keyed per parameter name (what MegatronStrategy writes): each
-    pipeline rank's parameter groups hold other parameters, so the nested form's ``params`` lists
-    differ between ranks (DCP would keep one rank's list); flat loads on any (pp, dp, tp) layout."""
-    options = StateDictOptions(flatten_optimizer_state_dict=True) if flat else None
-    return {"model": get_model_state_dict(module),
-            "optimizers": {str(i): get_optimizer_state_dict(module, opt, options=options)
-                           for i, opt in enumerate(optimizers)}}

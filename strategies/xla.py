@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from trainforge.strategies.base import REDUCE_OPS, Strategy, build_optimizers, mean_from_sum
-from trainforge.strategies.data_utils import apply_to_tensors
+from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 #: torch_xla release -> the torch it was built against (torch_xla follows torch's minor versions).
@@ -157,9 +157,9 @@ class XLAStrategy(Strategy):
             return module, build_optimizers(optimizers)
         moved = any(p is not q for (_, p), q in zip(before, module.parameters()))
         if optimizers and moved:
-            from trainforge.strategies.fsdp import _remap_optimizers
+            from trainforge.strategies.fsdp_wrap import remap_optimizers
 
-            _remap_optimizers(before, module, optimizers)
+            remap_optimizers(before, module, optimizers)
         return module, list(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:

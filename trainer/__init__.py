@@ -1,11 +1,11 @@
 """The loop floor: Trainer, TrainingModule, Accelerator and what they need (``trainforge.trainer``).
 Users import these names from ``trainforge`` itself."""
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
+from trainforge.strategies.precision import PRECISIONS, Precision
 from trainforge.trainer.accelerator import Accelerator
 from trainforge.trainer.datamodule import DataModule
 from trainforge.trainer.events import Event
 from trainforge.trainer.module import TrainingModule
-from trainforge.trainer.precision import PRECISIONS, Precision
 from trainforge.trainer.seed import seed_everything
 from trainforge.trainer.trainer import Trainer
 

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from trainforge.strategies import Strategy, resolve_strategy
-from trainforge.strategies.async_save import AsyncCheckpointer
-from trainforge.strategies.data_utils import apply_to_tensors
+from trainforge.strategies.checkpoint.async_save import AsyncCheckpointer
+from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.devices import check_device_matches, normalize_accelerator
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.trainer.precision import Precision
+from trainforge.strategies.precision import Precision
 from trainforge.trainer.process_control import ProcessControl
 from trainforge.trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
@@ -42,7 +42,7 @@ class Accelerator(ProcessControl):
     ``load_state()`` with no path loads the newest. ``dispatch_batches`` (None: True for an
     IterableDataset on several processes, as Accelerate): rank 0 reads the loader and every process
     receives its slice of each step (``trainer/dispatch.py``); False: every process reads its own
-    share (an IterableDataset's stream is split by ``strategies/data_iterable.py``). These three
+    share (an IterableDataset's stream is split by ``strategies/data/iterable.py``). These three
     also come in ``dataloader_config`` (Accelerate's ``DataLoaderConfiguration``, duck-typed)."""
 
     def __init__(self, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
@@ -167,7 +167,7 @@ class Accelerator(ProcessControl):
 
         dispatch = self._dispatches(loader)
         if dispatch:  # every rank builds the whole (unsharded) loader; only rank 0 iterates it
-            from trainforge.strategies.data import prepare_dataloader
+            from trainforge.strategies.data.loader import prepare_dataloader
 
             sharded = prepare_dataloader(loader, rank=0, world_size=1, seed=self.seed)
         else:
@@ -215,7 +215,7 @@ class Accelerator(ProcessControl):
         return dispatch
 
     def _dispatcher(self, loader: Any) -> Any:
-        from trainforge.strategies.data import loader_state_dict
+        from trainforge.strategies.data.loader import loader_state_dict
         from trainforge.trainer.dispatch import BatchDispatcher
 
         return BatchDispatcher(loader, rank=self.process_index, world_size=self.num_processes, device=self.device,
@@ -338,7 +338,7 @@ class Accelerator(ProcessControl):
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        from trainforge.strategies.data import split_between_processes
+        from trainforge.strategies.data.loader import split_between_processes
 
         yield split_between_processes(inputs, self.process_index, self.num_processes, apply_padding=apply_padding)
 
@@ -497,7 +497,7 @@ def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> to
         raise ConfigurationError(f"split_batches=True needs a batch_size divisible by the {world} processes "
                                  f"(got batch_size={loader.batch_size}); use a multiple of {world} or "
                                  "split_batches=False")
-    from trainforge.strategies.data import _loader_kwargs
+    from trainforge.strategies.data.loader import _loader_kwargs
 
     iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)  # takes no sampler
     return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size // world,
@@ -527,7 +527,7 @@ def _data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, 
 
 def _unpadded(sampler: Any) -> None:
     """``even_batches=False``: no duplicated samples; the last ranks may get one sample (batch) fewer."""
-    from trainforge.strategies.data_sampler import epoch_length
+    from trainforge.strategies.data.sampler import epoch_length
 
     sampler.pad = False
     sampler.total_size = epoch_length(len(sampler.dataset), sampler.num_replicas, sampler.drop_last, False)

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from trainforge.strategies.checkpoint_io import parse_size
+from trainforge.strategies.checkpoint.io import parse_size
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.memory_estimate import (
     OPTIMIZER_STATES,
@@ -39,7 +39,7 @@ from trainforge.strategies.memory_estimate import (
     format_table,
     recommend,
 )
-from trainforge.trainer.precision import normalize_precision
+from trainforge.strategies.precision import normalize_precision
 
 HELP = "estimate per-rank memory of a model under DDP / ZeRO / FSDP and recommend a strategy"
 # name -> (model_type, config overrides, head); sizes from the model cards of the published checkpoints.

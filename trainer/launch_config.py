@@ -38,8 +38,8 @@ import yaml
 
 from trainforge.strategies import STRATEGY_NAMES
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
-from trainforge.trainer.precision import ALIASES as PRECISION_ALIASES
-from trainforge.trainer.precision import PRECISIONS
+from trainforge.strategies.precision import ALIASES as PRECISION_ALIASES
+from trainforge.strategies.precision import PRECISIONS
 
 HELP = "answer a few questions and write the launch config file"
 LAUNCH_CONFIG_ENV = "TRAINFORGE_LAUNCH_CONFIG"

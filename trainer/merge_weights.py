@@ -20,7 +20,7 @@ from typing import Dict, Union
 
 import torch
 
-from trainforge.strategies.checkpoint_io import (
+from trainforge.strategies.checkpoint.io import (
     METADATA_FILE,
     CheckpointWriter,
     parse_size,
@@ -76,7 +76,7 @@ def read_model_weights(dcp_dir: Path, prefix: str = "model") -> Dict[str, torch.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from trainforge.strategies.dcp_safe import load_metadata, safe_load  # never torch's bare pickle.load
+    from trainforge.strategies.checkpoint.dcp_safe import load_metadata, safe_load  # never torch's bare pickle.load
 
     meta = load_metadata(dcp_dir / DCP_METADATA)  # restricted unpickling: a crafted file executes nothing
     paths = meta.planner_data or {}

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Set
 
 import torch
 
-from trainforge.strategies.data_utils import batch_size_of
+from trainforge.strategies.data.utils import batch_size_of
 from trainforge.strategies.errors import invalid_choice
 from trainforge.trainer.events import Event
 from trainforge.trainer.metrics import REDUCE_FX

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from trainforge.strategies.data_utils import move_to_device
+from trainforge.strategies.data.utils import move_to_device
 from trainforge.strategies.errors import ConfigurationError
 
 
@@ -31,6 +31,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: Any, gradient_state: GradientState) -> None:
         # Deliberately no super().__init__: this is a view of ``optimizer``, sharing its state.
         self.optimizer, self.strategy, self.gradient_state = optimizer, strategy, gradient_state
+        self.step_count = 0  # optimizer steps taken (saved by Accelerator.save_state as the run's global step)
 
     @property
     def param_groups(self):  # type: ignore[override]
@@ -46,6 +47,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if self.gradient_state.sync_gradients:
+            self.step_count += 1
             return self.strategy.optimizer_step(self.optimizer)
         return None
 
@@ -91,7 +93,7 @@ class PreparedScheduler:
 
 
 class PreparedDataLoader:
-    """A sharded, resumable loader (``trainforge.strategies.data``) that moves batches to the device, calls
+    """A sharded, resumable loader (``trainforge.strategies.data.loader``) that moves batches to the device, calls
     ``set_epoch`` for the user, and tells the Accelerator when an epoch's last batch arrives.
 
     ``batch_in_epoch`` counts batches handed out this epoch; with the global batch size preserved it
@@ -138,7 +140,7 @@ class PreparedDataLoader:
             self.epoch, self._resumed, self.batch_in_epoch = epoch, False, 0
 
     def __iter__(self) -> Iterator[Any]:
-        from trainforge.strategies.data import num_padding_samples, set_loader_epoch
+        from trainforge.strategies.data.loader import num_padding_samples, set_loader_epoch
 
         if not self._resumed or self.batch_in_epoch == 0:  # a new epoch (also one resumed at its start)
             self.batch_in_epoch = 0
@@ -200,7 +202,7 @@ class PreparedDataLoader:
         """``(batch, padding, is_last)`` for a loader whose end is known only when it comes: one batch is
         read ahead (as Accelerate does) so the last one is known when it is handed out; the loader's
         position after each batch is held, so a checkpoint does not count the batch read ahead."""
-        from trainforge.strategies.data import loader_state_dict
+        from trainforge.strategies.data.loader import loader_state_dict
 
         if self.dispatcher is not None:
             source: Iterator[Any] = iter(self.dispatcher)
@@ -312,14 +314,14 @@ class PreparedDataLoader:
         self.batch_in_epoch = num_batches
 
     def state_dict(self) -> Dict[str, Any]:
-        from trainforge.strategies.data import loader_state_dict
+        from trainforge.strategies.data.loader import loader_state_dict
 
         position = copy.deepcopy(self._held_state) if self._held_state is not None else loader_state_dict(self.loader)
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": position,
                 "user_generators": list(self._generators_after)}
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
-        from trainforge.strategies.data import load_loader_state
+        from trainforge.strategies.data.loader import load_loader_state
 
         if self.dispatcher is not None:  # the whole loader, read by rank 0: its own layout on every rank
             world_size, rank = 1, 0
@@ -348,7 +350,7 @@ class _Position:
 def _with_positions(loader: Any) -> Iterator[Any]:
     """``(batch, _Position)`` pairs: the state is taken when the batch leaves the loader, as the loop
     would take it without prefetching."""
-    from trainforge.strategies.data import loader_state_dict
+    from trainforge.strategies.data.loader import loader_state_dict
 
     for batch in loader:
         yield batch, _Position(loader_state_dict(loader))

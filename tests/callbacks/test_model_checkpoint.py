@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import CheckpointError, ConfigurationError, Trainer
 from trainforge.callbacks import ModelCheckpoint
-from trainforge.strategies.checkpoint_io import read_latest_pointer
+from trainforge.strategies.checkpoint.io import read_latest_pointer
 
 
 def names(directory: Path):

@@ -20,7 +20,7 @@ from trainforge import Trainer
 from trainforge.callbacks import ModelCheckpoint
 from trainforge.callbacks.trackers import CSVLogger, FailurePolicy
 from trainforge.callbacks.trackers.run_paths import OWNED_LIST, resolve_in_run, run_relative
-from trainforge.strategies.checkpoint_verify import file_crc32, metadata_checksum
+from trainforge.strategies.checkpoint.verify import file_crc32, metadata_checksum
 from trainforge.strategies.errors import ConfigurationError
 
 

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tests.inference.common import gpt2_config, greedy, llama_config, plain, quiet_transformers, storages
-from trainforge.strategies.checkpoint_io import CheckpointWriter
+from trainforge.strategies.checkpoint.io import CheckpointWriter
 from trainforge.trainer.inference import (
     cpu_offload,
     disk_offload,

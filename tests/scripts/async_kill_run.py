@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from trainforge import Trainer, TrainingModule, seed_everything  # noqa: E402
 from trainforge.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from trainforge.strategies.checkpoint_io import read_latest_pointer  # noqa: E402
+from trainforge.strategies.checkpoint.io import read_latest_pointer  # noqa: E402
 
 DIM = 384
 

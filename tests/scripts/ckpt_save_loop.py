@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from trainforge.strategies.checkpoint_io import CheckpointWriter, delete_checkpoint, list_checkpoints
+from trainforge.strategies.checkpoint.io import CheckpointWriter, delete_checkpoint, list_checkpoints
 
 
 def save_loop(root: Path, mb: float, mode: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainforge.strategies.checkpoint_io import CheckpointWriter, load_object, load_tensors, read_latest_pointer
+from trainforge.strategies.checkpoint.io import CheckpointWriter, load_object, load_tensors, read_latest_pointer
 from trainforge.strategies.errors import CheckpointError
 
 

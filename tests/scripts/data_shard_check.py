@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from trainforge.strategies.data import loader_state_dict, prepare_dataloader, set_loader_epoch
+from trainforge.strategies.data.loader import loader_state_dict, prepare_dataloader, set_loader_epoch
 
 N, BATCH, STEPS = 44, 4, 3
 

@@ -144,7 +144,7 @@ def main() -> None:
             result["runs"][name] = {"losses": module.losses, "lrs": module.lrs}
             trainer.save_weights(str(out / "weights" / name))
             if config == "A":  # load DDP's final weights into the partitioned engine and read them back
-                from trainforge.strategies.checkpoint_io import load_tensors
+                from trainforge.strategies.checkpoint.io import load_tensors
 
                 ddp = load_tensors(out / "weights" / "ddp-A")
                 trainer.strategy.load_module_state_dict(trainer.model, ddp)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.strategies.checkpoint_io import (
+from trainforge.strategies.checkpoint.io import (
     CheckpointWriter,
     load_object,
     load_tensors,

@@ -11,7 +11,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainforge.strategies.checkpoint_io import (
+from trainforge.strategies.checkpoint.io import (
     CheckpointWriter,
     delete_checkpoint,
     find_latest_valid,

@@ -1,4 +1,4 @@
-"""Sharded, resumable data loading (strategies.data), in one process: per-rank loaders for rank r of
+"""Sharded, resumable data loading (strategies.data.loader), in one process: per-rank loaders for rank r of
 W are built side by side, which is pure logic (no process group needed)."""
 import collections
 import io
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler
 
-from trainforge.strategies.data import (
+from trainforge.strategies.data.loader import (
     ResumableDataLoader,
     ResumableDistributedSampler,
     drop_padding,

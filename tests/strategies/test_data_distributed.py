@@ -1,4 +1,4 @@
-"""strategies.data with real processes: torchrun, gloo, 2 ranks."""
+"""strategies.data.loader with real processes: torchrun, gloo, 2 ranks."""
 import os
 import signal
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from trainforge.strategies.data import prepare_dataloader
+from trainforge.strategies.data.loader import prepare_dataloader
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "data_shard_check.py"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainforge.strategies import strategy_class
-from trainforge.strategies.checkpoint_io import load_tensors
+from trainforge.strategies.checkpoint.io import load_tensors
 from trainforge.strategies.deepspeed import DeepSpeedStrategy
 from trainforge.strategies.errors import ConfigurationError
 

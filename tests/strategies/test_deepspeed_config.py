@@ -15,7 +15,7 @@ from trainforge.strategies.deepspeed_config import (
     merge_config,
 )
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.trainer.precision import Precision
+from trainforge.strategies.precision import Precision
 
 SETTINGS = TrainingSettings(micro_batch_size=8, accumulation_steps=4, world_size=2, gradient_clip_val=1.0,
                             precision="bf16-mixed")

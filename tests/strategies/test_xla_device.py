@@ -20,7 +20,7 @@ from tests.helpers import procs
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Accelerator, ConfigurationError, Trainer, seed_everything
 from trainforge.callbacks import ModelCheckpoint
-from trainforge.strategies.checkpoint_io import load_tensors
+from trainforge.strategies.checkpoint.io import load_tensors
 
 pytestmark = pytest.mark.xla
 os.environ.setdefault("PJRT_DEVICE", "CPU")

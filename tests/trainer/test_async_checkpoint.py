@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (strategies/async_save.py): exact staged state, one save in flight,
+"""Asynchronous checkpoints (strategies/checkpoint/async_save.py): exact staged state, one save in flight,
 pruning after the commit, errors raised in the main thread, SIGKILLs during background writes,
 and bit-identical resume on 1 process and on 2 (DDP, FSDP, DeepSpeed) processes. CPU, fp32."""
 from __future__ import annotations
@@ -25,8 +25,8 @@ from tests.strategies.test_checkpoint_crash import _readline
 from trainforge import Accelerator, CheckpointError, ConfigurationError, Trainer, seed_everything
 from trainforge.callbacks import ModelCheckpoint
 from trainforge.strategies import resolve_strategy
-from trainforge.strategies.async_save import WRITER_NICENESS, AsyncCheckpointer, resolve_async_save
-from trainforge.strategies.checkpoint_io import (
+from trainforge.strategies.checkpoint.async_save import WRITER_NICENESS, AsyncCheckpointer, resolve_async_save
+from trainforge.strategies.checkpoint.io import (
     list_checkpoints,
     load_object,
     load_tensors,

@@ -17,7 +17,7 @@ from tests.helpers.procs import test_env as child_env
 from trainforge import CheckpointError, ConfigurationError, Trainer
 from trainforge.callbacks import EarlyStopping, ModelCheckpoint
 from trainforge.strategies import DDPStrategy, FSDPStrategy
-from trainforge.strategies.checkpoint_io import CheckpointWriter
+from trainforge.strategies.checkpoint.io import CheckpointWriter
 from trainforge.trainer.launch_config import validate
 
 

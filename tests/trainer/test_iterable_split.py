@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from tests.helpers import procs
 from trainforge import Accelerator, ConfigurationError
-from trainforge.strategies.data import prepare_dataloader
-from trainforge.strategies.data_iterable import fingerprint
+from trainforge.strategies.data.iterable import fingerprint
+from trainforge.strategies.data.loader import prepare_dataloader
 from trainforge.trainer.config import limited
 from trainforge.trainer.dispatch import BatchDispatcher
 

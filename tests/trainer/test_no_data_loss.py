@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Accelerator, CheckpointError, ConfigurationError, Trainer
 from trainforge.callbacks import ModelCheckpoint
-from trainforge.strategies.checkpoint_io import (
+from trainforge.strategies.checkpoint.io import (
     CheckpointWriter,
     delete_checkpoint,
     list_checkpoints,

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 import torch
 from torch import nn
 
-from trainforge.strategies.checkpoint_io import parse_size
+from trainforge.strategies.checkpoint.io import parse_size
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
 from trainforge.trainer.inference.meta import tie_groups
 

@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from trainforge.strategies.checkpoint.safetensors_mmap import mmap_safetensors
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
-from trainforge.strategies.safetensors_mmap import mmap_safetensors
 from trainforge.trainer.inference.device_map import MODES, Device, infer_auto_device_map, normalize_device
 from trainforge.trainer.inference.hooks import Runner, first_device, send_to
 from trainforge.trainer.inference.meta import retie, set_tensor, tie_groups

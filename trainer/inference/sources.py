@@ -13,9 +13,9 @@ from typing import Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 from safetensors.torch import save_file
 
-from trainforge.strategies.checkpoint_verify import METADATA_FILE, verify_checkpoint
+from trainforge.strategies.checkpoint.safetensors_mmap import _DTYPES, mmap_safetensors, read_header
+from trainforge.strategies.checkpoint.verify import METADATA_FILE, verify_checkpoint
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
-from trainforge.strategies.safetensors_mmap import _DTYPES, mmap_safetensors, read_header
 
 OFFLOAD_TAG = "trainforge_offload"  # in the header of every file trainforge writes to an offload folder
 

@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from trainforge.strategies.checkpoint_io import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
+from trainforge.strategies.checkpoint.io import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 log = logging.getLogger("trainforge")
@@ -233,7 +233,7 @@ class StagingWriter:
     def track(self, rel: str) -> None:
         self._writer.track(rel)  # the file exists already: its checksum runs in the background anyway
 
-    def dcp_async_save(self, state: Dict[str, Any], rel: str) -> None:
+    def save_sharded(self, state: Dict[str, Any], rel: str) -> None:
         """``torch.distributed.checkpoint.async_save`` into ``tmp_dir/rel``: staged now with this
         run's stager, written by DCP's thread over this saver's gloo group."""
         import torch.distributed.checkpoint as dcp

@@ -39,8 +39,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils import worker as _torch_worker
 from torchdata.stateful_dataloader import Stateful
 
-from .data_utils import batch_size_of
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
+from .utils import batch_size_of
 
 __all__ = ["TaggedBatch", "ShardedIterableDataset", "StatefulShardedIterableDataset", "shard_iterable",
            "shards_itself"]

@@ -15,7 +15,7 @@ from trainforge.strategies.errors import ConfigurationError
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
 _NO_AUTOCAST = contextlib.nullcontext()
-_AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16}
+AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16}
 ALIASES = {"no": "32", "fp32": "32", "32-true": "32", "32": "32", "fp16": "16-mixed", "16": "16-mixed",
            "16-mixed": "16-mixed", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
            "fp8": "fp8"}
@@ -53,10 +53,10 @@ class Precision:
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
-        return _AUTOCAST_DTYPES.get(self.name)
+        return AUTOCAST_DTYPES.get(self.name)
 
     def autocast(self) -> ContextManager:
-        dtype = _AUTOCAST_DTYPES.get(self.name)
+        dtype = AUTOCAST_DTYPES.get(self.name)
         if dtype is None:
             return _NO_AUTOCAST  # reusable: called once per step
         return torch.autocast(device_type=self.device.type, dtype=dtype)
@@ -75,7 +75,7 @@ class Precision:
         dtype = self.input_dtype
         if dtype is None:
             return data
-        from trainforge.strategies.data_utils import apply_to_tensors
+        from trainforge.strategies.data.utils import apply_to_tensors
 
         return apply_to_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() else t)
 

@@ -25,16 +25,16 @@ from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler as _TorchdataRandomSampler
 
-from .data_iterable import _TagCollate, shard_iterable, shards_itself
-from .data_sampler import (
+from ..errors import ConfigurationError
+from .iterable import _TagCollate, shard_iterable, shards_itself
+from .sampler import (
     KEEP_POSITION,
     ResumableDistributedSampler,
     WholeBatchSampler,
     as_sampler_state,
     epoch_length,
 )
-from .data_split import drop_padding, split_between_processes  # noqa: F401  (re-exported)
-from .errors import ConfigurationError
+from .split import drop_padding, split_between_processes  # noqa: F401  (re-exported)
 
 __all__ = [
     "ResumableDataLoader", "ResumableDistributedSampler", "prepare_dataloader", "loader_state_dict",
@@ -53,7 +53,7 @@ class ResumableDataLoader(StatefulDataLoader):
     ``kind`` is ``"map"`` (our sampler: sharded, resumable across world sizes), ``"iterable"``
     (an IterableDataset iterated as is: one process, or it shards itself; resumes through its own
     state_dict), ``"stream"`` (an IterableDataset whose stream trainforge splits between ranks and
-    workers, ``trainforge.strategies.data_iterable``; batches carry their padding count, kept in
+    workers, ``trainforge.strategies.data.iterable``; batches carry their padding count, kept in
     ``last_padding``) or ``"custom"``
     (a user's sampler or batch_sampler kept as is: resumes through torchdata with the same layout).
     Build it with :func:`prepare_dataloader`.
@@ -294,7 +294,7 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
       is itself rank-aware and Stateful.
     - An ``IterableDataset`` on several processes is split between ranks (and DataLoader workers)
       by batch-sized chunks, as Accelerate's ``IterableDatasetShard``: see
-      ``trainforge.strategies.data_iterable`` (``even_batches``/``drop_last`` decide the stream's end). Every
+      ``trainforge.strategies.data.iterable`` (``even_batches``/``drop_last`` decide the stream's end). Every
       reader reads the whole stream; a dataset that can skip data without reading it shards
       itself and opts out with ``shards_by_rank = True`` (HF ``split_dataset_by_node`` is
       detected). It resumes exactly through its own ``state_dict``/``load_state_dict``; without

@@ -48,7 +48,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from trainforge.strategies.checkpoint_verify import (  # noqa: F401  (re-exported API)
+from trainforge.strategies.checkpoint.verify import (  # noqa: F401  (re-exported API)
     ASIDE,
     FORMAT_VERSION,
     METADATA_FILE,
@@ -211,6 +211,13 @@ class CheckpointWriter:
         finally:
             self._hasher.shutdown(wait=True)
 
+    def save_sharded(self, state: Dict[str, Any], rel: str) -> None:
+        """A torch.distributed.checkpoint save of ``state`` into ``tmp_dir/rel``, every rank writing
+        its own file (collective; rank 0 hashes the files at ``finalize``)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=str(self.tmp_dir / _check_rel(rel)))
+
     def save_tensors(self, name: str, state_dict: Mapping[str, torch.Tensor],
                      max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> List[str]:
         """Write ``<name>.safetensors``, or above ``max_shard_size`` bytes the shards
@@ -260,7 +267,7 @@ class CheckpointWriter:
             raise ConfigurationError(
                 f"save_object({name!r}): the object holds {', '.join(unsafe)}, which torch.load(weights_only=True) "
                 f"refuses, so it could never be loaded; store tensors, numbers, strings, lists, tuples and dicts "
-                f"(convert numpy values with strategies.checkpoint_io.to_plain)")
+                f"(convert numpy values with strategies.checkpoint.io.to_plain)")
         self.track(file)
         return file
 

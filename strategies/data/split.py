@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 
 def _check_rank(rank: int, world_size: int) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, Optional, Sized
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 #: Key that marks a state dict as this sampler's (found by value, wherever a loader nests it).
 SAMPLER_STATE_MARKER = "trainforge_sampler"
