@@ -1,11 +1,14 @@
-"""What a Trainer or Accelerator checkpoint holds, on top of the directory format of
-``trainforge.strategies.checkpoint_io`` (atomic, verified, weights_only).
+"""What a checkpoint holds, on top of the directory format of ``trainforge.strategies.checkpoint.io``
+(atomic, verified, weights_only). The Trainer and the Accelerator share one format and one save/load
+path (``save_state``/``load_state`` over ``CheckpointParts``): a Trainer checkpoint loads with
+``Accelerator.load_state`` and an ``Accelerator.save_state`` one resumes ``Trainer.fit(ckpt_path=...)``.
 
 Layout of one checkpoint directory::
 
     model.safetensors (+ index)   weights, written by the strategy (sharded strategies: their own subdir)
     optimizers.pt                 optimizer states (the strategy's format)
-    trainer_state.pt              progress, schedulers, grad scaler, callback states (rank 0)
+    trainer_state.pt              progress, schedulers, grad scaler, callback states, registered
+                                  objects (rank 0)
     rng_rank{r}.pt                python/numpy/torch/CUDA generator states of rank r
     dataloader_rank{r}.pt         position of rank r's loader (a global sample count inside)
     metadata.json                 format version, step, world size, strategy, precision, versions, manifest
@@ -18,11 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from trainforge.strategies.async_save import resolve_async_save
-from trainforge.strategies.checkpoint_io import (
+from torch import nn
+
+from trainforge.strategies.checkpoint.async_save import resolve_async_save
+from trainforge.strategies.checkpoint.io import (
     CheckpointWriter,
     list_checkpoints,
     load_object,
@@ -70,9 +76,133 @@ def start_run(trainer: "Trainer", ckpt_path: Optional[str], required: bool) -> O
     return path
 
 
-def _write_rank_state(writer: CheckpointWriter, rank: int, loaders: List[Any]) -> None:
-    writer.save_object(f"rng_rank{rank}", rng_state())
-    writer.save_object(f"dataloader_rank{rank}", [dl.state_dict() for dl in loaders])
+@dataclass
+class CheckpointParts:
+    """What one side hands to the one save/load path. The Trainer and the Accelerator write the
+    same files; each restores the parts it has and names a part it needs that the checkpoint lacks.
+
+    ``progress``: the Trainer's ``Progress``; an Accelerator records the same fields it can know
+    (optimizer steps, its first loader's epoch and batch) so that a Trainer resumes its checkpoint."""
+
+    kind: str                                   # who writes: "trainer" | "accelerator" (metadata "kind")
+    model: Optional[nn.Module]
+    optimizers: List[Any]                       # prepared optimizers (trainer.wrappers.PreparedOptimizer)
+    schedulers: List[Any]                       # objects with state_dict / load_state_dict
+    loaders: List[Any]                          # prepared loaders whose position is saved, the training one first
+    custom: List[Any] = field(default_factory=list)      # Accelerator.register_for_checkpointing
+    callbacks: List[Any] = field(default_factory=list)   # Trainer callbacks (state_key -> state)
+    progress: Any = None                                 # trainer.config.Progress (Trainer only)
+    datamodule: Any = None
+    extra: Dict[str, Any] = field(default_factory=dict)  # what SAVE_CHECKPOINT handlers added
+
+
+def _progress_of(parts: CheckpointParts) -> Dict[str, int]:
+    if parts.progress is not None:
+        return parts.progress.state_dict()
+    first = parts.loaders[0] if parts.loaders else None
+    return {"global_step": max((o.step_count for o in parts.optimizers), default=0),
+            "epoch": first.epoch if first is not None else 0,
+            "batch_idx": first.batch_in_epoch if first is not None else 0}
+
+
+def save_state(acc: "Accelerator", path: os.PathLike | str, parts: CheckpointParts, async_save: bool = False,
+               before_write: Optional[Callable[[Dict[str, Any]], None]] = None, update_latest: bool = True) -> Path:
+    """The one writer of a resumable checkpoint (layout in this module's docstring)."""
+    strategy = acc.strategy
+    writer = _open_writer(acc, path, async_save, kind=parts.kind)
+    state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": parts.extra}
+    if before_write is not None:
+        before_write(state)  # the Trainer's SAVE_CHECKPOINT: callbacks and the module may add to state["extra"]
+    if parts.model is not None:
+        strategy.save_checkpoint(writer, parts.model, [o.optimizer for o in parts.optimizers])
+    progress = _progress_of(parts)
+    state.update({
+        "progress": progress,
+        "schedulers": [s.state_dict() for s in parts.schedulers],
+        "precision": acc.precision.state_dict(),
+        "accumulation_step": acc.step,
+        "callbacks": {cb.state_key: cb.state_dict() for cb in parts.callbacks},
+        "custom": [o.state_dict() for o in parts.custom],
+        "loaders": len(parts.loaders),
+    })
+    if parts.datamodule is not None:
+        state["datamodule"] = parts.datamodule.state_dict()
+    if strategy.is_global_zero:
+        writer.save_object("trainer_state", state)
+    writer.save_object(f"rng_rank{strategy.global_rank}", rng_state())
+    writer.save_object(f"dataloader_rank{strategy.global_rank}", [dl.state_dict() for dl in parts.loaders])
+    return writer.finalize({"step": progress["global_step"], "epoch": progress["epoch"],
+                            "batch_idx": progress["batch_idx"], "strategy": strategy.name,
+                            "precision": acc.precision.name, "kind": parts.kind,
+                            "run_id": parts.extra.get("run_id")}, update_latest=update_latest)
+
+
+def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple[Dict[str, Any], Dict[str, Any]]":
+    """Restore every part ``parts`` has from ``path`` (written by either side) except RNG, which is
+    returned with the state: the caller restores it last, just before the next batch."""
+    meta = read_metadata(path)
+    strategy = acc.strategy
+    state = load_object(path, "trainer_state")
+    _check_parts(path, meta, state, parts)
+    if parts.model is not None:
+        strategy.load_checkpoint(path, parts.model, [o.optimizer for o in parts.optimizers])
+    for sched, sched_state in zip(parts.schedulers, state["schedulers"]):
+        sched.load_state_dict(sched_state)
+    acc.precision.load_state_dict(state["precision"])
+    acc.step = int(state.get("accumulation_step", 0))
+    for obj, obj_state in zip(parts.custom, state.get("custom", [])):
+        obj.load_state_dict(obj_state)
+    for opt in parts.optimizers:
+        opt.step_count = int(state["progress"].get("global_step", 0))
+    if parts.progress is not None:
+        parts.progress.load_state_dict(state["progress"])
+    saved_callbacks = state.get("callbacks", {})
+    for cb in parts.callbacks:
+        if cb.state_key in saved_callbacks:
+            cb.load_state_dict(saved_callbacks[cb.state_key])
+    fresh = [cb.state_key for cb in parts.callbacks if cb.state_key not in saved_callbacks and cb.state_dict()]
+    if fresh and strategy.is_global_zero:
+        log.warning("trainforge: %s holds no state for callback(s) %s (written by %s); they start fresh", path,
+                    ", ".join(fresh), _writer_name(meta))
+    if parts.datamodule is not None and "datamodule" in state:
+        parts.datamodule.load_state_dict(state["datamodule"])
+    rng, loader_states = _read_rank_state(path, meta, strategy)
+    for dl, sd in zip(parts.loaders, loader_states):
+        dl.load_state_dict(sd, world_size=strategy.data_parallel_size, rank=strategy.data_parallel_rank)
+    if len(loader_states) < len(parts.loaders) and strategy.is_global_zero:
+        log.warning("trainforge: %s holds the position of %d data loader(s) and %d are prepared now; the other(s) "
+                    "start at their beginning (prepare the loaders in the order they were saved in)", path,
+                    len(loader_states), len(parts.loaders))
+    return state, rng
+
+
+def _writer_name(meta: Dict[str, Any]) -> str:
+    return "Accelerator.save_state" if meta.get("kind") == "accelerator" else "the Trainer"
+
+
+def _check_parts(path: Path, meta: Dict[str, Any], state: Dict[str, Any], parts: CheckpointParts) -> None:
+    """A part this side needs and the checkpoint lacks (or holds a different number of) is an error
+    that names it, before anything is restored."""
+    who = _writer_name(meta)
+    saved = len(state.get("schedulers", []))
+    if saved != len(parts.schedulers):
+        raise CheckpointError(f"{path} (written by {who}) holds {saved} learning-rate scheduler state(s) and "
+                              f"{len(parts.schedulers)} scheduler(s) are prepared now: the schedule cannot continue "
+                              "where it stopped. Resume with the same schedulers (Trainer: configure_optimizers; "
+                              "Accelerator: prepare() each scheduler that was saved)")
+    saved = len(state.get("custom", []))
+    if saved != len(parts.custom):
+        raise CheckpointError(f"{path} (written by {who}) holds {saved} registered object(s) but "
+                              f"{len(parts.custom)} are registered now; register the same objects in the same "
+                              "order (Accelerator.register_for_checkpointing) before load_state")
+    if parts.progress is not None and "progress" not in state:
+        raise CheckpointError(f"{path} (written by {who}, an older format) records no training progress (epoch, "
+                              "step); the Trainer cannot resume it exactly. Load it with Accelerator.load_state, "
+                              "or start the Trainer from its weights")
+    if parts.loaders and state.get("loaders", 1) == 0:
+        raise CheckpointError(f"{path} (written by {who}) holds no data position (no DataLoader was prepared when "
+                              f"it was saved) and {len(parts.loaders)} loader(s) would continue from it; prepare the "
+                              "training DataLoader before save_state, or leave it out of this run")
 
 
 def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
@@ -90,7 +220,7 @@ def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
     return load_object(path, f"rng_rank{source}"), load_object(path, f"dataloader_rank{0 if old_world != strategy.world_size else source}")
 
 
-# ---- asynchronous saves (strategies/async_save.py) -------------------------------------------------
+# ---- asynchronous saves (strategies/checkpoint/async_save.py) ---------------------------------------
 def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, kind: str) -> Any:
     """A CheckpointWriter, or its staging stand-in for an asynchronous save; either way only after
     the save in flight (if any) is committed: one save at a time."""
@@ -102,30 +232,17 @@ def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, 
                             kind=kind)
 
 
-# ---- Trainer ------------------------------------------------------------------------------------
+# ---- the Trainer's side ------------------------------------------------------------------------------
+def trainer_parts(trainer: "Trainer") -> CheckpointParts:
+    return CheckpointParts("trainer", trainer.model, list(trainer._prepared_optimizers),
+                           [cfg["scheduler"] for cfg in trainer.lr_scheduler_configs], [trainer.train_dataloader],
+                           callbacks=list(trainer.callbacks), progress=trainer.progress,
+                           datamodule=trainer.datamodule, extra={"run_id": trainer.run_id})
+
+
 def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str, async_save: bool = False) -> Path:
-    strategy = trainer.strategy
-    writer = _open_writer(trainer.accelerator, path, async_save, kind="trainer")
-    state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": {}}
-    trainer._fire(Event.SAVE_CHECKPOINT, state)  # callbacks and the module may add to state["extra"]
-    strategy.save_checkpoint(writer, trainer.model, trainer.optimizers)
-    state.update({
-        "progress": trainer.progress.state_dict(),
-        "schedulers": [cfg["scheduler"].state_dict() for cfg in trainer.lr_scheduler_configs],
-        "precision": trainer.accelerator.precision.state_dict(),
-        "accumulation_step": trainer.accelerator.step,
-        "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
-    })
-    if trainer.datamodule is not None:
-        state["datamodule"] = trainer.datamodule.state_dict()
-    if strategy.is_global_zero:
-        writer.save_object("trainer_state", state)
-    _write_rank_state(writer, strategy.global_rank, [trainer.train_dataloader])
-    p = trainer.progress
-    return writer.finalize({"step": p.global_step, "epoch": p.epoch, "batch_idx": p.batch_idx,
-                            "strategy": strategy.name,
-                            "precision": trainer.precision, "kind": "trainer",
-                            "run_id": getattr(trainer, "run_id", None)})
+    return save_state(trainer.accelerator, path, trainer_parts(trainer), async_save,
+                      before_write=lambda state: trainer._fire(Event.SAVE_CHECKPOINT, state))
 
 
 def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool = True) -> Optional[Path]:
@@ -139,81 +256,37 @@ def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool =
         if trainer.is_global_zero:
             log.info("trainforge: no checkpoint under %s; starting from scratch", checkpoint_root(trainer))
         return None
-    meta = read_metadata(path)
-    if meta.get("kind", "trainer") != "trainer":
-        raise CheckpointError(f"{path} was written by Accelerator.save_state; load it with Accelerator.load_state")
-    strategy = trainer.strategy
-    strategy.load_checkpoint(path, trainer.model, trainer.optimizers)
-    state = load_object(path, "trainer_state")
-    trainer.progress.load_state_dict(state["progress"])
-    for cfg, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
-        cfg["scheduler"].load_state_dict(sched_state)
-    trainer.accelerator.precision.load_state_dict(state["precision"])
-    trainer.accelerator.step = int(state.get("accumulation_step", 0))
-    for cb in trainer.callbacks:
-        if cb.state_key in state["callbacks"]:
-            cb.load_state_dict(state["callbacks"][cb.state_key])
-    if trainer.datamodule is not None and "datamodule" in state:
-        trainer.datamodule.load_state_dict(state["datamodule"])
+    state, trainer._pending_rng = load_state(trainer.accelerator, path, trainer_parts(trainer))
     trainer._fire(Event.LOAD_CHECKPOINT, state)
-    rng, (loader_state,) = _read_rank_state(path, meta, strategy)
-    trainer.train_dataloader.load_state_dict(loader_state, world_size=strategy.data_parallel_size,
-                                              rank=strategy.data_parallel_rank)
-    trainer._pending_rng = rng
     if trainer.is_global_zero:
         log.info("trainforge: resumed from %s (epoch %d, step %d)", path, trainer.progress.epoch,
                  trainer.progress.global_step)
     return path
 
 
-def restore_pending_rng(owner: Any) -> None:
-    rng = getattr(owner, "_pending_rng", None)
-    if rng is not None:
-        set_rng_state(rng)
-        owner._pending_rng = None
+def restore_pending_rng(trainer: "Trainer") -> None:
+    if trainer._pending_rng is not None:
+        set_rng_state(trainer._pending_rng)
+        trainer._pending_rng = None
 
 
-# ---- Accelerator ----------------------------------------------------------------------------------
-def save_accelerator_state(acc: "Accelerator", output_dir: os.PathLike | str, async_save: bool = False) -> Path:
-    strategy = acc.strategy
+# ---- the Accelerator's side -------------------------------------------------------------------------
+def accelerator_parts(acc: "Accelerator") -> CheckpointParts:
     if len(acc._models) > 1:
         raise ConfigurationError(f"save_state got {len(acc._models)} prepared models; it saves one trained model "
                                  "(save others with save_model)")
-    writer = _open_writer(acc, output_dir, resolve_async_save(async_save, strategy.root_device), kind="accelerator")
-    model = acc._models[0] if acc._models else None
-    optimizers = [o.optimizer for o in acc._optimizers]
-    if model is not None:
-        strategy.save_checkpoint(writer, model, optimizers)
-    if strategy.is_global_zero:
-        writer.save_object("trainer_state", {
-            "schedulers": [s.state_dict() for s in acc._schedulers],
-            "precision": acc.precision.state_dict(), "accumulation_step": acc.step,
-            "custom": [o.state_dict() for o in acc._custom_objects]})
-    _write_rank_state(writer, strategy.global_rank, acc._dataloaders)
-    return writer.finalize({"strategy": strategy.name,
-                            "precision": acc.precision.name, "kind": "accelerator"}, update_latest=False)
+    return CheckpointParts("accelerator", acc._models[0] if acc._models else None, list(acc._optimizers),
+                           list(acc._schedulers), list(acc._dataloaders), custom=list(acc._custom_objects))
+
+
+def save_accelerator_state(acc: "Accelerator", output_dir: os.PathLike | str, async_save: bool = False) -> Path:
+    return save_state(acc, output_dir, accelerator_parts(acc), resolve_async_save(async_save, acc.strategy.root_device),
+                      update_latest=False)
 
 
 def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> Path:
     path = resolve_checkpoint(Path(input_dir).parent, input_dir)
-    meta = read_metadata(path)
-    strategy = acc.strategy
-    if acc._models:
-        strategy.load_checkpoint(path, acc._models[0], [o.optimizer for o in acc._optimizers])
-    state = load_object(path, "trainer_state")
-    for sched, sd in zip(acc._schedulers, state["schedulers"]):
-        sched.load_state_dict(sd)
-    acc.precision.load_state_dict(state["precision"])
-    acc.step = int(state["accumulation_step"])
-    if len(state["custom"]) != len(acc._custom_objects):
-        raise CheckpointError(f"{path} holds {len(state['custom'])} registered object(s) but "
-                              f"{len(acc._custom_objects)} are registered now; register the same objects in the "
-                              "same order before load_state")
-    for obj, sd in zip(acc._custom_objects, state["custom"]):
-        obj.load_state_dict(sd)
-    rng, loader_states = _read_rank_state(path, meta, strategy)
-    for dl, sd in zip(acc._dataloaders, loader_states):
-        dl.load_state_dict(sd, world_size=strategy.data_parallel_size, rank=strategy.data_parallel_rank)
+    _, rng = load_state(acc, path, accelerator_parts(acc))
     set_rng_state(rng)
     return path
 
@@ -228,7 +301,7 @@ def _project_root(acc: "Accelerator") -> Path:
 def save_project_checkpoint(acc: "Accelerator", async_save: bool = False) -> Path:
     """Accelerate's automatic naming: ``checkpoints/checkpoint_<i>``, i one more than the newest;
     the oldest beyond ``total_limit`` deleted by rank 0 once the new one is committed."""
-    from trainforge.strategies.checkpoint_io import delete_checkpoint
+    from trainforge.strategies.checkpoint.io import delete_checkpoint
 
     root = _project_root(acc)
     existing = _numbered(root)

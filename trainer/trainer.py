@@ -12,7 +12,7 @@ import torch
 
 from trainforge.callbacks.base import Callback
 from trainforge.strategies import Strategy
-from trainforge.strategies.async_save import resolve_async_save
+from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.accelerator import Accelerator
 from trainforge.trainer.checkpointing import restore_pending_rng, start_run
@@ -90,6 +90,7 @@ class Trainer(MetricLogging, Evaluation):
         self._training_step: Any = None
         self._pipelined = False  # the strategy runs a pipeline schedule (see _pipeline_batch)
         self._pending_rng: Optional[Dict[str, Any]] = None
+        self.run_id: Optional[str] = None  # given by each fit (kept from the checkpoint it resumes)
         self._nonfinite_flag: Optional[torch.Tensor] = None  # see _check_loss_async
         self._last_flag_check = 0
         self._last_output: Any = None
@@ -484,7 +485,7 @@ class Trainer(MetricLogging, Evaluation):
     def save_checkpoint(self, path: str, async_save: bool = False) -> Any:
         """Everything needed to resume exactly, as one checkpoint directory (every rank calls it).
         ``async_save=True``: returns once the state is staged; the write and commit run in the
-        background (``fit`` waits for it before returning; see strategies/async_save.py)."""
+        background (``fit`` waits for it before returning; see strategies/checkpoint/async_save.py)."""
         from trainforge.trainer.checkpointing import save_trainer_checkpoint
 
         return save_trainer_checkpoint(self, path, async_save=resolve_async_save(async_save, self.device))

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from tests.helpers.procs import run
 from tests.helpers.procs import test_env as child_env
 from trainforge.strategies import FSDPStrategy
-from trainforge.strategies.checkpoint_io import CheckpointWriter, verify_checkpoint
-from trainforge.strategies.dcp_safe import load_metadata
+from trainforge.strategies.checkpoint.dcp_safe import load_metadata
+from trainforge.strategies.checkpoint.io import CheckpointWriter, verify_checkpoint
 from trainforge.strategies.errors import CheckpointError
 from trainforge.trainer.cli import main as cli_main
 
@@ -67,6 +67,8 @@ def _verified_checkpoint(root: Path, plant) -> Path:
     writer = CheckpointWriter(root / "step-1")
     _save_dcp(writer.tmp_dir / "dcp", _state(model, opt))
     plant(writer.tmp_dir / "dcp")
+    writer.save_object("trainer_state", {"progress": {"global_step": 1, "epoch": 0, "batch_idx": 1}, "schedulers": [],
+                                         "custom": [], "callbacks": {}, "loaders": 0})  # the parts a real one has
     path = writer.finalize({"step": 1, "strategy": "fsdp"})
     verify_checkpoint(path)  # the manifest verifies: checksums cannot stop this attack
     return path
