@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 from trainforge.callbacks.base import Callback
+from trainforge.callbacks.view import TrainerView
 
 _EXPORTS = {
     "ModelCheckpoint": "trainforge.callbacks.checkpoint",
@@ -27,7 +28,7 @@ _EXPORTS = {
     "TensorBoardLogger": "trainforge.callbacks.trackers.tensorboard",
 }
 
-__all__ = ["Callback", *_EXPORTS]
+__all__ = ["Callback", "TrainerView", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:

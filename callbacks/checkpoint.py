@@ -24,7 +24,8 @@ from trainforge.strategies.checkpoint.io import delete_checkpoint, read_metadata
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 MODES = ("min", "max")
 _FIELD = re.compile(r"\{([^{}:]+)(:[^{}]*)?\}")  # {name} or {name:format} in a filename template
@@ -130,6 +131,7 @@ class ModelCheckpoint(Callback):
         self.current_score: Optional[float] = None
         self._last_time = time.monotonic()
         self._restored_paths = False  # set by load_state_dict: paths to place in this run at fit start
+        self._versioned_logged = False  # the "-v1: taken by another run" warning was given
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -183,17 +185,17 @@ class ModelCheckpoint(Callback):
         pick = max if self.mode == "min" else min
         return pick(self.best_k, key=self.best_k.get)
 
-    def directory(self, trainer: "Trainer") -> Path:
+    def directory(self, trainer: "TrainerView") -> Path:
         return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "checkpoints"
 
     # ---- triggers ------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._last_time = time.monotonic()
         if self._restored_paths:
             self._restored_paths = False
             self._place_restored_paths(self.directory(trainer))
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         n = self.every_n_steps
         if n and trainer.global_step % n == 0 and trainer.global_step != self.last_saved_step:
@@ -203,7 +205,7 @@ class ModelCheckpoint(Callback):
             if trainer.strategy.broadcast(due, 0):  # rank 0's clock decides, so every rank saves together
                 self._save_periodic(trainer)
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         n = self.every_n_epochs
         if n and (trainer.current_epoch + 1) % n == 0:
             self._save_periodic(trainer)
@@ -211,22 +213,22 @@ class ModelCheckpoint(Callback):
             self._save_top_k(trainer)
         self._save_last(trainer)
 
-    def on_fit_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if self._epoch_default and self.save_top_k != 0 and trainer.global_step != self.last_saved_step:
             self._save_periodic(trainer)  # stopped inside an epoch (max_steps): its state is the newest
         self._save_last(trainer)
 
-    def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if self.monitor is None or trainer.stage != "fit" or self._judge_at_train_epoch_end(trainer):
             return
         self._save_top_k(trainer)
 
-    def _judge_at_train_epoch_end(self, trainer: "Trainer") -> bool:
+    def _judge_at_train_epoch_end(self, trainer: "TrainerView") -> bool:
         if self.save_on_train_epoch_end is not None:
             return self.save_on_train_epoch_end
-        return not getattr(trainer, "val_dataloaders", None)  # no validation loop: judge training metrics
+        return not trainer.val_dataloaders  # no validation loop: judge training metrics
 
-    def _save_top_k(self, trainer: "Trainer") -> None:
+    def _save_top_k(self, trainer: "TrainerView") -> None:
         if self.monitor not in trainer.callback_metrics:
             raise ConfigurationError(f"ModelCheckpoint(monitor={self.monitor!r}): no such logged metric; available: "
                                      f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...)")
@@ -255,7 +257,7 @@ class ModelCheckpoint(Callback):
         return score < worst if self.mode == "min" else score > worst
 
     # ---- saving --------------------------------------------------------------------------------
-    def _save_periodic(self, trainer: "Trainer") -> None:
+    def _save_periodic(self, trainer: "TrainerView") -> None:
         self._last_time = time.monotonic()
         if trainer.global_step == self.last_saved_step and self.last_path:
             return
@@ -270,37 +272,37 @@ class ModelCheckpoint(Callback):
                 self._delete(trainer, old)
         self._save_last(trainer)
 
-    def _save_last(self, trainer: "Trainer") -> None:
+    def _save_last(self, trainer: "TrainerView") -> None:
         if not self.save_last or trainer.global_step == self._last_written_step:
             return
         path = self._path(trainer, "last")
         self.last_model_path, self._last_written_step = path, trainer.global_step
         self._write(trainer, path)
 
-    def _path(self, trainer: "Trainer", name: Optional[str] = None) -> str:
+    def _path(self, trainer: "TrainerView", name: Optional[str] = None) -> str:
         directory, name = self.directory(trainer), name or self._format_name(trainer)
         free, version = name, 0
         if trainer.is_global_zero:  # the first name not held by another run's checkpoint (or anything else)
-            while (directory / free).exists() and not _same_run(directory / free, getattr(trainer, "run_id", None)):
+            while (directory / free).exists() and not _same_run(directory / free, trainer.run_id):
                 version += 1
                 free = f"{name}-v{version}"
-            if version and not getattr(self, "_versioned_logged", False):
+            if version and not self._versioned_logged:
                 self._versioned_logged = True
                 log.warning("ModelCheckpoint: %s is taken by another run; saving as %s (nothing is overwritten; "
                             "to continue that run use Trainer(resume='auto'))", directory / name, free)
         return str(directory / trainer.strategy.broadcast(free, 0))
 
-    def _write(self, trainer: "Trainer", path: str) -> None:
+    def _write(self, trainer: "TrainerView", path: str) -> None:
         self.last_saved_step, self.last_path = trainer.global_step, path
         if self.save_weights_only:
             trainer.save_weights(path)
         else:
             trainer.save_checkpoint(path, async_save=self._async(trainer))
 
-    def _async(self, trainer: "Trainer") -> bool:
+    def _async(self, trainer: "TrainerView") -> bool:
         return resolve_async_save(self.async_save, trainer.device)
 
-    def _format_name(self, trainer: "Trainer") -> str:
+    def _format_name(self, trainer: "TrainerView") -> str:
         values: Dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         values.update(epoch=trainer.current_epoch, step=trainer.global_step)
 
@@ -316,7 +318,7 @@ class ModelCheckpoint(Callback):
                                      f"use epoch, step and the logged metrics {sorted(trainer.callback_metrics)}") from None
         return name.replace("/", "_").replace(" ", "_")
 
-    def _delete(self, trainer: "Trainer", path: str) -> None:
+    def _delete(self, trainer: "TrainerView", path: str) -> None:
         root = self.directory(trainer)
 
         def prune() -> None:

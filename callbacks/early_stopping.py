@@ -18,7 +18,8 @@ from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 MODES = ("min", "max")
 
@@ -67,21 +68,21 @@ class EarlyStopping(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
-    def _on_train_epoch_end_too(self, trainer: "Trainer") -> bool:
+    def _on_train_epoch_end_too(self, trainer: "TrainerView") -> bool:
         if self.check_on_train_epoch_end is not None:
             return self.check_on_train_epoch_end
-        return not getattr(trainer, "val_dataloaders", None)
+        return not trainer.val_dataloaders
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if self._on_train_epoch_end_too(trainer):
             self._check(trainer)
 
-    def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
-        if getattr(trainer, "stage", "fit") != "fit" or self._on_train_epoch_end_too(trainer):
+    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+        if trainer.stage != "fit" or self._on_train_epoch_end_too(trainer):
             return  # trainer.validate()/test() never stop anything
         self._check(trainer)
 
-    def _check(self, trainer: "Trainer") -> None:
+    def _check(self, trainer: "TrainerView") -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             available = ", ".join(sorted(metrics)) or "(none: nothing was logged)"
@@ -93,7 +94,7 @@ class EarlyStopping(Callback):
                 return
             raise ConfigurationError(message)
         reason = self.judge(float(torch.as_tensor(metrics[self.monitor]).detach().float().cpu()))
-        device = getattr(trainer.strategy, "root_device", torch.device("cpu"))
+        device = trainer.device
         vote = torch.tensor([1.0 if reason else 0.0], device=device)
         stop = bool(trainer.strategy.all_reduce(vote, op="max").item() > 0)
         if stop:

@@ -21,7 +21,8 @@ from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -54,12 +55,12 @@ class GradientNormMonitor(Callback):
         self.per_layer = per_layer
         self.last_metrics: Dict[str, float] = {}
 
-    def on_before_optimizer_step(self, trainer: "Trainer", module: "TrainingModule", optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: "TrainerView", module: "TrainingModule", optimizer: Any) -> None:
         step = trainer.global_step + 1  # the step this optimizer call completes
         if step % max(1, int(trainer.log_every_n_steps)) != 0:
             return
         metrics = self.compute(module, optimizer)
-        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        optimizers = list(trainer.optimizers)
         if len(optimizers) > 1:
             k = next((i for i, o in enumerate(optimizers) if o is optimizer), 0)
             metrics = {f"{name}_opt{k}": value for name, value in metrics.items()}

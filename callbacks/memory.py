@@ -26,7 +26,8 @@ from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 log = logging.getLogger("trainforge")
 
@@ -81,7 +82,7 @@ class MemoryMonitor(Callback):
         self._recording = False
 
     # ---- hooks ----------------------------------------------------------------------------
-    def on_fit_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if not self.record_history:
             return
         if not _is_cuda(trainer):
@@ -91,13 +92,13 @@ class MemoryMonitor(Callback):
         torch.cuda.memory._record_memory_history(max_entries=self.history_max_entries)
         self._recording = True
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
         if step > 0 and step != self._last_step and step % self.every_n_steps == 0:
             self.measure(trainer)
 
-    def on_fit_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if trainer.global_step != self._last_step:
             self.measure(trainer)  # every rank is here, so the collective is safe
         if self._recording:
@@ -107,7 +108,7 @@ class MemoryMonitor(Callback):
         if trainer.is_global_zero:
             print(self.summary())
 
-    def on_exception(self, trainer: "Trainer", module: "TrainingModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: "TrainerView", module: "TrainingModule", exception: BaseException) -> None:
         oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
                                       getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
         if self.snapshot_on_oom and isinstance(exception, oom_types) and _is_cuda(trainer):
@@ -118,12 +119,12 @@ class MemoryMonitor(Callback):
             self._recording = False
 
     # ---- measuring ------------------------------------------------------------------------
-    def measure(self, trainer: "Trainer") -> Dict[str, float]:
+    def measure(self, trainer: "TrainerView") -> Dict[str, float]:
         """Measure on this rank, gather all ranks, log, update peaks and leak windows. Collective."""
         step = trainer.global_step
         self._last_step = step
         local = self._local_values(trainer)
-        device = getattr(trainer.strategy, "root_device", torch.device("cpu"))
+        device = trainer.device
         vec = torch.tensor([local.get(f, float("nan")) for f in _FIELDS], dtype=torch.float64, device=device)
         gathered = trainer.strategy.all_gather(vec).detach().to("cpu", torch.float64)  # [world, fields]
         metrics: Dict[str, float] = {}
@@ -144,7 +145,7 @@ class MemoryMonitor(Callback):
         trainer.log_metrics(metrics, step=step)
         return metrics
 
-    def _local_values(self, trainer: "Trainer") -> Dict[str, float]:
+    def _local_values(self, trainer: "TrainerView") -> Dict[str, float]:
         values = {"host_rss_mb": psutil.Process(os.getpid()).memory_info().rss / _MB}
         if _is_cuda(trainer):
             dev = _device(trainer)
@@ -209,7 +210,7 @@ class MemoryMonitor(Callback):
                 window.append(samples[-1])
 
     # ---- snapshots ------------------------------------------------------------------------
-    def _dump_snapshot(self, trainer: "Trainer", tag: str) -> None:
+    def _dump_snapshot(self, trainer: "TrainerView", tag: str) -> None:
         """Pickle the CUDA allocator state and write an HTML view next to it (CUDA-only)."""
         folder = self.snapshot_dir or os.path.join(str(trainer.default_root_dir), "memory")
         base = os.path.join(folder, f"rank{trainer.global_rank}_{tag}")
@@ -255,10 +256,10 @@ class MemoryMonitor(Callback):
         self._last_step = int(state_dict.get("last_step", -1))
 
 
-def _device(trainer: "Trainer") -> torch.device:
-    device = getattr(trainer.strategy, "root_device", None) or getattr(trainer, "device", None)
+def _device(trainer: "TrainerView") -> torch.device:
+    device = trainer.device
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
-def _is_cuda(trainer: "Trainer") -> bool:
+def _is_cuda(trainer: "TrainerView") -> bool:
     return _device(trainer).type == "cuda" and torch.cuda.is_available()

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 from trainforge.callbacks.base import Callback
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 
 def _loss_of(outputs: Any) -> Any:
@@ -28,10 +29,10 @@ class ProgressBar(Callback):
         self._last_step = 0
         self._t0 = 0.0
 
-    def _enabled(self, trainer: "Trainer") -> bool:
+    def _enabled(self, trainer: "TrainerView") -> bool:
         return trainer.is_global_zero
 
-    def on_train_epoch_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_train_epoch_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if not self._enabled(trainer):
             return
         stream = self.stream if self.stream is not None else sys.stderr
@@ -45,7 +46,7 @@ class ProgressBar(Callback):
             self._bar = tqdm(total=total, initial=initial, desc=f"epoch {trainer.current_epoch}",
                              file=stream, dynamic_ncols=True, leave=True, unit="batch")
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self._enabled(trainer):
             return
@@ -69,19 +70,19 @@ class ProgressBar(Callback):
             print(f"epoch {trainer.current_epoch} step {trainer.global_step} {fields} {rate:.2f} it/s",
                   file=stream, flush=True)
 
-    def _postfix(self, trainer: "Trainer", outputs: Any) -> Dict[str, str]:
+    def _postfix(self, trainer: "TrainerView", outputs: Any) -> Dict[str, str]:
         out: Dict[str, str] = {}
         loss = _loss_of(outputs)
         if loss is not None:
             out["loss"] = f"{float(loss.detach() if hasattr(loss, 'detach') else loss):.4g}"
-        for name, value in trainer._metrics["train"].prog_bar.items():
+        for name, value in trainer.progress_bar_metrics.items():
             out[name] = f"{float(value):.4g}"
         return out
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._close()
 
-    def on_teardown(self, trainer: "Trainer", module: "TrainingModule", stage: str) -> None:
+    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
         self._close()
 
     def _close(self) -> None:

@@ -28,13 +28,14 @@ from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 EVERY = ("epoch", "step")
 
 
-def _samplers(trainer: "Trainer") -> List[Any]:
-    loader = getattr(trainer, "train_dataloader", None)
+def _samplers(trainer: "TrainerView") -> List[Any]:
+    loader = trainer.train_dataloader
     found: List[Any] = []
     for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         if sampler is not None and all(sampler is not s for s in found):
@@ -71,15 +72,15 @@ class RNGSync(Callback):
         self.every = every
         self.syncs = 0  # how many times the state was synced (for inspection)
 
-    def on_train_epoch_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_train_epoch_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if self.every == "epoch":
             self.sync(trainer)
 
-    def on_train_batch_start(self, trainer: "Trainer", module: "TrainingModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "TrainerView", module: "TrainingModule", batch: Any, batch_idx: int) -> None:
         if self.every == "step":
             self.sync(trainer)
 
-    def sync(self, trainer: "Trainer") -> None:
+    def sync(self, trainer: "TrainerView") -> None:
         """Collective: every rank must call it at the same point."""
         samplers = _samplers(trainer)
         state: Optional[Dict[str, Any]] = None

@@ -34,7 +34,8 @@ from trainforge.strategies.data.utils import batch_size_of
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 # Dense peak FLOP/s per GPU from NVIDIA's datasheets (no sparsity). Keys: "fp32", "tf32", "bf16", "fp8".
 PEAK_FLOPS: Dict[str, Dict[str, float]] = {
@@ -125,22 +126,22 @@ class ThroughputMonitor(Callback):
     def _clock(self) -> float:
         return time.perf_counter() - self._paused
 
-    def on_fit_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._flops_per_token = 6.0 * parameter_count(module) if is_transformer(module) else None
-        device = torch.device(getattr(trainer.strategy, "root_device", None) or trainer.device)
-        self._peak = self.peak_flops or peak_flops_for(device, str(getattr(trainer, "precision", "32")))
+        device = trainer.device
+        self._peak = self.peak_flops or peak_flops_for(device, trainer.precision)
         self._entries.clear()
         self._entries.append((self._clock(), self._samples, self._tokens, self._flops))
 
-    def on_validation_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_validation_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._pause_start = time.perf_counter()
 
-    def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if self._pause_start is not None:
             self._paused += time.perf_counter() - self._pause_start
             self._pause_start = None
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         samples = batch_size_of(batch)
         tokens = self._count_tokens(batch)
@@ -156,7 +157,7 @@ class ThroughputMonitor(Callback):
             self._flops = flops if self._flops is None else self._flops + flops
         step = trainer.global_step
         report = step > 0 and step != self._last_step and step % max(1, int(trainer.log_every_n_steps)) == 0
-        device = torch.device(getattr(trainer.strategy, "root_device", None) or trainer.device)
+        device = trainer.device
         if report and device.type == "cuda":
             torch.cuda.synchronize(device)  # only here, see the module docstring
         self._entries.append((self._clock(), self._samples, self._tokens, self._flops))
@@ -178,7 +179,7 @@ class ThroughputMonitor(Callback):
                 return _numel_or_count(batch["input_ids"], is_count=False)
         return None
 
-    def _report(self, trainer: "Trainer", device: torch.device, step: int) -> None:
+    def _report(self, trainer: "TrainerView", device: torch.device, step: int) -> None:
         t0, s0, k0, f0 = self._entries[0]
         t1, s1, k1, f1 = self._entries[-1]
         dt = t1 - t0

@@ -19,7 +19,8 @@ from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 INTERVALS = ("step", "epoch")
 STAGES = ("fit", "validate", "test")
@@ -96,44 +97,44 @@ class Timer(Callback):
             self._end[stage] = time.monotonic()
 
     # ---- hooks ----------------------------------------------------------------------------
-    def on_fit_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._begin("fit")
 
-    def on_fit_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._finish("fit")
 
-    def on_validation_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
-        self._begin("test" if getattr(trainer, "stage", "fit") == "test" else "validate")
+    def on_validation_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+        self._begin("test" if trainer.stage == "test" else "validate")
 
-    def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
-        self._finish("test" if getattr(trainer, "stage", "fit") == "test" else "validate")
+    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+        self._finish("test" if trainer.stage == "test" else "validate")
 
-    def on_test_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_test_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._begin("test")
 
-    def on_test_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_test_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._finish("test")
 
-    def on_teardown(self, trainer: "Trainer", module: "TrainingModule", stage: str) -> None:
+    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
         for name in STAGES:  # an exception skipped the *_end hook: stop the clock anyway
             self._finish(name)
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.interval == "step":
             self._check_time(trainer)
 
-    def on_train_epoch_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if self.interval == "epoch":
             self._check_time(trainer)
 
-    def _check_time(self, trainer: "Trainer") -> None:
+    def _check_time(self, trainer: "TrainerView") -> None:
         if self.duration is None:
             return
         expired = self.time_elapsed("fit") >= self.duration.total_seconds()
         # Rank 0's clock decides for everyone: every rank calls broadcast at the same point. A tensor,
         # not a Python bool: one small collective per batch instead of pickling through broadcast_object.
-        device = getattr(trainer.strategy, "root_device", torch.device("cpu"))
+        device = trainer.device
         decision = trainer.strategy.broadcast(torch.tensor([1 if expired else 0], dtype=torch.int32, device=device),
                                               src=0)
         if bool(decision.item()):

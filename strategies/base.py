@@ -1,20 +1,27 @@
 """The narrow Strategy interface (docs/ARCHITECTURE.md "The strategy interface").
 
 A strategy owns placement, wrapping, collectives and sharded checkpoint I/O. It never imports
-``trainer``: the Accelerator hands it a precision object (duck-typed: ``convert_module``,
-``backward``) and calls these methods in a fixed order:
+``trainer``. The Accelerator calls, in this order::
 
-    setup_environment() -> setup(module, optimizers) -> setup_dataloader(dl) ... -> teardown()
+    setup_environment(accelerator) -> configure(RunSettings) -> setup(module, optimizers)
+        -> setup_dataloader(dl) ... -> teardown()
+
+``configure`` hands over the run's settings as one frozen ``RunSettings`` (replaced whole, never
+edited field by field); what a strategy can do is declared on this class with defaults
+(``pipelined``, ``redirect_forward``, ``handles_accumulation``, ``loss_scaling_in_backend``,
+``input_dtype``, ``device_batches``), so callers read attributes instead of probing.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from trainforge.strategies.errors import CheckpointError, invalid_choice
+from trainforge.strategies.precision import Precision
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 #: What ``Strategy.setup`` takes: built optimizers, or a callable that builds them after placement.
@@ -31,21 +38,50 @@ def mean_from_sum(total: torch.Tensor, world_size: int) -> torch.Tensor:
     """``op="mean"`` for backends that reduce with a sum: floats divided, integers floor-divided."""
     return total / world_size if total.is_floating_point() else total // world_size
 
+@dataclass(frozen=True)
+class RunSettings:
+    """The run's settings a strategy acts on, handed over by ``Strategy.configure`` (the Accelerator
+    sends a new object when one changes: the micro-batch size is known once the first loader is
+    prepared, the Trainer's clipping once it is built). Backends that generate their own
+    configuration (DeepSpeed) read all of them at ``setup``; the rest read ``precision``."""
+
+    precision: Precision = field(default_factory=Precision)
+    accumulation_steps: int = 1
+    micro_batch_size: Optional[int] = None  # per process, from the training DataLoader
+    gradient_clip_val: Optional[float] = None
+    gradient_clip_algorithm: str = "norm"
+
+
 class Strategy:
     """Base class. Subclasses override what differs; the defaults are a single process."""
 
     name = "base"
+    #: ``forward_backward`` runs a pipeline schedule (returns the batch loss, runs the backward itself).
+    pipelined = False
+    #: The wrapper acts in ``forward`` (DDP's reducer, FSDP's unshard, ZeRO-3's gathering): a module's
+    #: ``training_step`` is called through the prepared model's forward (``Accelerator.step_function``).
+    redirect_forward = False
+    #: The backend divides the loss by the accumulation steps itself (DeepSpeed's ``engine.backward``).
+    handles_accumulation = False
+    #: The backend scales fp16 losses itself (DeepSpeed): the precision's grad scaler is not used.
+    loss_scaling_in_backend = False
+    #: Floating inputs are cast to this dtype (parameters kept in half precision by the backend), or None.
+    input_dtype: Optional[torch.dtype] = None
 
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         self._device = torch.device(device) if device is not None else None
-        self.precision: Any = None  # set by the Accelerator before setup()
-        self.accelerator = "auto"   # device type when no ``device`` is given; set before setup_environment()
-        # Training settings some backends need at setup (DeepSpeed's generated config); set by the
-        # Accelerator / Trainer before setup(), defaults otherwise.
-        self.accumulation_steps = 1
-        self.micro_batch_size: Optional[int] = None
-        self.gradient_clip_val: Optional[float] = None
-        self.gradient_clip_algorithm = "norm"
+        self.accelerator = "auto"  # the device type asked for (setup_environment's argument)
+        self.settings = RunSettings()
+
+    def configure(self, settings: RunSettings) -> None:
+        """Take the run's settings (before ``setup``; again, whole, when one of them changes)."""
+        if not isinstance(settings, RunSettings):
+            raise TypeError(f"configure() takes a RunSettings, got {type(settings).__name__}")
+        self.settings = settings
+
+    @property
+    def precision(self) -> Precision:
+        return self.settings.precision
 
     # ---- topology -------------------------------------------------------------------------
     @property
@@ -78,8 +114,10 @@ class Strategy:
         return self.global_rank == 0
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def setup_environment(self) -> None:
-        """Start the process group, pick the device. Called once, before anything is placed."""
+    def setup_environment(self, accelerator: str = "auto") -> None:
+        """Start the process group, pick the device (of type ``accelerator`` when the strategy was
+        given no device). Called once, before anything is placed."""
+        self.accelerator = accelerator
 
     def plan_layout(self, module: nn.Module, loader: Any) -> None:
         """Called with the model and the first loader before any loader is sharded: a strategy whose
@@ -95,10 +133,7 @@ class Strategy:
         return module, build_optimizers(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = module.to(self.root_device)
-        if self.precision is not None:
-            module = self.precision.convert_module(module)
-        return module
+        return self.precision.convert_module(module.to(self.root_device))
 
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
         """Shard and make resumable (see ``trainforge.strategies.data.loader``)."""
@@ -119,27 +154,27 @@ class Strategy:
         """Release what ``setup_environment`` took."""
 
     # ---- the step -------------------------------------------------------------------------
-    #: True when ``forward_backward`` runs a pipeline schedule; only then does the Trainer send its
-    #: training batches through it (elsewhere the loop's inline forward + backward is this same path).
-    pipelined = False
-
-    def forward_backward(self, module: nn.Module, step_fn: Callable[..., Any], batch: Any, batch_idx: int,
-                         backward: Optional[Callable[[Any], None]] = None) -> Any:
-        """One training batch: ``step_fn(batch, batch_idx)`` under the precision's autocast, then
-        ``backward(output)`` (the caller's loss extraction and backward); returns the step's output.
-        A pipeline strategy runs its micro-batch schedule here instead (forward, the module's loss
-        and backward on every stage) and returns the batch's loss."""
-        with self.precision.autocast() if self.precision is not None else contextlib.nullcontext():
-            output = step_fn(batch, batch_idx)
+    def forward_backward(self, module: nn.Module, step_fn: Optional[Callable[..., Any]], batch: Any, batch_idx: int,
+                         backward: Optional[Callable[[Any], None]] = None,
+                         loss_fn: Optional[Callable[[Any, Any], Any]] = None) -> Any:
+        """One training batch, the Trainer's only step path: ``step_fn(batch, batch_idx)`` under the
+        precision's autocast, then ``backward(output)`` (the caller's loss extraction and backward);
+        returns the step's output. A pipeline strategy runs its micro-batch schedule here instead
+        (forward, ``loss_fn`` or the module's, and backward on every stage) and returns the batch loss."""
+        with self.precision.autocast():
+            output = step_fn(batch, batch_idx)  # type: ignore[misc]
         if backward is not None:
             backward(output)
         return output
 
+    def evaluate_batch(self, module: nn.Module, step_fn: Callable[..., Any], batch: Any, batch_idx: int) -> Any:
+        """One validation/test/predict batch: ``step_fn`` under autocast (a pipeline strategy: the
+        batch's loss through the stages, forward only)."""
+        with self.precision.autocast():
+            return step_fn(batch, batch_idx)
+
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
-        if self.precision is not None:
-            self.precision.backward(loss)
-        else:
-            loss.backward()
+        self.precision.backward(loss)
 
     def force_backward_sync(self, module: nn.Module) -> ContextManager:
         """Gradients sync in the backward inside even within ``no_backward_sync`` (DDP overrides)."""
@@ -149,9 +184,7 @@ class Strategy:
         """Called before each backward of manual optimization (several per forward); DDP readies its reducer."""
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> Any:
-        if self.precision is not None:
-            return self.precision.optimizer_step(optimizer)
-        return optimizer.step()
+        return self.precision.optimizer_step(optimizer)
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
         """Skip gradient synchronisation for the backward passes inside (accumulation)."""

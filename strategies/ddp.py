@@ -59,6 +59,8 @@ class ProcessGroupMixin:
     A mixin rather than a base class: FSDP and DeepSpeed reuse the collectives without being a
     kind of DDP (docs/ARCHITECTURE.md: composition over inheritance)."""
 
+    cluster: Any = None  # the detected environment (strategies/environment.py), set when the group starts
+
     _owns_process_group = False
 
     def _start_process_group(self, backend: Optional[str], timeout: timedelta) -> torch.device:
@@ -69,7 +71,7 @@ class ProcessGroupMixin:
         self.cluster = env
         device = self._device
         if device is None:
-            device = default_device(getattr(self, "accelerator", "auto"), env.local_rank)
+            device = default_device(self.accelerator, env.local_rank)
         if device.type != "cpu":
             set_current_device(device)
         if not dist.is_available():
@@ -93,8 +95,7 @@ class ProcessGroupMixin:
 
     @property
     def local_rank(self) -> int:
-        cluster = getattr(self, "cluster", None)
-        return cluster.local_rank if cluster is not None else 0
+        return self.cluster.local_rank if self.cluster is not None else 0
 
     @property
     def world_size(self) -> int:
@@ -172,7 +173,8 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
         self.comm_hook, self.comm_hook_state = comm_hook, comm_hook_state
         self.backend, self.timeout = process_group_backend, timeout
 
-    def setup_environment(self) -> None:
+    def setup_environment(self, accelerator: str = "auto") -> None:
+        self.accelerator = accelerator
         self._device = self._start_process_group(self.backend, self.timeout)
 
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -132,6 +132,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     name = "deepspeed"
     redirect_forward = True       # the engine's forward runs ZeRO-3's parameter gathering hooks
     handles_accumulation = True   # engine.backward divides by gradient_accumulation_steps
+    loss_scaling_in_backend = True  # the config's fp16 section scales the loss
 
     def __init__(self, stage: Union[int, str] = 2, offload_optimizer: bool = False, offload_parameters: bool = False,
                  offload_device: str = "cpu", nvme_path: str = "/local_nvme", activation_checkpointing: Any = False,
@@ -169,7 +170,8 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         self._ds: Any = None
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def setup_environment(self) -> None:
+    def setup_environment(self, accelerator: str = "auto") -> None:
+        self.accelerator = accelerator
         self._device = self._start_process_group(self.backend, self.timeout)
         self._ds = import_deepspeed(self._device)
         self._ds.utils.logger.setLevel(self.logging_level)
@@ -188,21 +190,16 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
             raise ConfigurationError(f"DeepSpeed wraps one optimizer per model, got {len(optimizers)}; put the "
                                      "parameters in param groups of one optimizer")
         optimizer = optimizers[0] if optimizers else None
-        if getattr(self, "gradient_clip_val", None) is not None and getattr(self, "gradient_clip_algorithm",
-                                                                            "norm") != "norm":
+        if self.settings.gradient_clip_val is not None and self.settings.gradient_clip_algorithm != "norm":
             raise ConfigurationError("gradient_clip_algorithm='value' is not available with strategy='deepspeed' "
                                      "(DeepSpeed clips by global norm inside engine.step()); use "
                                      "gradient_clip_algorithm='norm'")
         self.config = self.build_config(module, optimizer)
-        scaler_owner = self.precision
-        if getattr(scaler_owner, "scaler", None) is not None:
-            scaler_owner.scaler = None  # DeepSpeed's fp16 section does the (dynamic) loss scaling
-        half = torch.bfloat16 if self.config.get("bf16", {}).get("enabled") else \
+        # DeepSpeed keeps the parameters in half precision and its engine turns autocast off for the
+        # accelerator inside forward, so floating inputs are cast as Lightning does (input_dtype, read
+        # by the prepared loaders); its fp16 section does the (dynamic) loss scaling.
+        self.input_dtype = torch.bfloat16 if self.config.get("bf16", {}).get("enabled") else \
             torch.float16 if self.config.get("fp16", {}).get("enabled") else None
-        if half is not None and self.precision is not None:
-            # DeepSpeed keeps the parameters in half precision and its engine turns autocast off for
-            # the accelerator inside forward, so floating inputs are cast as Lightning does.
-            self.precision.input_dtype = half
         self._check_nvme()
         if self.activation_checkpointing not in (False, None):
             from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
@@ -226,11 +223,10 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     def build_config(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """The DeepSpeed config for this run: generated from the Trainer's settings (set on this
         strategy by the Accelerator/Trainer before ``setup``), merged with the user's config."""
-        settings = TrainingSettings(micro_batch_size=getattr(self, "micro_batch_size", None),
-                                    accumulation_steps=int(getattr(self, "accumulation_steps", 1) or 1),
-                                    world_size=self.world_size,
-                                    gradient_clip_val=getattr(self, "gradient_clip_val", None),
-                                    precision=getattr(self.precision, "name", "32"))
+        run = self.settings
+        settings = TrainingSettings(micro_batch_size=run.micro_batch_size, accumulation_steps=run.accumulation_steps,
+                                    world_size=self.world_size, gradient_clip_val=run.gradient_clip_val,
+                                    precision=run.precision.name)
         zero = self.zero
         user_stage = (self.user_config or {}).get("zero_optimization", {}).get("stage", "auto")
         if self.stage == "auto" and user_stage == "auto":
@@ -250,7 +246,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
             optimizer_kind,
         )
 
-        ranks_per_node = getattr(getattr(self, "cluster", None), "local_world_size", 1)
+        ranks_per_node = self.cluster.local_world_size if self.cluster is not None else 1
         free = available_memory(self.root_device, ranks_per_node)
         # every rank must choose the same stage: decide on the smallest memory any rank sees
         device_mem, host_mem = (int(v) for v in self.all_reduce(torch.tensor(free, device=self.root_device), "min"))
@@ -382,7 +378,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         """DeepSpeed's own shards (every rank writes its part) into ``<tmp_dir>/deepspeed/state``;
         rank 0 hashes them into the manifest at ``finalize``."""
         engine = self._engine_of(module)
-        staging = writer.deferred_engine(engine) if hasattr(writer, "deferred_engine") else contextlib.nullcontext()
+        staging = writer.deferred_engine(engine)
         with staging:  # asynchronous save: the engine's files are staged now, written in the background
             engine.save_checkpoint(str(writer.tmp_dir / CHECKPOINT_DIR), tag=TAG, client_state={}, save_latest=False)
 

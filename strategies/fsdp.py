@@ -43,7 +43,6 @@ from trainforge.strategies.fsdp_wrap import (
     remap_optimizers,
     select_modules,
 )
-from trainforge.strategies.precision import AUTOCAST_DTYPES
 
 log = logging.getLogger("trainforge")
 
@@ -106,7 +105,8 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         self.checkpointed_modules: List[str] = []  # names wrapped with activation checkpointing
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def setup_environment(self) -> None:
+    def setup_environment(self, accelerator: str = "auto") -> None:
+        self.accelerator = accelerator
         self._device = self._start_process_group(self.backend, self.timeout)
         self.mesh = self._build_mesh()
 
@@ -140,8 +140,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         if self.mesh is None:
             raise ConfigurationError("FSDPStrategy.setup called before setup_environment(); use it through the "
                                      "Trainer or Accelerator, or call strategy.setup_environment() first")
-        if self.precision is not None:
-            module = self.precision.convert_module(module)
+        module = self.precision.convert_module(module)
         units = select_modules(module, self.auto_wrap_policy)
         ac_policy = self.activation_checkpointing
         if ac_policy is True:
@@ -172,7 +171,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
         if self.mixed_precision is not None:
             return self.mixed_precision
-        dtype = AUTOCAST_DTYPES.get(getattr(self.precision, "name", "32"))
+        dtype = self.precision.autocast_dtype
         if dtype is None:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -89,7 +89,7 @@ from trainforge.strategies.fsdp_wrap import (
 )
 from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
-from trainforge.strategies.parallel.dims import _positive
+from trainforge.strategies.parallel.dims import check_positive
 from trainforge.strategies.parallel.dp import DATA_PARALLEL, apply_data_parallel
 from trainforge.strategies.parallel.pp import (
     SCHEDULES,
@@ -105,7 +105,6 @@ from trainforge.strategies.parallel.pp import (
 )
 from trainforge.strategies.parallel.pp_schedule import PipelineRunner
 from trainforge.strategies.parallel.sp import install_loss_parallel, loss_parallel_context
-from trainforge.strategies.precision import AUTOCAST_DTYPES
 
 log = logging.getLogger("trainforge")
 
@@ -137,9 +136,9 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         self.data_parallel = data_parallel
         if schedule not in SCHEDULES:
             raise invalid_choice("schedule", schedule, SCHEDULES)
-        _positive("pipeline_parallel_size", pipeline_parallel_size, True)
+        check_positive("pipeline_parallel_size", pipeline_parallel_size, True)
         if num_microbatches is not None:
-            _positive("num_microbatches", num_microbatches, False)
+            check_positive("num_microbatches", num_microbatches, False)
         if pp_split is not None and (isinstance(pp_split, str) or not isinstance(pp_split, (list, tuple))
                                      or not all(isinstance(n, str) for n in pp_split)):
             raise ConfigurationError(f"pp_split={pp_split!r} must be None (balanced by parameter count) or a list of "
@@ -167,8 +166,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                                          f"{flag}=False")
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         # types checked now, before any process starts; against the world size in setup_environment
-        _positive("tensor_parallel_size", tensor_parallel_size, True)
-        _positive("data_parallel_size", data_parallel_size, True)
+        check_positive("tensor_parallel_size", tensor_parallel_size, True)
+        check_positive("data_parallel_size", data_parallel_size, True)
         check_auto_options(seq_len, device_memory, model_shape)
         self.seq_len, self.device_memory, self.model_shape = seq_len, device_memory, model_shape
         self.sizes = {"tp": tensor_parallel_size, "pp": pipeline_parallel_size, "dp": data_parallel_size}
@@ -183,7 +182,8 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         self._norm_excluded: set = set()             # tied copies counted in the grad norm on another rank
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def setup_environment(self) -> None:
+    def setup_environment(self, accelerator: str = "auto") -> None:
+        self.accelerator = accelerator
         self._device = self._start_process_group(self.backend, self.timeout)
         if "auto" in (self.sizes["tp"], self.sizes["pp"]):
             return  # chosen from the model in plan_layout / setup (the sizes given are checked against it)
@@ -207,7 +207,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         ac = self.activation_checkpointing not in (False, None)
         self._build(choose_auto_layout(
             module, self.sizes, world_size=self.world_size, device=self.root_device,
-            precision=getattr(self.precision, "name", "32"), seq_len=self.seq_len or seq,
+            precision=self.precision.name, seq_len=self.seq_len or seq,
             micro_batch_size=batch or self.micro_batch_size, device_memory=self.device_memory,
             model_shape=self.model_shape, schedule=self.schedule, num_microbatches=self.num_microbatches,
             activation_checkpointing=ac, sequence_parallel=self.sequence_parallel, log_table=self.is_global_zero))
@@ -279,8 +279,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             raise ConfigurationError(f"setup_module with pipeline_parallel_size={self.dims.pp}: the pipeline needs "
                                      "setup(module, optimizer builder) (the Trainer's path), which builds the stages")
         module = module.to(self.root_device)
-        if self.precision is not None:
-            module = self.precision.convert_module(module)
+        module = self.precision.convert_module(module)
         if self.dims.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
             self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan, sequence_parallel=self.sequence_parallel,
                                         loss_parallel=self.loss_parallel)
@@ -328,8 +327,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                      num_stages, dims.pp, self.num_microbatches or num_stages, split.describe())
         prune(module, split, local)  # 1. pipeline split, before the move: only this rank's stages reach the device
         module = module.to(self.root_device)
-        if self.precision is not None:
-            module = self.precision.convert_module(module)
+        module = self.precision.convert_module(module)
         if plan is not None:  # 2. tensor parallelism on the modules this rank kept
             mine = {n for s in local for n in split.stages[s]}
             self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: split.child(n) in mine)
@@ -362,12 +360,12 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             raise ConfigurationError(f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
                                      "loss: the pipeline computes the loss on its last stage from the model's output "
                                      "and the batch's target (training_step is not called)")
-        if self.accumulation_steps > 1:
-            raise ConfigurationError(f"{where} with accumulate_grad_batches={self.accumulation_steps}: with pipeline "
+        if self.settings.accumulation_steps > 1:
+            raise ConfigurationError(f"{where} with accumulate_grad_batches={self.settings.accumulation_steps}: with pipeline "
                                      "parallelism the micro-batches are the accumulation; use num_microbatches (and a "
                                      "loader batch of num_microbatches x micro-batch size) and "
                                      "accumulate_grad_batches=1")
-        if getattr(self.precision, "scaler", None) is not None:
+        if self.precision.scaler is not None:
             raise ConfigurationError(f"{where} with precision={self.precision.name!r}: the fp16 grad scaler is not "
                                      "built into the pipeline schedule yet; use 'bf16-mixed' or '32'")
 
@@ -384,9 +382,11 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         self.pipeline.reduce_tied_grads(self._params)
         return loss
 
-    def evaluate_batch(self, module: nn.Module, batch: Any) -> torch.Tensor:
+    def evaluate_batch(self, module: nn.Module, step_fn: Any, batch: Any, batch_idx: int) -> Any:
         """Pipeline parallelism: the batch's mean ``loss_fn`` through the stages, forward only (the
-        Trainer's validation/test step under pipelining)."""
+        Trainer's validation/test step under pipelining); otherwise ``step_fn`` as everywhere."""
+        if not self.pipelined:
+            return super().evaluate_batch(module, step_fn, batch, batch_idx)
         return self._run_pipeline(module, batch, train=False)
 
     def _run_pipeline(self, module: nn.Module, batch: Any, train: bool) -> torch.Tensor:
@@ -398,7 +398,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                                      "-> (inputs, target)")
         inputs, target = parts
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        with (self.precision.autocast() if self.precision is not None else contextlib.nullcontext()):
+        with self.precision.autocast():
             return self.pipeline.step(inputs, target, train=train)
 
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
@@ -410,7 +410,7 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
             super().backward(loss, module)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
-        dtype = AUTOCAST_DTYPES.get(getattr(self.precision, "name", "32"))
+        dtype = self.precision.autocast_dtype
         return MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype,
                                                                                  reduce_dtype=torch.float32)
 

@@ -17,13 +17,14 @@ class SingleDeviceStrategy(Strategy):
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         super().__init__(device)
 
-    def setup_environment(self) -> None:
+    def setup_environment(self, accelerator: str = "auto") -> None:
+        self.accelerator = accelerator
         world = os.environ.get("WORLD_SIZE", "1")
         if world.isdigit() and int(world) > 1:  # each process would train alone and write the same files
             raise ConfigurationError(f"strategy='single' runs one process, but this one was launched as one of "
                                      f"WORLD_SIZE={world} processes (rank {os.environ.get('RANK', '?')}); use "
                                      "strategy='ddp' (or 'auto', 'fsdp', 'deepspeed'), or launch one process")
-        if self._device is None:  # chosen now: the Accelerator sets ``accelerator`` before this call
+        if self._device is None:  # chosen now, of the type asked for
             self._device = default_device(self.accelerator)
         if self.root_device.type != "cpu":
             set_current_device(self.root_device)

@@ -135,7 +135,8 @@ class XLAStrategy(Strategy):
         return int(self._xr.world_size()) if self._xr is not None else 1
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def setup_environment(self) -> None:
+    def setup_environment(self, accelerator: str = "auto") -> None:
+        self.accelerator = accelerator
         if self.accelerator not in ("auto", None):
             raise ConfigurationError(f"strategy='xla' places everything on the XLA device that PJRT_DEVICE selects; "
                                      f"accelerator={self.accelerator!r} conflicts with it. Leave accelerator='auto' "
@@ -163,7 +164,7 @@ class XLAStrategy(Strategy):
         return module, list(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        name = getattr(self.precision, "name", "32")
+        name = self.precision.name
         if name not in XLA_PRECISIONS:
             raise ConfigurationError(f"precision={name!r} is not supported with strategy='xla'; choose one of: "
                                      f"{', '.join(XLA_PRECISIONS)} (bf16 is native on TPUs: 'bf16-mixed' or 'bf16-true')")

@@ -16,6 +16,7 @@ have one code path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from trainforge.strategies import Strategy, resolve_strategy
+from trainforge.strategies.base import RunSettings
 from trainforge.strategies.checkpoint.async_save import AsyncCheckpointer
 from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.devices import check_device_matches, normalize_accelerator
@@ -68,12 +70,11 @@ class Accelerator(ProcessControl):
         accelerator = accelerator if accelerator is not None else defaults.get("accelerator", "auto")
         normalize_accelerator(accelerator)  # a bad value fails here, before any process group starts
         check_device_matches(accelerator, self.strategy._device)
-        self.strategy.accelerator = accelerator
-        self.strategy.setup_environment()
+        self.strategy.setup_environment(accelerator)
         self.precision = Precision(precision, self.strategy.root_device)
-        self.strategy.precision = self.precision
         self.gradient_accumulation_steps = accum
-        self.strategy.accumulation_steps = accum  # read by backends that accumulate themselves (DeepSpeed)
+        self.run_settings = RunSettings(precision=self.precision, accumulation_steps=accum)
+        self.strategy.configure(self.run_settings)
         self.gradient_state = GradientState()
         self._no_sync_is_noop = type(self.strategy).no_backward_sync is Strategy.no_backward_sync
         self.seed = seed
@@ -114,12 +115,18 @@ class Accelerator(ProcessControl):
     def wait_for_everyone(self) -> None:
         self.strategy.barrier()
 
+    def update_run_settings(self, **changes: Any) -> None:
+        """Hand the strategy new ``RunSettings`` with ``changes`` (the Trainer's clipping; the
+        micro-batch size, known once the training loader is prepared)."""
+        self.run_settings = dataclasses.replace(self.run_settings, **changes)
+        self.strategy.configure(self.run_settings)
+
     # ---- prepare ---------------------------------------------------------------------------------
     def prepare(self, *objects: Any) -> Any:
         """Models, optimizers, schedulers and dataloaders, in any order; returns them in that order."""
         loaders = [o for o in objects if isinstance(o, torch.utils.data.DataLoader)]
-        if loaders and getattr(self.strategy, "micro_batch_size", None) is None:
-            self.strategy.micro_batch_size = loaders[0].batch_size  # before setup: DeepSpeed's config needs it
+        if loaders and self.run_settings.micro_batch_size is None:
+            self.update_run_settings(micro_batch_size=loaders[0].batch_size)  # before setup: DeepSpeed's config
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
         if models:  # a layout chosen from the model ("auto" sizes) decides the loaders' shards
@@ -154,6 +161,11 @@ class Accelerator(ProcessControl):
 
     def _setup_model(self, model: nn.Module, optimizers: Any) -> "tuple[nn.Module, List[Any]]":
         wrapped, built = self.strategy.setup(model, optimizers)
+        # What the backend took over from the precision (DeepSpeed: loss scaling, half-precision inputs).
+        if self.strategy.loss_scaling_in_backend:
+            self.precision.scaler = None
+        if self.strategy.input_dtype is not None:
+            self.precision.input_dtype = self.strategy.input_dtype
         self._models.append(wrapped)
         return wrapped, built
 
@@ -176,11 +188,11 @@ class Accelerator(ProcessControl):
             sharded = self.strategy.setup_dataloader(loader, seed=self.seed)
             if not self.even_batches and hasattr(sharded.sampler, "pad"):
                 _unpadded(sharded.sampler)
-            if not self.even_batches and getattr(sharded, "kind", None) == "stream":
+            if not self.even_batches and sharded.kind == "stream":
                 sharded.dataset.even_batches = False  # a split stream's last round is not completed
-        if getattr(self.strategy, "micro_batch_size", None) is None:
-            self.strategy.micro_batch_size = loader.batch_size  # the first loader prepared is the training one
-        if getattr(sharded, "num_workers", 0) > 0 and sharded.worker_init_fn is None and seeds_workers():
+        if self.run_settings.micro_batch_size is None:  # the first loader prepared is the training one
+            self.update_run_settings(micro_batch_size=loader.batch_size)
+        if sharded.num_workers > 0 and sharded.worker_init_fn is None and seeds_workers():
             sharded.worker_init_fn = worker_init_fn
         # The random draws a plain DataLoader makes when an epoch starts (worker base seed, shuffle
         # order) are made by PreparedDataLoader from the user's generator or the global RNG, as torch
@@ -207,7 +219,7 @@ class Accelerator(ProcessControl):
         dispatch = self.dispatch_batches
         if dispatch is None:
             dispatch = isinstance(loader.dataset, torch.utils.data.IterableDataset)
-        if dispatch and getattr(self.strategy, "data_parallel_size", self.num_processes) != self.num_processes:
+        if dispatch and self.strategy.data_parallel_size != self.num_processes:
             raise ConfigurationError(
                 f"dispatch_batches=True is not built for {type(self.strategy).__name__} with data-parallel size "
                 f"{self.strategy.data_parallel_size} of {self.num_processes} processes (it dispatches over all of "
@@ -230,7 +242,7 @@ class Accelerator(ProcessControl):
 
     # ---- the step --------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None) -> None:
-        if self.gradient_accumulation_steps > 1 and not getattr(self.strategy, "handles_accumulation", False):
+        if self.gradient_accumulation_steps > 1 and not self.strategy.handles_accumulation:
             loss = loss / self.gradient_accumulation_steps
         self.strategy.backward(loss, model if model is not None else (self._models[0] if self._models else None))
 
@@ -272,7 +284,7 @@ class Accelerator(ProcessControl):
 
     def unscale_gradients(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         for opt in [optimizer] if optimizer is not None else self._optimizers:
-            self.precision.unscale_(getattr(opt, "optimizer", opt))
+            self.precision.unscale_(opt.optimizer if isinstance(opt, PreparedOptimizer) else opt)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
         self.unscale_gradients()
@@ -439,7 +451,7 @@ class Accelerator(ProcessControl):
         """``run_step(model, method, ...)`` as one callable, built once (the Trainer calls it per batch)."""
         user = self.unwrap_model(model)
         step: Callable = getattr(user, method)
-        if model is user and not getattr(self.strategy, "redirect_forward", False):
+        if model is user and not self.strategy.redirect_forward:
             return step
 
         def through_forward(*args: Any) -> Any:
@@ -497,12 +509,12 @@ def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> to
         raise ConfigurationError(f"split_batches=True needs a batch_size divisible by the {world} processes "
                                  f"(got batch_size={loader.batch_size}); use a multiple of {world} or "
                                  "split_batches=False")
-    from trainforge.strategies.data.loader import _loader_kwargs
+    from trainforge.strategies.data.loader import loader_kwargs
 
     iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)  # takes no sampler
     return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size // world,
                                        sampler=None if iterable else loader.sampler, drop_last=loader.drop_last,
-                                       **_loader_kwargs(loader))
+                                       **loader_kwargs(loader))
 
 
 def _data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, config: Any) -> "tuple[Any, ...]":

@@ -37,8 +37,8 @@ class Evaluation:
         self._fire(start)
         self._fire(epoch_start)
         with torch.no_grad():
-            step = self._pipeline_eval_step(step_name) if getattr(self.strategy, "pipelined", False) else \
-                self.accelerator.step_function(self.model, step_name)
+            step = self.accelerator.step_function(self.model, step_name)
+            loss_name = self._pipeline_loss_name(step_name) if self.strategy.pipelined else None
             for loader in loaders:
                 try:
                     count: Optional[int] = len(loader)
@@ -52,8 +52,9 @@ class Evaluation:
                         break
                     self._batch = batch
                     self._fire(batch_start, batch, batch_idx)
-                    with self.accelerator.autocast():
-                        out = step(batch, batch_idx)
+                    out = self.strategy.evaluate_batch(self.model, step, batch, batch_idx)
+                    if loss_name is not None:  # a pipeline's loss through the stages
+                        self.module.log(loss_name, out, sync_dist=True)
                     self._fire(batch_end, out, batch, batch_idx)
         metrics = self._metrics["val"].pop_epoch_metrics(self.strategy)
         if self.stage != "sanity_check":  # the sanity check's values are dropped (Lightning)

@@ -112,6 +112,7 @@ class Trainer(MetricLogging, Evaluation):
     max_epochs = property(lambda self: self.config.max_epochs)
     log_every_n_steps = property(lambda self: self.config.log_every_n_steps)
     optimizers = property(lambda self: [o.optimizer for o in self._prepared_optimizers])
+    progress_bar_metrics = property(lambda self: dict(self._metrics["train"].prog_bar))  # prog_bar=True values
 
     @property
     def hparams(self) -> Dict[str, Any]:
@@ -180,8 +181,8 @@ class Trainer(MetricLogging, Evaluation):
         self._none_steps, self._warned_none = 0, False
         acc = self.accelerator
         # Settings a backend may need at setup (DeepSpeed writes them into its generated config).
-        self.strategy.gradient_clip_val = self.config.gradient_clip_val
-        self.strategy.gradient_clip_algorithm = self.config.gradient_clip_algorithm
+        acc.update_run_settings(gradient_clip_val=self.config.gradient_clip_val,
+                                gradient_clip_algorithm=self.config.gradient_clip_algorithm)
         self.strategy.plan_layout(module, train_loader)  # a layout chosen from the model decides the shards
         self.train_dataloader = acc.prepare_data_loader(train_loader)
         if self.compile:
@@ -190,7 +191,7 @@ class Trainer(MetricLogging, Evaluation):
         manual = not module.automatic_optimization
         if manual:
             check_manual_config(self)
-        self._pipelined = bool(getattr(self.strategy, "pipelined", False))
+        self._pipelined = self.strategy.pipelined
         if self._pipelined:
             _check_pipelined(self, manual)
         # Lightning's order, for every strategy: place and wrap first, then build the optimizers, so
@@ -304,39 +305,37 @@ class Trainer(MetricLogging, Evaluation):
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches or self._data_ended
         if not self.module.automatic_optimization:
             return run_manual_step(self, batch, batch_idx)
-        if self._pipelined:
-            return self._pipeline_batch(batch, batch_idx)
-        with acc.accumulate(self.model):
-            with acc.autocast():
-                output = self._training_step(batch, batch_idx)
-            loss = self._loss_of(output, batch_idx)
-            self._last_output = output
-            if loss is not None and self._check_loss(loss, batch_idx):
-                self._fire(Event.BEFORE_BACKWARD, loss)
-                acc.backward(loss, self.model)
-                self._fire(Event.AFTER_BACKWARD)
+        with acc.accumulate(self.model):  # the one step path: the strategy's forward_backward
+            output = self.strategy.forward_backward(self.model, self._training_step, batch, batch_idx,
+                                                    backward=lambda out: self._backward(out, batch_idx))
+            if self._pipelined:
+                self._after_pipeline_step(output, batch_idx)
             if acc.sync_gradients:
                 self._optimizer_step()
         p.accumulation_step = acc.step
 
-    def _pipeline_batch(self, batch: Any, batch_idx: int) -> None:
-        """Pipeline parallelism: the strategy's schedule runs forward, ``module.loss_fn`` and backward
+    def _backward(self, output: Any, batch_idx: int) -> None:
+        """After the forward of an ordinary strategy: the loss in ``output``, BEFORE_BACKWARD, backward."""
+        loss = self._loss_of(output, batch_idx)
+        self._last_output = output
+        if loss is not None and self._check_loss(loss, batch_idx):
+            self._fire(Event.BEFORE_BACKWARD, loss)
+            self.accelerator.backward(loss, self.model)
+            self._fire(Event.AFTER_BACKWARD)
+
+    def _after_pipeline_step(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """Pipeline parallelism: the strategy's schedule ran forward, ``module.loss_fn`` and backward
         of every micro-batch (training_step is not called); the batch loss, the same on every rank,
         is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
-        acc = self.accelerator
-        with acc.accumulate(self.model):  # accumulate_grad_batches is 1: the micro-batches accumulate
-            loss = self.strategy.forward_backward(self.model, self._training_step, batch, batch_idx)
-            self._last_output = loss
-            self.module.log("train/loss", loss)
-            if self._check_loss(loss, batch_idx):
-                self._fire(Event.AFTER_BACKWARD)
-            else:
-                for opt in self.optimizers:
-                    opt.zero_grad()
-            self._optimizer_step()
-        self.progress.accumulation_step = acc.step
+        self._last_output = loss
+        self.module.log("train/loss", loss)
+        if self._check_loss(loss, batch_idx):
+            self._fire(Event.AFTER_BACKWARD)
+        else:
+            for opt in self.optimizers:
+                opt.zero_grad()
 
-    def _pipeline_eval_step(self, step_name: str) -> Any:
+    def _pipeline_loss_name(self, step_name: str) -> str:
         """Validation/test under pipeline parallelism: ``module.loss_fn`` through the stages (forward
         only; validation_step/test_step are not called), logged as ``val/loss`` / ``test/loss``, the
         mean over the epoch and the data-parallel ranks."""
@@ -344,13 +343,7 @@ class Trainer(MetricLogging, Evaluation):
         if name is None:
             raise ConfigurationError(f"{step_name} with pipeline parallelism is not built yet (the stages compute "
                                      "the loss only); predict on one process from the merged weights")
-
-        def step(batch: Any, batch_idx: int) -> Any:
-            loss = self.strategy.evaluate_batch(self.model, batch)
-            self.module.log(name, loss, sync_dist=True)
-            return loss
-
-        return step
+        return name
 
     def _loss_of(self, output: Any, batch_idx: int) -> Optional[torch.Tensor]:
         """The loss in what training_step returned, or a ConfigurationError at the first bad batch."""
@@ -371,7 +364,7 @@ class Trainer(MetricLogging, Evaluation):
         if output.numel() != 1:
             raise ConfigurationError(f"{where} returned a loss of shape {tuple(output.shape)}; reduce it to one "
                                      "value (e.g. loss.mean()) before returning it")
-        if not output.requires_grad and getattr(self.module, "automatic_optimization", True) and torch.is_grad_enabled():
+        if not output.requires_grad and self.module.automatic_optimization and torch.is_grad_enabled():
             raise ConfigurationError(f"{where} returned a loss that does not require grad (detached, computed under "
                                      "torch.no_grad(), or from parameters with requires_grad=False): nothing would be "
                                      "trained; return the loss tensor the model computed")

@@ -132,7 +132,7 @@ class PreparedDataLoader:
         return getattr(self.loader, name)
 
     def set_epoch(self, epoch: int) -> None:
-        if self._resumed and epoch != self.epoch and getattr(self.loader, "kind", "map") != "map":
+        if self._resumed and epoch != self.epoch and self.loader.kind != "map":
             # A stream's restored position belongs to the epoch being left (e.g. saved on its last batch):
             # the new epoch reads the stream afresh, as after an uninterrupted epoch. (Our sampler knows epochs.)
             self.loader.next_iter_state = None
@@ -151,7 +151,7 @@ class PreparedDataLoader:
         self._skip = 0
         self._resumed = False
         self._held_state = None
-        contiguous = self.dispatcher is not None or getattr(self.loader, "kind", None) == "stream"
+        contiguous = self.dispatcher is not None or self.loader.kind == "stream"
         try:
             total = -1 if contiguous else len(self.loader)
         except TypeError:  # an IterableDataset without __len__: the end is known only when it comes
@@ -161,7 +161,7 @@ class PreparedDataLoader:
         state.padding_order = "contiguous" if contiguous else "strided"
         device = self.device
         move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run
-        convert = self.precision.convert_input if getattr(self.precision, "input_dtype", None) is not None else None
+        convert = self.precision.convert_input if self.precision.input_dtype is not None else None
         state.end_of_dataloader = False
         state.active_dataloaders += 1
         tracked = self.device_batches is not None
@@ -208,9 +208,9 @@ class PreparedDataLoader:
             source: Iterator[Any] = iter(self.dispatcher)
         else:
             loader = self.loader
-            source = ((batch, getattr(loader, "last_padding", 0), loader_state_dict(loader)) for batch in loader)
+            source = ((batch, loader.last_padding, loader_state_dict(loader)) for batch in loader)
         previous = next(source, None)
-        kind = getattr(self.loader, "kind", None)
+        kind = self.loader.kind
         if self.gather_object is not None and kind == "stream":
             self._check_same_stream(previous is not None and self.loader.last_fingerprint or None)
         # every rank reads its own stream: agree at each batch that all still have one (else DDP hangs)

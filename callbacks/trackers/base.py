@@ -45,7 +45,8 @@ from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.md "Floors"
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 MetricRecords = List[Tuple[int, Dict[str, float]]]
 _PARAM_ATTEMPTS = 3
@@ -127,6 +128,7 @@ class _Writer:
         self.retry_at, self.delay = 0.0, policy.initial_backoff_s
         self.opened = threading.Event()
         self.attempted = threading.Event()  # the first open was tried (succeeded or not)
+        self.open_wait_spent = False  # a save waited open_wait_s for the first open, in vain
         self.params: Optional[Dict[str, Any]] = None
         self.param_attempts = 0
         self.inflight = 0  # metric values in the batch being written
@@ -303,7 +305,7 @@ class TrackerCallback(Callback):
         self.last_report: Optional[str] = None  # the end-of-run failure summary, if there was one
 
     # --- backend interface (``_prepare`` on the training thread, the rest on the writer thread) ---
-    def _prepare(self, trainer: "Trainer") -> None:
+    def _prepare(self, trainer: "TrainerView") -> None:
         """Read what the backend calls need from the trainer (paths, step); no I/O here."""
 
     def _open(self) -> None:
@@ -332,11 +334,11 @@ class TrackerCallback(Callback):
         return text
 
     # --- hooks ---
-    def on_fit_start(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if trainer.is_global_zero:
             self._start(trainer)
 
-    def on_log(self, trainer: "Trainer", module: "TrainingModule", metrics: Dict[str, float], step: int) -> None:
+    def on_log(self, trainer: "TrainerView", module: "TrainingModule", metrics: Dict[str, float], step: int) -> None:
         if not trainer.is_global_zero:
             return
         self._start(trainer)
@@ -350,20 +352,20 @@ class TrackerCallback(Callback):
             self._writer.put("metrics", (int(step), values), len(values))
         self._warn_first_failure()
 
-    def on_train_batch_end(self, trainer: "Trainer", module: "TrainingModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._writer is not None:
             self._warn_first_failure()
 
-    def on_fit_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         if trainer.is_global_zero:
             self._finish("FINISHED")
 
-    def on_exception(self, trainer: "Trainer", module: "TrainingModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: "TrainerView", module: "TrainingModule", exception: BaseException) -> None:
         if trainer.is_global_zero:
             self._finish("FAILED")
 
-    def on_teardown(self, trainer: "Trainer", module: "TrainingModule", stage: str) -> None:
+    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
         if trainer.is_global_zero:
             self._finish("FINISHED")
 
@@ -382,13 +384,13 @@ class TrackerCallback(Callback):
         return self._writer.dropped if self._writer is not None else 0
 
     # --- lifecycle ---
-    def _start(self, trainer: "Trainer") -> None:
+    def _start(self, trainer: "TrainerView") -> None:
         if self._writer is not None:
             return
         self._prepare(trainer)
         self._warned_first = False
         self._writer = _Writer(self, self.failure_policy)
-        self._writer.put("params", flatten_params(dict(getattr(trainer, "hparams", None) or {})))
+        self._writer.put("params", flatten_params(dict(trainer.hparams)))
 
     def _wait_opened(self, timeout: Optional[float] = None) -> None:
         """Let ``state_dict`` see the run id of a run being opened: at most ``open_wait_s``, and only
@@ -399,7 +401,7 @@ class TrackerCallback(Callback):
             return
         if timeout is not None:
             writer.attempted.wait(timeout)
-        elif not getattr(writer, "open_wait_spent", False):
+        elif not writer.open_wait_spent:
             writer.open_wait_spent = not writer.attempted.wait(self.failure_policy.open_wait_s)
 
     def _queue_artifacts(self, path: str) -> None:

@@ -24,7 +24,7 @@ from trainforge.callbacks.trackers.run_paths import resolve_in_run, run_relative
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer
+    from trainforge.callbacks.view import TrainerView
 
 # Comet's automatic collection, all off (these keywords exist on all four experiment classes).
 _QUIET = dict(
@@ -101,7 +101,7 @@ class CometLogger(TrackerCallback):
         return [self._known_secret] if self._known_secret else []
 
     # --- backend ---
-    def _prepare(self, trainer: "Trainer") -> None:
+    def _prepare(self, trainer: "TrainerView") -> None:
         self._root = os.path.abspath(trainer.default_root_dir)
         saved, self._saved_directory = self._saved_directory, None
         restored = resolve_in_run(saved, self._root) if self.offline_directory is None else None

@@ -30,7 +30,7 @@ from trainforge.callbacks.trackers.run_paths import claim, foreign_files, run_re
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer
+    from trainforge.callbacks.view import TrainerView
 
 log = logging.getLogger("trainforge")
 
@@ -76,8 +76,8 @@ class CSVLogger(TrackerCallback):
             self._resumed_step = -1  # set to the trainer's step in _prepare
 
     # --- backend ---
-    def _prepare(self, trainer: "Trainer") -> None:
-        self._hparams = dict(getattr(trainer, "hparams", None) or {})
+    def _prepare(self, trainer: "TrainerView") -> None:
+        self._hparams = dict(trainer.hparams)
         self._fresh = not self._started_once and self._resumed_step is None
         self._root = os.path.abspath(trainer.default_root_dir)
         wanted = os.path.abspath(self.path) if self.path is not None else os.path.join(self._root, "metrics.csv")

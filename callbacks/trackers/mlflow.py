@@ -44,7 +44,8 @@ log = logging.getLogger("trainforge")
 LOCAL_STORE = "local"  # how a checkpoint names the default store, <default_root_dir>/mlflow.db of the run
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer, TrainingModule
+    from trainforge import TrainingModule
+    from trainforge.callbacks.view import TrainerView
 
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
 
@@ -169,7 +170,7 @@ class MLflowLogger(TrackerCallback):
         if self.log_checkpoints and self._writer is not None:
             self._queue_artifacts(os.path.abspath(path))
 
-    def on_save_checkpoint(self, trainer: "Trainer", module: "TrainingModule", checkpoint: Dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: "TrainerView", module: "TrainingModule", checkpoint: Dict[str, Any]) -> None:
         path = checkpoint.get("path") if isinstance(checkpoint, dict) else None
         if self.log_checkpoints and trainer.is_global_zero and isinstance(path, (str, os.PathLike)):
             path = os.path.abspath(path)
@@ -187,7 +188,7 @@ class MLflowLogger(TrackerCallback):
         self._poll_checkpoints()
         super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
 
-    def on_validation_end(self, trainer: "Trainer", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._poll_checkpoints()
 
     def _finish(self, status: str) -> None:
@@ -196,7 +197,7 @@ class MLflowLogger(TrackerCallback):
         super()._finish(status)
 
     # --- backend ---
-    def _prepare(self, trainer: "Trainer") -> None:
+    def _prepare(self, trainer: "TrainerView") -> None:
         root = os.path.abspath(trainer.default_root_dir)
         self._uri = self.tracking_uri or "sqlite:///" + os.path.join(root, "mlflow.db")
         self._continue_saved_run()

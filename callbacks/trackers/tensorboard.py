@@ -23,7 +23,7 @@ from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, Tra
 from trainforge.callbacks.trackers.run_paths import resolve_in_run, run_relative
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge import Trainer
+    from trainforge.callbacks.view import TrainerView
 
 log = logging.getLogger("trainforge")
 
@@ -61,7 +61,7 @@ class TensorBoardLogger(TrackerCallback):
             self._resumed = True
 
     # --- backend ---
-    def _prepare(self, trainer: "Trainer") -> None:
+    def _prepare(self, trainer: "TrainerView") -> None:
         self._root = os.path.abspath(trainer.default_root_dir)
         saved, self._saved_dir = self._saved_dir, None
         if self.log_dir is not None:

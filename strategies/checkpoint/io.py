@@ -31,6 +31,7 @@ assumes): each rank checksums and fsyncs the files it wrote, rank 0 checksums un
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -41,7 +42,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple, Union
 
 import safetensors
 import torch
@@ -210,6 +211,11 @@ class CheckpointWriter:
             return {rel: future.result() for rel, future in self._files.items()}
         finally:
             self._hasher.shutdown(wait=True)
+
+    def deferred_engine(self, engine: Any) -> ContextManager[None]:
+        """A synchronous save writes through a DeepSpeed engine's checkpoint engine as it is (the
+        asynchronous StagingWriter defers those writes to the background)."""
+        return contextlib.nullcontext()
 
     def save_sharded(self, state: Dict[str, Any], rel: str) -> None:
         """A torch.distributed.checkpoint save of ``state`` into ``tmp_dir/rel``, every rank writing

@@ -17,7 +17,7 @@ import torch
 
 from trainforge.strategies.errors import CheckpointError
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 _MAX_HEADER = 100 * 2**20
@@ -36,9 +36,9 @@ def read_header(path: Union[str, Path]) -> Tuple[Dict[str, Dict[str, Any]], Dict
         raise CheckpointError(f"{path}: not a readable safetensors file ({e}); check the path") from None
     meta = header.pop("__metadata__", None) or {}
     for name, entry in header.items():
-        if entry.get("dtype") not in _DTYPES:
+        if entry.get("dtype") not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}, not one of "
-                                  f"{', '.join(_DTYPES)}")
+                                  f"{', '.join(SAFETENSORS_DTYPES)}")
     return header, meta, 8 + n
 
 
@@ -52,7 +52,7 @@ def mmap_safetensors(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
     whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,))
     out: Dict[str, torch.Tensor] = {}
     for name, e in entries.items():
-        dtype, shape = _DTYPES[e["dtype"]], tuple(e["shape"])
+        dtype, shape = SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"])
         begin, end = e["data_offsets"]
         raw = whole[start + begin:start + end]
         itemsize = torch.empty(0, dtype=dtype).element_size()

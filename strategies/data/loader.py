@@ -263,7 +263,7 @@ def _replaceable(sampler: Any, dataset: Any) -> bool:
     return True
 
 
-def _loader_kwargs(dataloader: DataLoader) -> Dict[str, Any]:
+def loader_kwargs(dataloader: DataLoader) -> Dict[str, Any]:
     kwargs = dict(num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
                   pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
                   worker_init_fn=dataloader.worker_init_fn,
@@ -316,7 +316,7 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
         raise ConfigurationError(
             f"expected a torch.utils.data.DataLoader, got {type(dataloader).__name__}: wrap your "
             "dataset in DataLoader(dataset, batch_size=...)")
-    dataset, kwargs = dataloader.dataset, _loader_kwargs(dataloader)
+    dataset, kwargs = dataloader.dataset, loader_kwargs(dataloader)
     drop_last = dataloader.drop_last if drop_last is None else drop_last
     batch_size, sampler = dataloader.batch_size, dataloader.sampler
     common = dict(rank=rank, world_size=world_size, **kwargs)

@@ -14,7 +14,7 @@ Size = Union[int, str]
 DIM_NAMES = ("pp", "dp", "tp")
 
 
-def _positive(name: str, value: Any, auto_ok: bool) -> Optional[int]:
+def check_positive(name: str, value: Any, auto_ok: bool) -> Optional[int]:
     if auto_ok and value == "auto":
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -37,8 +37,8 @@ class ParallelDims:
             raise ConfigurationError("ParallelDims.resolve takes tensor_parallel_size/pipeline_parallel_size as ints; "
                                      "'auto' is chosen from the model by MegatronStrategy (strategies/parallel/auto.py) "
                                      "or choose_auto_layout")
-        tp_, pp_ = _positive("tensor_parallel_size", tp, False), _positive("pipeline_parallel_size", pp, False)
-        dp_ = _positive("data_parallel_size", dp, True)
+        tp_, pp_ = check_positive("tensor_parallel_size", tp, False), check_positive("pipeline_parallel_size", pp, False)
+        dp_ = check_positive("data_parallel_size", dp, True)
         if dp_ is None:
             if world_size % (tp_ * pp_):
                 raise ConfigurationError(

@@ -39,8 +39,7 @@ ddp.setup_environment()
 out["ddp_device"], out["ddp_backend"] = str(ddp.root_device), dist.get_backend()
 ddp.teardown()
 pinned = DDPStrategy()
-pinned.accelerator = "cpu"  # the Trainer(accelerator="cpu") choice still pins the CPU and gloo
-pinned.setup_environment()
+pinned.setup_environment("cpu")  # the Trainer(accelerator="cpu") choice still pins the CPU and gloo
 out["cpu_device"], out["cpu_backend"] = str(pinned.root_device), dist.get_backend()
 pinned.teardown()
 print(json.dumps(out))

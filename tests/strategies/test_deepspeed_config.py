@@ -4,6 +4,7 @@ import json
 import pytest
 from torch import nn
 
+from trainforge.strategies.base import RunSettings
 from trainforge.strategies.deepspeed import DeepSpeedStrategy
 from trainforge.strategies.deepspeed_config import (
     QUIET_STEPS,
@@ -129,15 +130,15 @@ def test_user_config_file(tmp_path):
     assert original["zero_optimization"]["stage"] == 1  # the user's dict is never modified
 
 
-def test_strategy_reads_the_settings_the_trainer_sets_before_setup(tmp_path):
-    """What the Accelerator/Trainer set on the strategy (accumulation_steps, micro_batch_size,
-    gradient_clip_val, precision) ends up in the config handed to deepspeed.initialize."""
+def test_strategy_reads_the_run_settings_it_is_configured_with(tmp_path):
+    """The RunSettings the Accelerator/Trainer hand over (accumulation_steps, micro_batch_size,
+    gradient_clip_val, precision) end up in the config handed to deepspeed.initialize."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": "auto",
                                                                                  "overlap_comm": True}}))
     strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, config=path)
-    strategy.precision = Precision("bf16-mixed")
-    strategy.accumulation_steps, strategy.micro_batch_size, strategy.gradient_clip_val = 2, 4, 0.5
+    strategy.configure(RunSettings(precision=Precision("bf16-mixed"), accumulation_steps=2, micro_batch_size=4,
+                                   gradient_clip_val=0.5))
     config = strategy.build_config(nn.Linear(2, 2))
     assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (8, 2)  # world size 1
     assert (config["gradient_clipping"], config["bf16"]["enabled"]) == (0.5, True)

@@ -21,6 +21,7 @@ from torch import nn
 
 from tests.helpers.procs import run, torchrun
 from trainforge import TrainingModule
+from trainforge.strategies.base import RunSettings
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.megatron import MegatronStrategy
 from trainforge.strategies.parallel import ParallelDims
@@ -260,7 +261,7 @@ def test_pipeline_needs_loss_fn_and_no_extra_accumulation():
     strategy.dims = ParallelDims.resolve(tp=1, pp=2, dp="auto", world_size=2)  # as setup_environment would
     with pytest.raises(ConfigurationError, match=r"NoLoss must define loss_fn\(self, output, target\)"):
         strategy.setup(NoLoss(), lambda: [])
-    strategy.accumulation_steps = 2
+    strategy.configure(RunSettings(accumulation_steps=2))
     with pytest.raises(ConfigurationError, match=r"accumulate_grad_batches=2: with pipeline parallelism the "
                                                  r"micro-batches are the accumulation"):
         strategy.setup(LitGPT(), lambda: [])

@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 from safetensors.torch import save_file
 
-from trainforge.strategies.checkpoint.safetensors_mmap import _DTYPES, mmap_safetensors, read_header
+from trainforge.strategies.checkpoint.safetensors_mmap import SAFETENSORS_DTYPES, mmap_safetensors, read_header
 from trainforge.strategies.checkpoint.verify import METADATA_FILE, verify_checkpoint
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
@@ -57,7 +57,7 @@ def _index_source(index: Path) -> Source:
         if s.suffix == ".safetensors":
             header, _, _ = read_header(s)
             for k, e in header.items():
-                entries[k] = (s, _DTYPES[e["dtype"]], tuple(e["shape"]))
+                entries[k] = (s, SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"]))
         else:  # .bin: the shapes come from a memory-mapped load (no copy)
             for k, t in torch.load(s, map_location="cpu", weights_only=True, mmap=True).items():
                 entries[k] = (s, t.dtype, tuple(t.shape))
@@ -97,7 +97,7 @@ def open_source(checkpoint: Union[str, os.PathLike]) -> Source:
             aliases = json.loads(meta.get("trainforge_aliases", "{}"))
         except ValueError:
             raise CheckpointError(f"{path}: unparsable trainforge_aliases in the header") from None
-        return Source([path], {k: (path, _DTYPES[e["dtype"]], tuple(e["shape"])) for k, e in header.items()}, aliases)
+        return Source([path], {k: (path, SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"])) for k, e in header.items()}, aliases)
     raise CheckpointError(f"checkpoint={str(checkpoint)!r} is not a .safetensors file, an *.index.json or a directory "
                           f"holding one; check the path")
 
