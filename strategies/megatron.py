@@ -82,33 +82,26 @@ from trainforge.strategies.ddp import ProcessGroupMixin
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from trainforge.strategies.fsdp_wrap import (
     apply_activation_checkpointing,
-    clean_name,
     no_gradient_sync,
     remap_optimizers,
     select_modules,
 )
+from trainforge.strategies.megatron_pipeline import PipelineSetup
 from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
 from trainforge.strategies.parallel.dims import check_positive
 from trainforge.strategies.parallel.dp import DATA_PARALLEL, apply_data_parallel
 from trainforge.strategies.parallel.pp import (
     SCHEDULES,
-    check_tied_placement,
-    guard_forward,
     num_stages_for,
-    plan_split,
-    prune,
     schedule_class,
-    stage_blocks,
-    stage_ids,
-    stage_module,
 )
 from trainforge.strategies.parallel.pp_schedule import PipelineRunner
 from trainforge.strategies.parallel.sp import install_loss_parallel, loss_parallel_context
 
 log = logging.getLogger("trainforge")
 
-class MegatronStrategy(ProcessGroupMixin, Strategy):
+class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     """``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan="auto")``;
     ``data_parallel_size="auto"`` takes the processes tp x pp leave; ``data_parallel``: "fsdp" (FSDP2,
     sharded) or "ddp" (replicated) on the dp dimension. ``schedule``, ``num_microbatches``
@@ -304,71 +297,6 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
                      c["modules"], c["sharded_numel"], c["total_numel"], 100 * c["fraction"],
                      ", ".join(c["sharded_params"][:8]) + (" ..." if len(c["sharded_params"]) > 8 else ""))
 
-    def _setup_pipeline(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[Any]]:
-        """Checks first (nothing moved yet), then the fixed order on this rank's stages: split (prune
-        the module to its stages) -> TP -> activation checkpointing -> FSDP2 per stage -> schedule."""
-        self._check_pipeline_inputs(module, optimizers)
-        dims, mesh, trainer = self.dims, self.mesh, callable(optimizers)
-        num_stages = num_stages_for(self.schedule, dims.pp, self.pp_split)
-        # the Trainer's module holds the model in an attribute; a plain model (Accelerator) may be it
-        split = plan_split(module, num_stages, self.pp_split, allow_root=not trainer)
-        before = [(clean_name(n), p) for n, p in module.named_parameters()]
-        check_tied_placement(split, dims.pp, self.schedule)
-        local = stage_ids(mesh["pp"].get_local_rank(), dims.pp, num_stages, self.schedule)
-        plan = None
-        if dims.tp > 1:  # resolved on the whole model, so a glob is checked against every stage
-            from trainforge.strategies.parallel.tp import resolve_plan
-            plan = resolve_plan(module, self.tp_plan, dims.tp)
-        ac = self.activation_checkpointing
-        if ac is True:  # the block classes, found on the whole model (a pruned block list mixes in identities)
-            ac = {type(m) for _, m in select_modules(module, None)} or None
-        if self.is_global_zero:
-            log.info("trainforge: pipeline %s, %d stage(s) on %d rank(s), %s micro-batches: %s", self.schedule,
-                     num_stages, dims.pp, self.num_microbatches or num_stages, split.describe())
-        prune(module, split, local)  # 1. pipeline split, before the move: only this rank's stages reach the device
-        module = module.to(self.root_device)
-        module = self.precision.convert_module(module)
-        if plan is not None:  # 2. tensor parallelism on the modules this rank kept
-            mine = {n for s in local for n in split.stages[s]}
-            self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: split.child(n) in mine)
-            self._log_coverage()
-        if ac not in (False, None):  # 3. activation checkpointing
-            apply_activation_checkpointing(module, select_modules(module, ac))
-        stages = {s: stage_module(module, split, s) for s in local}
-        if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 / DDP per stage, its blocks then the stage
-            for stage in stages.values():
-                blocks = stage_blocks(stage, split)
-                apply_data_parallel(self.data_parallel, blocks, stage, mesh["dp"], self._mp_policy(),
-                                    reshard_after_forward=False)
-        guard_forward(module, split)
-        runner = PipelineRunner(stages, split, self.schedule, self.num_microbatches or num_stages,
-                                getattr(module, "loss_fn", None), mesh, self.root_device)
-        runner.setup_tied(split, local)
-        self._params = {clean_name(n): p for n, p in module.named_parameters()}
-        runner.check_tied_shapes(self._params)
-        self.pipeline, self._norm_excluded = runner, runner.norm_excluded(self._params)
-        module._trainforge_megatron = True
-        if trainer:
-            return module, build_optimizers(optimizers)  # on this rank's own (sharded) parameters
-        _keep_local_parameters(before, self._params, optimizers)  # built before on the whole model (Accelerate)
-        return module, list(optimizers)
-
-    def _check_pipeline_inputs(self, module: nn.Module, optimizers: Optimizers) -> None:
-        where = f"pipeline_parallel_size={self.dims.pp}"
-        # the Trainer's module must define loss_fn; the Accelerator may pass it with each batch
-        if callable(optimizers) and not callable(getattr(module, "loss_fn", None)):
-            raise ConfigurationError(f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
-                                     "loss: the pipeline computes the loss on its last stage from the model's output "
-                                     "and the batch's target (training_step is not called)")
-        if self.settings.accumulation_steps > 1:
-            raise ConfigurationError(f"{where} with accumulate_grad_batches={self.settings.accumulation_steps}: with pipeline "
-                                     "parallelism the micro-batches are the accumulation; use num_microbatches (and a "
-                                     "loader batch of num_microbatches x micro-batch size) and "
-                                     "accumulate_grad_batches=1")
-        if self.precision.scaler is not None:
-            raise ConfigurationError(f"{where} with precision={self.precision.name!r}: the fp16 grad scaler is not "
-                                     "built into the pipeline schedule yet; use 'bf16-mixed' or '32'")
-
     def forward_backward(self, module: nn.Module, step_fn: Any, batch: Any, batch_idx: int,
                          backward: Any = None, loss_fn: Any = None) -> Any:
         """Pipeline parallelism: the schedule runs forward, ``loss_fn(output, target)`` (default
@@ -388,18 +316,6 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
         if not self.pipelined:
             return super().evaluate_batch(module, step_fn, batch, batch_idx)
         return self._run_pipeline(module, batch, train=False)
-
-    def _run_pipeline(self, module: nn.Module, batch: Any, train: bool) -> torch.Tensor:
-        split_batch = getattr(module, "pipeline_batch", None)
-        parts = split_batch(batch) if callable(split_batch) else batch
-        if not isinstance(parts, (tuple, list)) or len(parts) != 2:
-            raise ConfigurationError(f"pipeline parallelism needs each batch as (inputs, target), got "
-                                     f"{type(parts).__name__}; define {type(module).__name__}.pipeline_batch(batch) "
-                                     "-> (inputs, target)")
-        inputs, target = parts
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        with self.precision.autocast():
-            return self.pipeline.step(inputs, target, train=train)
 
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
         if self.pipeline is not None:
@@ -483,18 +399,3 @@ class MegatronStrategy(ProcessGroupMixin, Strategy):
 
     def __repr__(self) -> str:
         return f"MegatronStrategy({self.dims or self.sizes}, device={self.root_device})"
-
-
-def _keep_local_parameters(before: List[Tuple[str, nn.Parameter]], after: Dict[str, nn.Parameter],
-                           optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Optimizers built on the whole model (Accelerate's order) keep this rank's parameters, now
-    sharded (matched by name), and drop the other stages' (their state, if any, is discarded)."""
-    names = {id(p): n for n, p in before}
-    for opt in optimizers:
-        for group in opt.param_groups:
-            unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names]
-            if unknown:
-                raise ConfigurationError(f"{type(opt).__name__} holds parameters of shapes {unknown[:3]} that are not "
-                                         "in the prepared model; prepare the model together with its own optimizer")
-            group["params"] = [after[names[id(p)]] for p in group["params"] if names[id(p)] in after]
-        opt.state.clear()

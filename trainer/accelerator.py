@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -26,15 +26,17 @@ from torch import nn
 from trainforge.strategies import Strategy, resolve_strategy
 from trainforge.strategies.base import RunSettings
 from trainforge.strategies.checkpoint.async_save import AsyncCheckpointer
-from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.devices import check_device_matches, normalize_accelerator
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.precision import Precision
+from trainforge.trainer.accelerator_data import DataPreparation, data_options
+from trainforge.trainer.collectives import Collectives
+from trainforge.trainer.inference.api import BigModelInference
 from trainforge.trainer.process_control import ProcessControl
 from trainforge.trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
 
-class Accelerator(ProcessControl):
+class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessControl):
     """Accelerate's options also accepted: ``even_batches`` (False: no padding duplicates on the
     last batch; ranks may get one batch fewer), ``split_batches`` (True: the loader's batch size is
     the global batch, split between processes; schedulers then step once per optimizer step),
@@ -55,7 +57,7 @@ class Accelerator(ProcessControl):
                  automatic_checkpoint_naming: bool = False, total_limit: Optional[int] = None) -> None:
         from trainforge.trainer.launch_config import launch_defaults, strategy_kwargs
 
-        even_batches, split_batches, dispatch_batches = _data_options(
+        even_batches, split_batches, dispatch_batches = data_options(
             even_batches, split_batches, dispatch_batches, dataloader_config)
         defaults = launch_defaults()  # what `trainforge launch` was told; explicit arguments win
         strategy = strategy if strategy is not None else defaults.get("strategy", "auto")
@@ -174,66 +176,6 @@ class Accelerator(ProcessControl):
         self._optimizers.append(prepared)
         return prepared
 
-    def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
-        from trainforge.trainer.seed import seeds_workers, worker_init_fn
-
-        dispatch = self._dispatches(loader)
-        if dispatch:  # every rank builds the whole (unsharded) loader; only rank 0 iterates it
-            from trainforge.strategies.data.loader import prepare_dataloader
-
-            sharded = prepare_dataloader(loader, rank=0, world_size=1, seed=self.seed)
-        else:
-            if self.split_batches or not self.even_batches:
-                loader = _rebuilt(loader, self.num_processes, self.split_batches)
-            sharded = self.strategy.setup_dataloader(loader, seed=self.seed)
-            if not self.even_batches and hasattr(sharded.sampler, "pad"):
-                _unpadded(sharded.sampler)
-            if not self.even_batches and sharded.kind == "stream":
-                sharded.dataset.even_batches = False  # a split stream's last round is not completed
-        if self.run_settings.micro_batch_size is None:  # the first loader prepared is the training one
-            self.update_run_settings(micro_batch_size=loader.batch_size)
-        if sharded.num_workers > 0 and sharded.worker_init_fn is None and seeds_workers():
-            sharded.worker_init_fn = worker_init_fn
-        # The random draws a plain DataLoader makes when an epoch starts (worker base seed, shuffle
-        # order) are made by PreparedDataLoader from the user's generator or the global RNG, as torch
-        # would; the loader itself gets a private generator, so that recreating its iterator on
-        # resume draws nothing from the user's streams.
-        sharded.generator = torch.Generator()
-        sampler = loader.sampler if loader.batch_size is not None else getattr(loader.batch_sampler, "sampler", None)
-        world = self.num_processes
-        prepared = PreparedDataLoader(sharded, self.device, self.gradient_state, self.precision,
-                                      base_generator=loader.generator,
-                                      order_generator=getattr(sampler, "generator", None),
-                                      broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
-                                      dispatcher=self._dispatcher(sharded) if dispatch else None,
-                                      gather_object=self.strategy.all_gather_object if world > 1 else None,
-                                      device_batches=self.strategy.device_batches)
-        self._dataloaders.append(prepared)
-        return prepared
-
-    def _dispatches(self, loader: torch.utils.data.DataLoader) -> bool:
-        """dispatch_batches for this loader: None means True for an IterableDataset (Accelerate's default)."""
-        _data_options(self.even_batches, self.split_batches, self.dispatch_batches, None)  # also when set later
-        if self.num_processes == 1:
-            return False
-        dispatch = self.dispatch_batches
-        if dispatch is None:
-            dispatch = isinstance(loader.dataset, torch.utils.data.IterableDataset)
-        if dispatch and self.strategy.data_parallel_size != self.num_processes:
-            raise ConfigurationError(
-                f"dispatch_batches=True is not built for {type(self.strategy).__name__} with data-parallel size "
-                f"{self.strategy.data_parallel_size} of {self.num_processes} processes (it dispatches over all of "
-                "them): pass dispatch_batches=False")
-        return dispatch
-
-    def _dispatcher(self, loader: Any) -> Any:
-        from trainforge.strategies.data.loader import loader_state_dict
-        from trainforge.trainer.dispatch import BatchDispatcher
-
-        return BatchDispatcher(loader, rank=self.process_index, world_size=self.num_processes, device=self.device,
-                               broadcast=lambda obj: self.strategy.broadcast(obj, 0), split_batches=self.split_batches,
-                               even_batches=self.even_batches, state_of=lambda: loader_state_dict(loader))
-
     def _prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
         steps = 1 if self.split_batches else self.num_processes  # Accelerate: once per process per step
         prepared = PreparedScheduler(scheduler, self.gradient_state, steps_per_call=steps)
@@ -298,62 +240,6 @@ class Accelerator(ProcessControl):
         model = self.strategy.unwrap(model)
         return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
 
-    # ---- collectives -----------------------------------------------------------------------------
-    def gather(self, data: Any) -> Any:
-        """Tensors (nested in dicts/lists) from every process, concatenated along dim 0."""
-        return apply_to_tensors(data, self._gather_one)
-
-    def _gather_one(self, tensor: torch.Tensor) -> torch.Tensor:
-        stacked = self.strategy.all_gather(tensor)
-        return stacked if tensor.dim() == 0 else stacked.reshape(-1, *tensor.shape[1:])
-
-    def gather_for_metrics(self, data: Any) -> Any:
-        """Like ``gather`` but drops the duplicates that even sharding added on the last batch, so
-        every sample of the dataset is counted exactly once. Outside a prepared loader's loop it is
-        a plain ``gather`` (as in Accelerate)."""
-        state = self.gradient_state
-        if not (state.end_of_dataloader and state.padding and state.active_dataloaders):
-            return self.gather(data)
-        keep_until = -state.padding
-        if state.padding_order == "contiguous":  # a split stream or dispatched batches: the tail of the gather
-            return apply_to_tensors(data, lambda tensor: self._gather_one(tensor)[:keep_until])
-
-        def gather_last(tensor: torch.Tensor) -> torch.Tensor:
-            stacked = self.strategy.all_gather(tensor)        # [W, b, ...]; sample j of rank r is global
-            ordered = stacked.transpose(0, 1).reshape(-1, *tensor.shape[1:])  # position j*W + r
-            return ordered[:keep_until]                       # the padding is the tail of global order
-
-        return apply_to_tensors(data, gather_last)
-
-    def reduce(self, data: Any, reduction: str = "sum") -> Any:
-        return apply_to_tensors(data, lambda t: self.strategy.all_reduce(t, reduction))
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.strategy.broadcast(obj, src)
-
-    def pad_across_processes(self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        """Pad tensors along ``dim`` to the largest size on any process (so they can be gathered)."""
-
-        def pad(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.dim() == 0:
-                return tensor
-            size = torch.tensor(tensor.shape[dim], device=self.device)
-            longest = int(self.strategy.all_reduce(size, "max"))
-            if longest == tensor.shape[dim]:
-                return tensor
-            shape = list(tensor.shape)
-            shape[dim] = longest - tensor.shape[dim]
-            filler = tensor.new_full(shape, pad_index)
-            return torch.cat([filler, tensor] if pad_first else [tensor, filler], dim=dim)
-
-        return apply_to_tensors(data, pad)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        from trainforge.strategies.data.loader import split_between_processes
-
-        yield split_between_processes(inputs, self.process_index, self.num_processes, apply_padding=apply_padding)
-
     # ---- state -----------------------------------------------------------------------------------
     def register_for_checkpointing(self, *objects: Any) -> None:
         bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
@@ -405,38 +291,6 @@ class Accelerator(ProcessControl):
 
         self.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
-
-    # Big-model inference (trainer/inference): the same functions, reachable from the Accelerator.
-    @staticmethod
-    def init_empty_weights(include_buffers: bool = True) -> Any:
-        """Context: modules built inside have their weights on meta (see trainer.inference)."""
-        from trainforge.trainer.inference import init_empty_weights
-        return init_empty_weights(include_buffers)
-
-    @staticmethod
-    def infer_auto_device_map(model: nn.Module, **kwargs: Any) -> Dict[str, Any]:
-        from trainforge.trainer.inference import infer_auto_device_map
-        return infer_auto_device_map(model, **kwargs)
-
-    @staticmethod
-    def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: Any, **kwargs: Any) -> nn.Module:
-        from trainforge.trainer.inference import load_checkpoint_and_dispatch
-        return load_checkpoint_and_dispatch(model, checkpoint, **kwargs)
-
-    @staticmethod
-    def dispatch_model(model: nn.Module, device_map: Dict[str, Any], **kwargs: Any) -> nn.Module:
-        from trainforge.trainer.inference import dispatch_model
-        return dispatch_model(model, device_map, **kwargs)
-
-    @staticmethod
-    def cpu_offload(model: nn.Module, execution_device: Any = None, **kwargs: Any) -> nn.Module:
-        from trainforge.trainer.inference import cpu_offload
-        return cpu_offload(model, execution_device, **kwargs)
-
-    @staticmethod
-    def disk_offload(model: nn.Module, offload_dir: Any, execution_device: Any = None, **kwargs: Any) -> nn.Module:
-        from trainforge.trainer.inference import disk_offload
-        return disk_offload(model, offload_dir, execution_device, **kwargs)
 
     def end_training(self) -> None:
         self.wait_for_checkpoint()
@@ -499,51 +353,6 @@ def _restore_forward(module: nn.Module, original: Any) -> None:
         module.__dict__.pop("forward", None)
     else:
         module.forward = original
-
-
-def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> torch.utils.data.DataLoader:
-    """``split_batches``: the same loader with a per-process batch of batch_size // world."""
-    if not split:
-        return loader
-    if loader.batch_size is None or loader.batch_size % world:
-        raise ConfigurationError(f"split_batches=True needs a batch_size divisible by the {world} processes "
-                                 f"(got batch_size={loader.batch_size}); use a multiple of {world} or "
-                                 "split_batches=False")
-    from trainforge.strategies.data.loader import loader_kwargs
-
-    iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)  # takes no sampler
-    return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size // world,
-                                       sampler=None if iterable else loader.sampler, drop_last=loader.drop_last,
-                                       **loader_kwargs(loader))
-
-
-def _data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, config: Any) -> "tuple[Any, ...]":
-    """Accelerate's three data-loading options, from the arguments or a DataLoaderConfiguration-like
-    ``config`` (its values win, as the arguments are deprecated in Accelerate), validated."""
-    if config is not None:
-        names = ("even_batches", "split_batches", "dispatch_batches")
-        if not any(hasattr(config, name) for name in names):
-            raise ConfigurationError(f"dataloader_config={config!r} has none of {', '.join(names)}: pass "
-                                     "accelerate's DataLoaderConfiguration or an object with those attributes")
-        even_batches = getattr(config, "even_batches", even_batches)
-        split_batches = getattr(config, "split_batches", split_batches)
-        dispatch_batches = getattr(config, "dispatch_batches", dispatch_batches)
-    for name, value, allowed in (("even_batches", even_batches, "True or False"),
-                                 ("split_batches", split_batches, "True or False"),
-                                 ("dispatch_batches", dispatch_batches, "None (Accelerate's default: True for an "
-                                  "IterableDataset), True or False")):
-        if not (isinstance(value, bool) or (name == "dispatch_batches" and value is None)):
-            raise ConfigurationError(f"{name}={value!r} must be {allowed}")
-    return even_batches, split_batches, dispatch_batches
-
-
-def _unpadded(sampler: Any) -> None:
-    """``even_batches=False``: no duplicated samples; the last ranks may get one sample (batch) fewer."""
-    from trainforge.strategies.data.sampler import epoch_length
-
-    sampler.pad = False
-    sampler.total_size = epoch_length(len(sampler.dataset), sampler.num_replicas, sampler.drop_last, False)
-    sampler.num_samples = len(range(sampler.rank, sampler.total_size, sampler.num_replicas))
 
 
 def _is_scheduler(obj: Any) -> bool:

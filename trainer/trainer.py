@@ -4,8 +4,6 @@ precision, accumulation and checkpointing with users of the thin API."""
 from __future__ import annotations
 
 import logging
-import math
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -13,14 +11,15 @@ import torch
 from trainforge.callbacks.base import Callback
 from trainforge.strategies import Strategy
 from trainforge.strategies.checkpoint.async_save import resolve_async_save
-from trainforge.strategies.errors import ConfigurationError, TrainforgeError
+from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.accelerator import Accelerator
 from trainforge.trainer.checkpointing import restore_pending_rng, start_run
 from trainforge.trainer.config import LoopConfig, Progress, check_callbacks, limited, parse_optimizers, resolve_root_dir
-from trainforge.trainer.evaluation import Evaluation, module_modes, restore_modes
+from trainforge.trainer.evaluation import Evaluation
 from trainforge.trainer.events import Event
+from trainforge.trainer.fit_loop import FitLoop
 from trainforge.trainer.hooks import bind_module_hook, warn_unknown_callback_hooks, warn_unknown_hooks
-from trainforge.trainer.manual import check_manual_config, run_manual_step
+from trainforge.trainer.manual import check_manual_config
 from trainforge.trainer.metric_logging import MetricLogging
 from trainforge.trainer.metrics import MetricStore
 from trainforge.trainer.module import TrainingModule
@@ -29,7 +28,7 @@ from trainforge.trainer.seed import seed_everything
 log = logging.getLogger("trainforge")
 
 
-class Trainer(MetricLogging, Evaluation):
+class Trainer(FitLoop, MetricLogging, Evaluation):
     def __init__(self, *, accelerator: Optional[str] = None, strategy: Union[str, Strategy, None] = None,
                  precision: Optional[str] = None,
                  max_epochs: Optional[int] = None, max_steps: int = -1, accumulate_grad_batches: Optional[int] = None,
@@ -217,262 +216,6 @@ class Trainer(MetricLogging, Evaluation):
         if self.num_training_batches == 0:
             raise ConfigurationError("train_dataloaders yields no batch on this process (limit_train_batches="
                                      f"{self.config.limit_train_batches!r}); give it data or raise the limit")
-
-    def _fit_loop(self) -> None:
-        cfg, p, loader = self.config, self.progress, self.train_dataloader
-        train_modes = module_modes(self.module)  # the user's per-submodule modes (a frozen part stays in eval)
-        if p.batch_idx >= self.num_training_batches or p.epoch_end_pending:  # resumed at the epoch's last batch
-            if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
-                with warnings.catch_warnings():  # the optimizer stepped before the save, not in this process
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-                    self._end_epoch()
-            else:  # written at EPOCH_END (or by an older version)
-                p.epoch, p.batch_idx = p.epoch + 1, 0
-        while not self._finished() and (cfg.max_epochs is None or p.epoch < cfg.max_epochs):
-            restore_modes(train_modes)
-            loader.set_epoch(p.epoch)
-            self._fire(Event.EPOCH_START)
-            first_batch, first_step = p.batch_idx, p.global_step
-            for batch in loader:
-                self._train_batch(batch, p.batch_idx)
-                p.batch_idx += 1
-                # the epoch's last batch: by count, or (a loader without length) when the data ended
-                p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches or self._data_ended)
-                if self._validation_due():
-                    self._run_validation(self.val_dataloaders, "validation_step")
-                self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
-                self._batch = self._last_output = batch = None  # free them before the next batch arrives
-                if self._finished() or p.epoch_end_pending:
-                    break
-            if p.batch_idx == first_batch == 0:  # a stream that yields nothing (audit N-IT3): say so, save nothing
-                raise ConfigurationError(f"train_dataloaders yielded no batch in epoch {p.epoch} on this process: "
-                                         "nothing can be trained; give it data (an IterableDataset whose stream is "
-                                         "empty, or a filter that drops everything?)")
-            self._warn_none_epoch(p.batch_idx - first_batch)
-            if p.epoch_end_pending:  # a complete epoch (not a max_steps/should_stop cut)
-                self._end_epoch()
-                self._refuse_endless(first_step)
-            else:
-                break
-        self._raise_if_flagged()  # a non-finite loss after the last log point (accelerators)
-        self._warn_skips()
-
-    def _end_epoch(self) -> None:
-        p = self.progress
-        self._emit(self._metrics["train"].pop_epoch_metrics(self.strategy))
-        self._step_schedulers("epoch")
-        p.epoch_end_pending = 0  # a checkpoint written from here on already includes the epoch's end
-        self._fire_epoch_end(Event.EPOCH_END)
-        p.epoch, p.batch_idx = p.epoch + 1, 0
-
-    def _warn_if_nothing_to_train(self) -> None:
-        """Audit N-RE7 / L5: a resume past max_epochs, or a second fit of a finished Trainer, returned
-        at once without a word. Lightning says so too ("`Trainer.fit` stopped: `max_epochs=2` reached")."""
-        cfg, p = self.config, self.progress
-        ended = p.batch_idx >= self.num_training_batches or p.epoch_end_pending  # the epoch's batches all ran
-        epoch = p.epoch + 1 if ended else p.epoch  # the first epoch that would still train
-        at_epochs = cfg.max_epochs is not None and epoch >= cfg.max_epochs
-        if (at_epochs or self._finished()) and self.is_global_zero:
-            limit = f"max_epochs={cfg.max_epochs}" if at_epochs else f"max_steps={cfg.max_steps}"
-            log.warning("trainforge: fit has nothing to train: the run has done %d epoch(s) and %d step(s) (from "
-                        "the checkpoint or an earlier fit) and %s is reached; raise %s to train more", epoch,
-                        p.global_step, limit, limit.split("=")[0])
-
-    def _refuse_endless(self, first_step: int) -> None:
-        """With max_epochs=None only max_steps ends the run: an epoch that took no optimizer step would
-        repeat forever (audit N-MO3: manual optimization that never calls ``opt.step()``)."""
-        p = self.progress
-        if self.config.max_epochs is None and p.global_step == first_step:
-            manual = "" if self.module.automatic_optimization else (
-                "; under manual optimization global_step counts optimizer steps: call opt.step() in training_step")
-            raise TrainforgeError(
-                f"epoch {p.epoch - 1} ran its batches without an optimizer step (global_step stays at "
-                f"{p.global_step}); with max_epochs=None the run ends only at max_steps={self.config.max_steps}, "
-                f"so it would never end{manual}, or set max_epochs")
-
-    def _finished(self) -> bool:
-        max_steps = self.config.max_steps
-        return self.should_stop or (max_steps >= 0 and self.progress.global_step >= max_steps)
-
-    def _train_batch(self, batch: Any, batch_idx: int) -> None:
-        acc, p = self.accelerator, self.progress
-        if acc._async_checkpointer is not None:
-            acc._async_checkpointer.check()  # a failed asynchronous save is raised at the next step
-        self._batch, self._running = batch, "train"
-        self._fire(Event.BATCH_START, batch, batch_idx)
-        # A loader without length flagged its last batch itself (it reads one ahead)
-        self._data_ended = self.num_training_batches == float("inf") and acc.gradient_state.end_of_dataloader
-        acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches or self._data_ended
-        if not self.module.automatic_optimization:
-            return run_manual_step(self, batch, batch_idx)
-        with acc.accumulate(self.model):  # the one step path: the strategy's forward_backward
-            output = self.strategy.forward_backward(self.model, self._training_step, batch, batch_idx,
-                                                    backward=lambda out: self._backward(out, batch_idx))
-            if self._pipelined:
-                self._after_pipeline_step(output, batch_idx)
-            if acc.sync_gradients:
-                self._optimizer_step()
-        p.accumulation_step = acc.step
-
-    def _backward(self, output: Any, batch_idx: int) -> None:
-        """After the forward of an ordinary strategy: the loss in ``output``, BEFORE_BACKWARD, backward."""
-        loss = self._loss_of(output, batch_idx)
-        self._last_output = output
-        if loss is not None and self._check_loss(loss, batch_idx):
-            self._fire(Event.BEFORE_BACKWARD, loss)
-            self.accelerator.backward(loss, self.model)
-            self._fire(Event.AFTER_BACKWARD)
-
-    def _after_pipeline_step(self, loss: torch.Tensor, batch_idx: int) -> None:
-        """Pipeline parallelism: the strategy's schedule ran forward, ``module.loss_fn`` and backward
-        of every micro-batch (training_step is not called); the batch loss, the same on every rank,
-        is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
-        self._last_output = loss
-        self.module.log("train/loss", loss)
-        if self._check_loss(loss, batch_idx):
-            self._fire(Event.AFTER_BACKWARD)
-        else:
-            for opt in self.optimizers:
-                opt.zero_grad()
-
-    def _pipeline_loss_name(self, step_name: str) -> str:
-        """Validation/test under pipeline parallelism: ``module.loss_fn`` through the stages (forward
-        only; validation_step/test_step are not called), logged as ``val/loss`` / ``test/loss``, the
-        mean over the epoch and the data-parallel ranks."""
-        name = {"validation_step": "val/loss", "test_step": "test/loss"}.get(step_name)
-        if name is None:
-            raise ConfigurationError(f"{step_name} with pipeline parallelism is not built yet (the stages compute "
-                                     "the loss only); predict on one process from the merged weights")
-        return name
-
-    def _loss_of(self, output: Any, batch_idx: int) -> Optional[torch.Tensor]:
-        """The loss in what training_step returned, or a ConfigurationError at the first bad batch."""
-        if type(output) is torch.Tensor and output.requires_grad and output.numel() == 1:
-            return output  # the common case, checked in the fewest operations (a per-step path)
-        where = f"{type(self.module).__name__}.training_step (batch {batch_idx})"
-        if isinstance(output, dict):
-            if "loss" not in output:
-                raise ConfigurationError(f"{where} returned a dict without a 'loss' key (keys: {sorted(output)[:10]}); "
-                                         "return {'loss': loss, ...} or the loss tensor itself")
-            output = output["loss"]
-        if output is None:  # a documented way to skip a batch; a whole epoch of them is reported
-            self._none_steps += 1
-            return None
-        if not isinstance(output, torch.Tensor):
-            raise ConfigurationError(f"{where} returned a {type(output).__name__} ({output!r:.80}); return the loss "
-                                     "as a tensor (not loss.item()), a dict with 'loss', or None to skip the batch")
-        if output.numel() != 1:
-            raise ConfigurationError(f"{where} returned a loss of shape {tuple(output.shape)}; reduce it to one "
-                                     "value (e.g. loss.mean()) before returning it")
-        if not output.requires_grad and self.module.automatic_optimization and torch.is_grad_enabled():
-            raise ConfigurationError(f"{where} returned a loss that does not require grad (detached, computed under "
-                                     "torch.no_grad(), or from parameters with requires_grad=False): nothing would be "
-                                     "trained; return the loss tensor the model computed")
-        return output
-
-    def _warn_none_epoch(self, batches: int) -> None:
-        """Once per fit: a whole epoch of training_step returning None trained nothing."""
-        if batches and self._none_steps >= batches and not self._warned_none and self.is_global_zero:
-            self._warned_none = True
-            log.warning("trainforge: %s.training_step returned None for all %d batches of epoch %d, so nothing was "
-                        "trained (None skips a batch); return the loss", type(self.module).__name__, batches,
-                        self.progress.epoch)
-        self._none_steps = 0
-
-    def _optimizer_step(self) -> None:
-        acc, cfg, optimizer = self.accelerator, self.config, self.optimizer.optimizer
-        if acc.precision.scaler is not None:
-            acc.precision.unscale_(optimizer)
-        self._fire(Event.BEFORE_OPTIMIZER_STEP, optimizer)
-        if cfg.gradient_clip_val is not None:
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            if cfg.gradient_clip_algorithm == "norm":
-                self.strategy.clip_gradients(params, max_norm=cfg.gradient_clip_val)
-            else:
-                self.strategy.clip_gradients(params, clip_value=cfg.gradient_clip_val)
-        self.strategy.optimizer_step(optimizer)  # what the prepared optimizer does on a sync step
-        self._fire(Event.BEFORE_ZERO_GRAD, optimizer)
-        optimizer.zero_grad()
-        self.progress.global_step += 1
-        self._step_schedulers("step")
-        if self.progress.global_step % cfg.log_every_n_steps == 0:
-            self._raise_if_flagged()
-            self._emit(self._metrics["train"].pop_step_metrics(self.strategy))
-
-    def _check_loss(self, loss: torch.Tensor, batch_idx: int) -> bool:
-        """Whether to train on ``loss`` (a one-value tensor: ``_loss_of`` checked it)."""
-        policy = self.config.nonfinite_loss
-        if policy == "off":
-            return True
-        if loss.device.type != "cpu" and policy == "raise":
-            return self._check_loss_async(loss)
-        if math.isfinite(loss.item()):
-            return True
-        if policy == "skip":
-            self.progress.skipped_nonfinite += 1
-            return False
-        raise TrainforgeError(f"non-finite loss ({float(loss.detach())}) at epoch {self.current_epoch}, batch {batch_idx}, "
-                              f"global step {self.global_step}; pass nonfinite_loss='skip' to skip such batches "
-                              "(they are counted), or lower the learning rate")
-
-    def _check_loss_async(self, loss: torch.Tensor) -> bool:
-        """On an accelerator, reading the loss every step would stall the device: non-finite losses
-        are flagged on the device and the flag is read at log points (every ``log_every_n_steps``),
-        where the error names the range of steps."""
-        bad = ~torch.isfinite(loss.detach()).all()
-        self._nonfinite_flag = bad if self._nonfinite_flag is None else (self._nonfinite_flag | bad)
-        return True
-
-    def _raise_if_flagged(self) -> None:
-        flag, self._nonfinite_flag = self._nonfinite_flag, None
-        if flag is not None and bool(flag):
-            first = self._last_flag_check + 1
-            raise TrainforgeError(f"non-finite loss in global steps {first}..{self.global_step} (epoch "
-                                  f"{self.current_epoch}); pass nonfinite_loss='skip' to skip such batches (checked "
-                                  "every step), or lower the learning rate")
-        self._last_flag_check = self.global_step
-
-    def _step_schedulers(self, interval: str) -> None:
-        count = self.global_step if interval == "step" else self.current_epoch + 1
-        for cfg in self.lr_scheduler_configs:
-            if cfg["interval"] == interval and count % cfg["frequency"] == 0:
-                scheduler = cfg["scheduler"]
-                if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                    key = cfg.get("monitor")
-                    if key not in self.callback_metrics:
-                        message = (f"ReduceLROnPlateau monitors {key!r}, not among the logged metrics "
-                                   f"{sorted(self.callback_metrics)}; log it, or set 'monitor' in its config")
-                        if cfg.get("strict", True):
-                            raise ConfigurationError(message + " ('strict': False skips such steps with a warning)")
-                        warnings.warn(message + "; this scheduler step is skipped ('strict': False)", UserWarning)
-                        continue
-                    scheduler.step(float(self.callback_metrics[key]))
-                else:
-                    scheduler.step()
-
-    def _validation_due(self) -> bool:
-        if not self.val_dataloaders or self.config.limit_val_batches == 0:
-            return False
-        every_epoch = self.config.check_val_every_n_epoch
-        if every_epoch is not None and (self.current_epoch + 1) % every_epoch != 0:
-            return False
-        interval = self.config.val_check_interval
-        n = self.num_training_batches
-        if n == float("inf"):  # a loader without length: 1.0 means the epoch's end; int counts within the epoch
-            return bool(self.progress.epoch_end_pending) if isinstance(interval, float) else \
-                self.progress.batch_idx % interval == 0
-        every = max(1, int(n * interval)) if isinstance(interval, float) else interval
-        # Lightning: every `every` batches of the epoch (of the run when check_val_every_n_epoch=None),
-        # and no extra run at the epoch end when it is not due
-        done = self.progress.batch_idx if every_epoch is not None else self.progress.epoch * n + self.progress.batch_idx
-        return done % every == 0
-
-    def _warn_skips(self) -> None:
-        skipped = self.accelerator.precision.skipped_steps
-        if skipped and self.is_global_zero:
-            log.warning("trainforge: the fp16 grad scaler skipped %d optimizer step(s) on inf/nan gradients", skipped)
-        if self.progress.skipped_nonfinite and self.is_global_zero:
-            log.warning("trainforge: %d batch(es) with a non-finite loss were skipped", self.progress.skipped_nonfinite)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, path: str, async_save: bool = False) -> Any:

@@ -46,9 +46,9 @@ from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional,
 
 import safetensors
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from trainforge.strategies.checkpoint.read import from_plain, load_object, load_tensors, to_plain  # noqa: F401
 from trainforge.strategies.checkpoint.verify import (  # noqa: F401  (re-exported API)
     ASIDE,
     FORMAT_VERSION,
@@ -57,6 +57,7 @@ from trainforge.strategies.checkpoint.verify import (  # noqa: F401  (re-exporte
     RESERVED_KEYS,
     PathLike,
     check_name,
+    check_rel,
     check_replaceable,
     delete_checkpoint,
     file_crc32,
@@ -77,8 +78,6 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB" as Hugging Face counts it
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
-_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 _SAVE_ID = ".save-id"  # a random id rank 0 gives each save; stored as metadata["save_id"]
 
 
@@ -93,12 +92,6 @@ def parse_size(value: Union[int, str], what: str = "max_shard_size") -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
 
 
-def _check_rel(name: str) -> str:
-    """A file name inside a checkpoint: '/'-separated parts, none hidden or '..'."""
-    if not isinstance(name, str) or not name or not all(_PART_RE.match(p) for p in name.split("/")):
-        raise ConfigurationError(f"name={name!r} is not valid inside a checkpoint: use letters, digits and _ . = + - "
-                                 f"with '/' between parts, not starting with '.', e.g. 'optimizer' or 'rng/rank-00001'")
-    return name
 
 
 def _versions() -> Dict[str, str]:
@@ -197,7 +190,7 @@ class CheckpointWriter:
     def track(self, rel: str) -> None:
         """Record (size, crc32) and fsync a file this rank wrote under ``tmp_dir`` by other means
         (in the background). Untracked files are still covered: rank 0 hashes them at ``finalize``."""
-        path = self.tmp_dir / _check_rel(rel)
+        path = self.tmp_dir / check_rel(rel)
         if not path.is_file():
             raise ConfigurationError(f"track({rel!r}): {path} is not a file this rank wrote under tmp_dir")
         self._syncs.append(self._hasher.submit(_fsync_file, path))
@@ -222,7 +215,7 @@ class CheckpointWriter:
         its own file (collective; rank 0 hashes the files at ``finalize``)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, checkpoint_id=str(self.tmp_dir / _check_rel(rel)))
+        dcp.save(state, checkpoint_id=str(self.tmp_dir / check_rel(rel)))
 
     def save_tensors(self, name: str, state_dict: Mapping[str, torch.Tensor],
                      max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> List[str]:
@@ -240,7 +233,7 @@ class CheckpointWriter:
                 used = 0
             shards[-1].append(key)
             used += size
-        base = _check_rel(name)
+        base = check_rel(name)
         n = len(shards)
         names = [f"{base}.safetensors"] if n == 1 else [f"{base}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
         for file, keys in zip(names, shards):
@@ -263,7 +256,7 @@ class CheckpointWriter:
     def save_object(self, name: str, obj: Any) -> str:
         """``torch.save`` to ``<name>.pt``. Refuses (ConfigurationError, nothing kept) an object that
         ``torch.load(weights_only=True)`` could not read back, e.g. numpy arrays: see ``to_plain``."""
-        file = f"{_check_rel(name)}.pt"
+        file = f"{check_rel(name)}.pt"
         path = self._path(file)
         torch.save(obj, path)
         check = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch >= 2.5
@@ -381,120 +374,3 @@ def _write_durable(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _read_safetensors(path: Path, device: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    try:
-        with safe_open(str(path), framework="pt", device=device) as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-    except Exception as e:  # SafetensorError (bad header), OSError, ValueError: all mean "unreadable"
-        raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupted") from None
-
-
-# Which strategies read a sharded checkpoint a whole-model reader (single device, DDP, inference) cannot.
-_SHARDED_READERS = {
-    "fsdp": "FSDPStrategy or MegatronStrategy (any layout), or make one model.safetensors with "
-            "`trainforge merge-weights CKPT OUT`",
-    "megatron": "MegatronStrategy or FSDPStrategy (any layout), or make one model.safetensors with "
-                "`trainforge merge-weights CKPT OUT`",
-    "deepspeed": "DeepSpeedStrategy (any ZeRO stage)",
-}
-
-
-def _refuse_sharded(ckpt_dir: Path) -> None:
-    """A sharded checkpoint given to a reader of whole-model files: say what it is and who reads it,
-    instead of 'model.safetensors missing' (audit: it hid the cause)."""
-    try:
-        strategy = read_metadata(ckpt_dir).get("strategy")
-    except CheckpointError:
-        return  # not a complete trainforge checkpoint: the missing-file error says enough
-    if strategy in _SHARDED_READERS:
-        raise CheckpointError(f"{ckpt_dir} is a sharded checkpoint written by strategy={strategy!r} (no "
-                              f"model.safetensors); load it with {_SHARDED_READERS[strategy]}")
-
-
-def load_tensors(ckpt_dir: PathLike, name: str = "model", device: Union[str, torch.device] = "cpu"
-                 ) -> Dict[str, torch.Tensor]:
-    """Tensors saved by ``save_tensors(name, ...)`` (single file or sharded), aliases restored.
-    Does not re-check checksums: ``verify_checkpoint``/``resolve_checkpoint`` do that."""
-    ckpt_dir, base = Path(ckpt_dir), _check_rel(name)
-    single, index = ckpt_dir / f"{base}.safetensors", ckpt_dir / f"{base}.safetensors.index.json"
-    device = str(device)
-    if index.is_file():
-        try:
-            idx = json.loads(index.read_text(encoding="utf-8"))
-            weight_map: Dict[str, str] = dict(idx["weight_map"])
-            aliases = dict(idx.get("metadata", {}).get("trainforge_aliases", {}))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: unparsable safetensors index ({e!r}); the file is corrupted") from None
-        out: Dict[str, torch.Tensor] = {}
-        for file in dict.fromkeys(weight_map.values()):
-            if not isinstance(file, str) or not _PART_RE.match(file):
-                raise CheckpointError(f"{index}: invalid shard file name {file!r} in weight_map")
-            out.update(_read_safetensors(ckpt_dir / file, device)[0])
-        missing = sorted(set(weight_map) - set(out))
-        if missing:
-            raise CheckpointError(f"{index}: tensors {missing[:5]} listed in weight_map are missing from their shards")
-    elif single.is_file():
-        out, header = _read_safetensors(single, device)
-        try:
-            aliases = json.loads(header.get("trainforge_aliases", "{}"))
-        except ValueError:
-            raise CheckpointError(f"{single}: unparsable trainforge_aliases in the safetensors header") from None
-    else:
-        _refuse_sharded(ckpt_dir)
-        present = sorted(p.name for p in ckpt_dir.glob("*.safetensors*")) if ckpt_dir.is_dir() else []
-        raise CheckpointError(f"{single}: missing file (and no {index.name}); safetensors files in {ckpt_dir}: {present}")
-    for alias, kept in aliases.items():
-        if kept not in out:
-            raise CheckpointError(f"{single if not index.is_file() else index}: alias {alias!r} -> {kept!r}, "
-                                  f"which is not in the file; the checkpoint is corrupted")
-        out[alias] = out[kept]
-    return out
-
-
-def load_object(ckpt_dir: PathLike, name: str, map_location: Any = "cpu") -> Any:
-    """``torch.load(<name>.pt, weights_only=True)``; any pickled code reference is refused."""
-    path = Path(ckpt_dir) / f"{_check_rel(name)}.pt"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing file")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:
-        found = _GLOBAL_RE.search(str(e))
-        if found is not None:
-            raise CheckpointError(
-                f"refused to load {path}: it contains a pickled object that would import {found.group(1)} when "
-                f"loaded; checkpoints written by trainforge never do; do not load files from untrusted sources. "
-                f"Nothing in it was executed") from None
-        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
-                              f"the file is truncated or corrupted") from None
-
-
-def to_plain(obj: Any) -> Any:
-    """A copy of ``obj`` with numpy arrays as ``{"__ndarray__": ..}`` dicts and numpy scalars as
-    Python numbers, so it survives ``torch.load(weights_only=True)``. Dicts, lists, tuples recurse."""
-    kind = type(obj)
-    if kind.__module__.split(".")[0] == "numpy":
-        if kind.__name__ == "ndarray":
-            return {"__ndarray__": obj.ravel().tolist(), "dtype": str(obj.dtype), "shape": list(obj.shape)}
-        if hasattr(obj, "item"):
-            return obj.item()
-    if isinstance(obj, dict):
-        return {to_plain(k): to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return kind(to_plain(v) for v in obj) if kind in (list, tuple) else [to_plain(v) for v in obj]
-    return obj
-
-
-def from_plain(obj: Any) -> Any:
-    """Inverse of ``to_plain``: the ``{"__ndarray__": ..}`` dicts become numpy arrays again."""
-    if isinstance(obj, dict):
-        if set(obj) == {"__ndarray__", "dtype", "shape"}:
-            import numpy  # only needed when numpy state was saved, so only imported then
-
-            return numpy.asarray(obj["__ndarray__"], dtype=obj["dtype"]).reshape(obj["shape"])
-        return {k: from_plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(from_plain(v) for v in obj)
-    return obj

@@ -375,3 +375,14 @@ def remove_stale(root: Path, keep: Tuple[Path, ...] = ()) -> None:
         orphan_aside = p.name.endswith(ASIDE) and not (root / p.name[1:-len(ASIDE)]).exists()
         if p.name.endswith((PARTIAL, DELETING)) or (p.name.endswith(ASIDE) and not orphan_aside):
             shutil.rmtree(p, ignore_errors=True)
+
+
+PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
+
+
+def check_rel(name: str) -> str:
+    """A file name inside a checkpoint: '/'-separated parts, none hidden or '..'."""
+    if not isinstance(name, str) or not name or not all(PART_RE.match(p) for p in name.split("/")):
+        raise ConfigurationError(f"name={name!r} is not valid inside a checkpoint: use letters, digits and _ . = + - "
+                                 f"with '/' between parts, not starting with '.', e.g. 'optimizer' or 'rng/rank-00001'")
+    return name
