@@ -196,12 +196,12 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         if not torch.distributed.is_initialized():
             raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
                                      "Trainer or Accelerator, or call strategy.setup_environment() first")
-        batch, seq = loader_shape(loader) if loader is not None else (self.micro_batch_size, None)
+        batch, seq = loader_shape(loader) if loader is not None else (self.settings.micro_batch_size, None)
         ac = self.activation_checkpointing not in (False, None)
         self._build(choose_auto_layout(
             module, self.sizes, world_size=self.world_size, device=self.root_device,
             precision=self.precision.name, seq_len=self.seq_len or seq,
-            micro_batch_size=batch or self.micro_batch_size, device_memory=self.device_memory,
+            micro_batch_size=batch or self.settings.micro_batch_size, device_memory=self.device_memory,
             model_shape=self.model_shape, schedule=self.schedule, num_microbatches=self.num_microbatches,
             activation_checkpointing=ac, sequence_parallel=self.sequence_parallel, log_table=self.is_global_zero))
 

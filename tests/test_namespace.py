@@ -3,6 +3,7 @@ and the install puts nothing but ``trainforge`` into site-packages."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,21 +85,31 @@ def test_the_public_names_live_under_trainforge():
 
 @pytest.mark.slow
 def test_pip_install_target_holds_only_trainforge(tmp_path):
-    target = tmp_path / "site"
+    target, source = tmp_path / "site", tmp_path / "source"
+    # from a copy without build outputs: a stale build/ would hide a package the build no longer finds
+    shutil.copytree(procs.REPO, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", ".mypy_cache", ".pytest_cache", "*.so"))
     build = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                            "--no-index", "--target", str(target), str(procs.REPO)],
+                            "--no-index", "--target", str(target), str(source)],
                            capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_ROOT_USER_ACTION="ignore"))
     assert build.returncode == 0, build.stderr[-3000:]
     top = sorted(p.name for p in target.iterdir())
     assert [n for n in top if not n.endswith(".dist-info")] in (["trainforge"], ["bin", "trainforge"]), top
     pkg = target / "trainforge"
-    for sub in ("trainer", "callbacks", "strategies", "strategies/parallel", "callbacks/trackers", "trainer/inference"):
+    # every folder of the repository's packages that holds modules is a package of the wheel (a folder
+    # without __init__.py would be left out by find_packages and work only from the repository)
+    folders = sorted({str(f.parent.relative_to(procs.REPO)) for top in ("trainer", "callbacks", "strategies")
+                      for f in (procs.REPO / top).rglob("*.py") if "__pycache__" not in f.parts})
+    assert len(folders) >= 8, folders
+    for sub in folders:
         assert (pkg / sub / "__init__.py").is_file(), sub
     assert not (pkg / "tests").exists() and not (pkg / "benchmarks").exists()
     # the installed copy imports on its own (the repository kept off the path)
-    probe = subprocess.run([sys.executable, "-c", "import trainforge, trainforge.strategies.fsdp; "
-                            "print(trainforge.__file__)"], capture_output=True, text=True, timeout=120,
+    probe = subprocess.run([sys.executable, "-c", "import trainforge, trainforge.strategies.fsdp, "
+                            "trainforge.strategies.checkpoint.io as io, trainforge.strategies.data.loader as dl; "
+                            "print(trainforge.__file__, io.__file__, dl.__file__)"], capture_output=True, text=True,
+                           timeout=120,
                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)))
     assert probe.returncode == 0, probe.stderr[-2000:]
-    assert probe.stdout.strip().startswith(str(pkg))
+    assert all(path.startswith(str(pkg)) for path in probe.stdout.split()), probe.stdout
