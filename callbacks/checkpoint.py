@@ -166,7 +166,7 @@ class ModelCheckpoint(Callback):
         if not self.best_k:
             return None
         pick = min if self.mode == "min" else max
-        return pick(self.best_k, key=self.best_k.get)
+        return pick(self.best_k, key=self.best_k.__getitem__)
 
     @property
     def best_model_score(self) -> Optional[float]:
@@ -183,7 +183,7 @@ class ModelCheckpoint(Callback):
         if not self.best_k:
             return None
         pick = max if self.mode == "min" else min
-        return pick(self.best_k, key=self.best_k.get)
+        return pick(self.best_k, key=self.best_k.__getitem__)
 
     def directory(self, trainer: "TrainerView") -> Path:
         return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "checkpoints"
@@ -243,7 +243,7 @@ class ModelCheckpoint(Callback):
         evicted = None
         if self.save_top_k != -1 and len(self.best_k) > self.save_top_k:
             pick = max if self.mode == "min" else min
-            evicted = pick(self.best_k, key=self.best_k.get)
+            evicted = pick(self.best_k, key=self.best_k.__getitem__)
             del self.best_k[evicted]
         self._write(trainer, path)
         if evicted is not None and evicted not in self.periodic:

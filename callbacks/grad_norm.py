@@ -76,7 +76,7 @@ class GradientNormMonitor(Callback):
                                             if p.grad is not None]
         if not params:
             return {}
-        metrics = {"grad_norm/total": float(total_norm([p.grad for p in params], self.norm_type))}
+        metrics = {"grad_norm/total": float(total_norm([p.grad for p in params if p.grad is not None], self.norm_type))}
         if self.per_layer:
             names = {id(p): name for name, p in module.named_parameters()}
             norms = [_full(torch.linalg.vector_norm(p.grad, self.norm_type)).float() for p in params]

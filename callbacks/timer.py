@@ -88,8 +88,9 @@ class Timer(Callback):
         return None if self.duration is None else self.duration.total_seconds() - self.time_elapsed(stage)
 
     def _begin(self, stage: str) -> None:
-        if self._start[stage] is not None and self._end[stage] is not None:
-            self._offset[stage] += self._end[stage] - self._start[stage]  # a second loop of the stage
+        start, end = self._start[stage], self._end[stage]
+        if start is not None and end is not None:
+            self._offset[stage] += end - start  # a second loop of the stage
         self._start[stage], self._end[stage] = time.monotonic(), None
 
     def _finish(self, stage: str) -> None:

@@ -56,8 +56,6 @@ class Strategy:
     """Base class. Subclasses override what differs; the defaults are a single process."""
 
     name = "base"
-    #: ``forward_backward`` runs a pipeline schedule (returns the batch loss, runs the backward itself).
-    pipelined = False
     #: The wrapper acts in ``forward`` (DDP's reducer, FSDP's unshard, ZeRO-3's gathering): a module's
     #: ``training_step`` is called through the prepared model's forward (``Accelerator.step_function``).
     redirect_forward = False
@@ -72,6 +70,11 @@ class Strategy:
         self._device = torch.device(device) if device is not None else None
         self.accelerator = "auto"  # the device type asked for (setup_environment's argument)
         self.settings = RunSettings()
+
+    @property
+    def pipelined(self) -> bool:
+        """``forward_backward`` runs a pipeline schedule (returns the batch loss, runs the backward itself)."""
+        return False
 
     def configure(self, settings: RunSettings) -> None:
         """Take the run's settings (before ``setup``; again, whole, when one of them changes)."""
@@ -173,10 +176,10 @@ class Strategy:
         with self.precision.autocast():
             return step_fn(batch, batch_idx)
 
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+    def backward(self, loss: torch.Tensor, module: Optional[nn.Module]) -> None:
         self.precision.backward(loss)
 
-    def force_backward_sync(self, module: nn.Module) -> ContextManager:
+    def force_backward_sync(self, module: nn.Module) -> ContextManager[Any]:
         """Gradients sync in the backward inside even within ``no_backward_sync`` (DDP overrides)."""
         return contextlib.nullcontext()
 
@@ -186,7 +189,7 @@ class Strategy:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> Any:
         return self.precision.optimizer_step(optimizer)
 
-    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager:
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> ContextManager[Any]:
         """Skip gradient synchronisation for the backward passes inside (accumulation)."""
         return contextlib.nullcontext()
 

@@ -84,7 +84,7 @@ _UNNAMED_S = 1.0
 def _gloo_workers() -> List[str]:
     """The scheduler state ('R' runnable, 'S' sleeping, ...) of each gloo worker thread of this process
     (Linux /proc; elsewhere an empty list)."""
-    states = []
+    states: List[str] = []
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

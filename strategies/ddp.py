@@ -6,7 +6,7 @@ import inspect
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,11 @@ class ProcessGroupMixin:
 
     A mixin rather than a base class: FSDP and DeepSpeed reuse the collectives without being a
     kind of DDP (docs/ARCHITECTURE.md: composition over inheritance)."""
+
+    if TYPE_CHECKING:  # the Strategy's, for the type checker
+        name: str
+        accelerator: str
+        _device: Optional[torch.device]
 
     cluster: Any = None  # the detected environment (strategies/environment.py), set when the group starts
 
@@ -196,8 +201,8 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
                                      f"uses {dist.get_backend()!r}. Use comm_hook='fp16' here, or run on CUDA GPUs")
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}.get(
-            self.comm_hook, self.comm_hook) if isinstance(self.comm_hook, str) else self.comm_hook
+        builtin = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+        hook = builtin[self.comm_hook] if isinstance(self.comm_hook, str) else self.comm_hook  # names checked in __init__
         ddp.register_comm_hook(self.comm_hook_state, hook)
 
     def unwrap(self, module: nn.Module) -> nn.Module:

@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
-from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -156,7 +156,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
             raise ConfigurationError(f"offload_parameters needs stage=3 (only ZeRO-3 partitions parameters), got "
                                      f"stage={stage!r}; pass stage=3 or drop the parameter offload")
         self.stage = stage
-        self.zero = ZeroSettings(stage=stage if stage != "auto" else 2, offload_optimizer_device=opt_dev,
+        self.zero = ZeroSettings(stage=int(stage) if stage != "auto" else 2, offload_optimizer_device=opt_dev,
                                  offload_param_device=param_dev, nvme_path=str(nvme_path))
         self.activation_checkpointing = activation_checkpointing
         given = [name for name, on in (("stage", stage not in (2, "auto")), ("offload_optimizer_device", opt_dev),
@@ -274,7 +274,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
                                          "deepspeed, or use offload_device='cpu'")
 
     def unwrap(self, module: nn.Module) -> nn.Module:
-        return module.module if self._is_engine(module) else module
+        return cast(nn.Module, module.module) if self._is_engine(module) else module
 
     def teardown(self) -> None:
         for engine in self._engines:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
@@ -156,7 +157,7 @@ def explicit_settings(settings: TrainingSettings, zero: ZeroSettings, zero_given
     return out
 
 
-def load_user_config(config: Union[None, str, Path, Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+def load_user_config(config: Union[None, str, "os.PathLike[str]", Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
     """A deep copy of a dict config, or the parsed JSON file at ``config``; None stays None."""
     if config is None:
         return None

@@ -4,7 +4,7 @@ with ``weights_only``), and the bytes each rank holds."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +18,18 @@ TAG = "state"                 # DeepSpeed's tag sub-directory
 
 class DeepSpeedState:
     """Mixed into ``DeepSpeedStrategy``; uses its engines (``_engine_of``, ``_is_engine``)."""
+
+    if TYPE_CHECKING:  # DeepSpeedStrategy's, for the type checker
+        _ds: Any  # the deepspeed module
+
+        @property
+        def root_device(self) -> torch.device: ...
+        @property
+        def world_size(self) -> int: ...
+        @property
+        def is_global_zero(self) -> bool: ...
+        def unwrap(self, module: nn.Module) -> nn.Module: ...
+        def _engine_of(self, module: Optional[nn.Module]) -> Any: ...
 
     def module_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
         """Full fp32 weights on every rank (master weights under mixed precision); collective.

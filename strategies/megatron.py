@@ -86,7 +86,7 @@ from trainforge.strategies.fsdp_wrap import (
     remap_optimizers,
     select_modules,
 )
-from trainforge.strategies.megatron_pipeline import PipelineSetup
+from trainforge.strategies.megatron_pipeline import PARALLELIZED, PipelineSetup
 from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
 from trainforge.strategies.parallel.dims import check_positive
@@ -221,7 +221,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
                 f"tensor_parallel_size={self.sizes['tp']!r}, pipeline_parallel_size={self.sizes['pp']!r}: each data-"
                 "parallel rank's shard depends on the layout, chosen from the model; prepare the model before (or "
                 "together with) its loaders: accelerator.prepare(model, optimizer, loader)")
-        n = self.num_microbatches or (num_stages_for(self.schedule, self.dims.pp, self.pp_split)
+        n = self.num_microbatches or (num_stages_for(self.schedule, self.layout.pp, self.pp_split)
                                       if self.pipelined else 1)
         size = getattr(dataloader, "batch_size", None)
         if self.pipelined and size is not None and size % n:
@@ -243,12 +243,21 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         return loader
 
     @property
+    def layout(self) -> ParallelDims:
+        """The (pp, dp, tp) sizes: chosen by ``setup_environment``, or from the model (``"auto"`` sizes)."""
+        if self.dims is None:
+            raise ConfigurationError("MegatronStrategy has no layout yet: it is chosen by setup_environment() (with "
+                                     "'auto' sizes, from the model when it is prepared); use the strategy through "
+                                     "the Trainer or Accelerator")
+        return self.dims
+
+    @property
     def pipelined(self) -> bool:
         """The Trainer sends training batches through ``forward_backward`` (the schedule)."""
         return self.dims is not None and self.dims.pp > 1
 
     def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
-        if getattr(module, "_trainforge_megatron", False):  # parallelized before
+        if getattr(module, PARALLELIZED, False):  # parallelized before
             return module, build_optimizers(optimizers)
         self.plan_layout(module)  # 'auto' sizes, when neither the Trainer nor prepare() chose them before
         if self.pipelined:
@@ -262,18 +271,18 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         return module, list(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if getattr(module, "_trainforge_megatron", False):
+        if getattr(module, PARALLELIZED, False):
             return module
         self.plan_layout(module)
         if self.mesh is None:
             raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
                                      "Trainer or Accelerator, or call strategy.setup_environment() first")
         if self.pipelined:
-            raise ConfigurationError(f"setup_module with pipeline_parallel_size={self.dims.pp}: the pipeline needs "
+            raise ConfigurationError(f"setup_module with pipeline_parallel_size={self.layout.pp}: the pipeline needs "
                                      "setup(module, optimizer builder) (the Trainer's path), which builds the stages")
         module = module.to(self.root_device)
         module = self.precision.convert_module(module)
-        if self.dims.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
+        if self.layout.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
             self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan, sequence_parallel=self.sequence_parallel,
                                         loss_parallel=self.loss_parallel)
             self._log_coverage()
@@ -284,10 +293,10 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         if ac is True:
             ac = {type(m) for _, m in units} or None
         wrappers = apply_activation_checkpointing(module, select_modules(module, ac)) if ac not in (False, None) else {}
-        if self.dims.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 / DDP on the dp dimension
+        if self.layout.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 / DDP on the dp dimension
             apply_data_parallel(self.data_parallel, [wrappers.get(id(unit), unit) for _, unit in units], module,
                                 self.mesh["dp"], self._mp_policy())
-        module._trainforge_megatron = True
+        setattr(module, PARALLELIZED, True)
         return module
 
     def _log_coverage(self) -> None:
@@ -317,12 +326,12 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             return super().evaluate_batch(module, step_fn, batch, batch_idx)
         return self._run_pipeline(module, batch, train=False)
 
-    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+    def backward(self, loss: torch.Tensor, module: Optional[nn.Module]) -> None:
         if self.pipeline is not None:
             raise ConfigurationError("backward(loss) with pipeline parallelism: the loss exists on the last stage only "
                                      "and the schedule runs the backward itself; call accelerator.forward_backward("
                                      "model, batch, loss_fn) instead of computing the loss and calling backward")
-        with loss_parallel_context() if self.loss_parallel and self.dims.tp > 1 else contextlib.nullcontext():
+        with loss_parallel_context() if self.loss_parallel and self.layout.tp > 1 else contextlib.nullcontext():
             super().backward(loss, module)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
@@ -359,7 +368,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             groups.setdefault(key, []).append(p)
         norms = []
         for group in groups.values():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], norm_type)
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = torch.nn.utils.get_total_norm(norms, norm_type)
         if self.pipeline is not None:
@@ -378,9 +387,10 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         out = {}
         for name, value in get_model_state_dict(module).items():
             full = value.full_tensor() if isinstance(value, DTensor) else value
+            assert isinstance(full, torch.Tensor), name  # a module's state dict holds tensors only
             out[name] = full.detach().cpu()
         if self.pipeline is not None:  # each pipeline rank holds its stages: gather them (original names)
-            parts: List[Any] = [None] * self.dims.pp
+            parts: List[Any] = [None] * self.layout.pp
             torch.distributed.all_gather_object(parts, out, group=self.pipeline.group)
             out = {k: v for part in parts for k, v in part.items()}
         return out

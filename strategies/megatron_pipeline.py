@@ -4,7 +4,7 @@ rank's stages, and one batch through the schedule (``parallel/pp.py``, ``paralle
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -26,17 +26,53 @@ from trainforge.strategies.parallel.pp import (
 )
 from trainforge.strategies.parallel.pp_schedule import PipelineRunner
 
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from trainforge.strategies.base import RunSettings
+    from trainforge.strategies.parallel import ParallelDims
+    from trainforge.strategies.precision import Precision
+
 log = logging.getLogger("trainforge")
+PARALLELIZED = "_trainforge_megatron"  # set on a module once parallelized: a second setup leaves it as it is
 
 
 class PipelineSetup:
     """Mixed into ``MegatronStrategy``; reads its layout (``dims``, ``mesh``, ``schedule``, ...)."""
 
+    pipeline: Optional[PipelineRunner] = None  # set up here when pipeline_parallel_size > 1
+
+    if TYPE_CHECKING:  # MegatronStrategy's, for the type checker
+        dims: Optional[ParallelDims]
+        mesh: DeviceMesh
+        settings: RunSettings
+        schedule: str
+        num_microbatches: Optional[int]
+        pp_split: Any
+        tp_plan: Any
+        activation_checkpointing: Any
+        data_parallel: str
+        tp_coverage: Dict[str, Any]
+        _params: Dict[str, nn.Parameter]
+        _norm_excluded: Any
+
+        @property
+        def layout(self) -> ParallelDims: ...
+        @property
+        def precision(self) -> Precision: ...
+        @property
+        def root_device(self) -> torch.device: ...
+        @property
+        def is_global_zero(self) -> bool: ...
+        def _log_coverage(self) -> None: ...
+        def _mp_policy(self) -> MixedPrecisionPolicy: ...
+
     def _setup_pipeline(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[Any]]:
         """Checks first (nothing moved yet), then the fixed order on this rank's stages: split (prune
         the module to its stages) -> TP -> activation checkpointing -> FSDP2 per stage -> schedule."""
         self._check_pipeline_inputs(module, optimizers)
-        dims, mesh, trainer = self.dims, self.mesh, callable(optimizers)
+        dims, mesh, trainer = self.layout, self.mesh, callable(optimizers)
         num_stages = num_stages_for(self.schedule, dims.pp, self.pp_split)
         # the Trainer's module holds the model in an attribute; a plain model (Accelerator) may be it
         split = plan_split(module, num_stages, self.pp_split, allow_root=not trainer)
@@ -75,14 +111,14 @@ class PipelineSetup:
         self._params = {clean_name(n): p for n, p in module.named_parameters()}
         runner.check_tied_shapes(self._params)
         self.pipeline, self._norm_excluded = runner, runner.norm_excluded(self._params)
-        module._trainforge_megatron = True
-        if trainer:
+        setattr(module, PARALLELIZED, True)
+        if callable(optimizers):  # the Trainer's builder
             return module, build_optimizers(optimizers)  # on this rank's own (sharded) parameters
         _keep_local_parameters(before, self._params, optimizers)  # built before on the whole model (Accelerate)
         return module, list(optimizers)
 
     def _check_pipeline_inputs(self, module: nn.Module, optimizers: Optimizers) -> None:
-        where = f"pipeline_parallel_size={self.dims.pp}"
+        where = f"pipeline_parallel_size={self.layout.pp}"
         # the Trainer's module must define loss_fn; the Accelerator may pass it with each batch
         if callable(optimizers) and not callable(getattr(module, "loss_fn", None)):
             raise ConfigurationError(f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
@@ -106,8 +142,11 @@ class PipelineSetup:
                                      "-> (inputs, target)")
         inputs, target = parts
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        pipeline = self.pipeline
+        if pipeline is None:
+            raise ConfigurationError("the pipeline runs after setup(); prepare the model first")
         with self.precision.autocast():
-            return self.pipeline.step(inputs, target, train=train)
+            return pipeline.step(inputs, target, train=train)
 
 
 def _keep_local_parameters(before: List[Tuple[str, nn.Parameter]], after: Dict[str, nn.Parameter],

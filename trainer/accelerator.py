@@ -335,7 +335,8 @@ class _Accumulate:
     __slots__ = ("strategy", "models", "skip_sync", "contexts")
 
     def __init__(self, strategy: Strategy, models: Any, skip_sync: bool) -> None:
-        self.strategy, self.models, self.skip_sync, self.contexts = strategy, models, skip_sync, []
+        self.strategy, self.models, self.skip_sync = strategy, models, skip_sync
+        self.contexts: List[ContextManager[Any]] = []
 
     def __enter__(self) -> None:
         for model in self.models:

@@ -3,16 +3,37 @@
 ``even_batches``/``split_batches``/``dispatch_batches`` options."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.wrappers import PreparedDataLoader
 
+if TYPE_CHECKING:  # pragma: no cover
+    from trainforge.strategies.base import RunSettings, Strategy
+    from trainforge.strategies.precision import Precision
+    from trainforge.trainer.wrappers import GradientState
+
 
 class DataPreparation:
     """Mixed into ``Accelerator``."""
+
+    if TYPE_CHECKING:  # the Accelerator's, for the type checker
+        strategy: Strategy
+        gradient_state: GradientState
+        device: torch.device
+        num_processes: int
+        process_index: int
+        precision: Precision
+        run_settings: RunSettings
+        seed: int
+        even_batches: bool
+        split_batches: bool
+        dispatch_batches: Optional[bool]
+        _dataloaders: List[PreparedDataLoader]
+
+        def update_run_settings(self, **changes: Any) -> None: ...
 
     def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
         from trainforge.trainer.seed import seeds_workers, worker_init_fn

@@ -4,15 +4,26 @@ splitting inputs between processes. Each is one call to the strategy's collectiv
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from trainforge.strategies.data.utils import apply_to_tensors
 
+if TYPE_CHECKING:  # pragma: no cover
+    from trainforge.strategies.base import Strategy
+    from trainforge.trainer.wrappers import GradientState
+
 
 class Collectives:
     """Mixed into ``Accelerator``."""
+
+    if TYPE_CHECKING:  # the Accelerator's, for the type checker
+        strategy: Strategy
+        gradient_state: GradientState
+        device: torch.device
+        num_processes: int
+        process_index: int
 
     def gather(self, data: Any) -> Any:
         """Tensors (nested in dicts/lists) from every process, concatenated along dim 0."""

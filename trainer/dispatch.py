@@ -115,8 +115,10 @@ class BatchDispatcher:
 
     def _receive(self, iterator: Optional[Iterator[Any]]) -> Tuple[Any, Optional[Dict[str, Any]]]:
         """One group, on every rank (a collective): the concatenated batch, or None at the end."""
-        header, tensors, state = None, [], None
+        header, state = None, None
+        tensors: List[Any] = []
         if self.rank == 0:
+            assert iterator is not None, "rank 0 reads the loader"
             wanted = 1 if self.split_batches else self.world_size
             batches = []
             for _ in range(wanted):

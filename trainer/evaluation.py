@@ -15,6 +15,10 @@ from trainforge.trainer.config import limited
 from trainforge.trainer.events import EVAL_EVENTS, Event
 
 if TYPE_CHECKING:  # pragma: no cover
+    from trainforge.strategies.base import Strategy
+    from trainforge.trainer.accelerator import Accelerator
+    from trainforge.trainer.config import LoopConfig
+    from trainforge.trainer.metrics import MetricStore
     from trainforge.trainer.module import TrainingModule
 
 
@@ -30,10 +34,35 @@ def restore_modes(modes: Dict[nn.Module, bool]) -> None:
 class Evaluation:
     """Mixed into ``Trainer``."""
 
+    if TYPE_CHECKING:  # the Trainer's, for the type checker
+        module: Optional[TrainingModule]
+        model: Any
+        accelerator: Accelerator
+        strategy: Strategy
+        config: LoopConfig
+        stage: str
+        num_sanity_val_steps: int
+        val_dataloaders: List[Any]
+        callback_metrics: Dict[str, Any]
+        _metrics: Dict[str, MetricStore]
+        _running: str
+        _batch: Any
+
+        def _fire(self, event: Event, *args: Any) -> None: ...
+        def _emit(self, metrics: Dict[str, float]) -> None: ...
+        def _fire_epoch_end(self, event: Event) -> None: ...
+        def _attach(self, module: TrainingModule, stage: str) -> None: ...
+        def _loaders_for(self, stage: str, given: Any, datamodule: Any, required: bool = True) -> List[Any]: ...
+        @staticmethod
+        def _check_loader(loader: Any, name: str) -> None: ...
+        def _pipeline_loss_name(self, step_name: str) -> str: ...
+
     def _run_validation(self, loaders: List[Any], step_name: str, max_batches: Optional[int] = None) -> None:
         start, epoch_start, batch_start, batch_end, epoch_end, end = EVAL_EVENTS[step_name]
-        modes, self._running = module_modes(self.module), "val"
-        self.module.eval()
+        module = self.module
+        assert module is not None, "a module is attached before its loops run"
+        modes, self._running = module_modes(module), "val"
+        module.eval()
         self._fire(start)
         self._fire(epoch_start)
         with torch.no_grad():
@@ -54,7 +83,7 @@ class Evaluation:
                     self._fire(batch_start, batch, batch_idx)
                     out = self.strategy.evaluate_batch(self.model, step, batch, batch_idx)
                     if loss_name is not None:  # a pipeline's loss through the stages
-                        self.module.log(loss_name, out, sync_dist=True)
+                        module.log(loss_name, out, sync_dist=True)
                     self._fire(batch_end, out, batch, batch_idx)
         metrics = self._metrics["val"].pop_epoch_metrics(self.strategy)
         if self.stage != "sanity_check":  # the sanity check's values are dropped (Lightning)

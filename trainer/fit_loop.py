@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
 import torch
 
@@ -15,15 +15,70 @@ from trainforge.trainer.evaluation import module_modes, restore_modes
 from trainforge.trainer.events import Event
 from trainforge.trainer.manual import run_manual_step
 
+if TYPE_CHECKING:  # pragma: no cover
+    from trainforge.strategies.base import Strategy
+    from trainforge.trainer.accelerator import Accelerator
+    from trainforge.trainer.config import LoopConfig, Progress
+    from trainforge.trainer.metrics import MetricStore
+    from trainforge.trainer.module import TrainingModule
+    from trainforge.trainer.trainer import Trainer
+
 log = logging.getLogger("trainforge")
 
 
 class FitLoop:
     """Mixed into ``Trainer``: everything here reads and writes the Trainer's own state."""
 
+    if TYPE_CHECKING:  # the Trainer's, for the type checker
+        module: Optional[TrainingModule]
+        model: Any
+        accelerator: Accelerator
+        strategy: Strategy
+        config: LoopConfig
+        progress: Progress
+        optimizer: Any
+        should_stop: bool
+        train_dataloader: Any
+        val_dataloaders: List[Any]
+        lr_scheduler_configs: List[Dict[str, Any]]
+        num_training_batches: Any  # int, or float("inf") for a loader without length
+        callback_metrics: Dict[str, Any]
+        _metrics: Dict[str, MetricStore]
+        _training_step: Any
+        _pipelined: bool
+        _running: str
+        _batch: Any
+        _last_output: Any
+        _data_ended: bool
+        _none_steps: int
+        _warned_none: bool
+        _nonfinite_flag: Optional[torch.Tensor]
+        _last_flag_check: int
+
+        @property
+        def global_step(self) -> int: ...
+        @property
+        def current_epoch(self) -> int: ...
+        @property
+        def is_global_zero(self) -> bool: ...
+        @property
+        def optimizers(self) -> List[torch.optim.Optimizer]: ...
+        def _fire(self, event: Event, *args: Any) -> None: ...
+        def _emit(self, metrics: Dict[str, float]) -> None: ...
+        def _fire_epoch_end(self, event: Event) -> None: ...
+        def _run_validation(self, loaders: List[Any], step_name: str, max_batches: Optional[int] = None) -> None: ...
+
+    @property
+    def _fit_module(self) -> "TrainingModule":
+        """The module being fitted (attached by ``fit`` before the loop runs)."""
+        module = self.module
+        if module is None:
+            raise ConfigurationError("no module is attached: the loop runs inside fit(module, ...)")
+        return module
+
     def _fit_loop(self) -> None:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
-        train_modes = module_modes(self.module)  # the user's per-submodule modes (a frozen part stays in eval)
+        train_modes = module_modes(self._fit_module)  # the user's per-submodule modes (a frozen part stays in eval)
         if p.batch_idx >= self.num_training_batches or p.epoch_end_pending:  # resumed at the epoch's last batch
             if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
                 with warnings.catch_warnings():  # the optimizer stepped before the save, not in this process
@@ -86,7 +141,7 @@ class FitLoop:
         repeat forever (audit N-MO3: manual optimization that never calls ``opt.step()``)."""
         p = self.progress
         if self.config.max_epochs is None and p.global_step == first_step:
-            manual = "" if self.module.automatic_optimization else (
+            manual = "" if self._fit_module.automatic_optimization else (
                 "; under manual optimization global_step counts optimizer steps: call opt.step() in training_step")
             raise TrainforgeError(
                 f"epoch {p.epoch - 1} ran its batches without an optimizer step (global_step stays at "
@@ -106,8 +161,8 @@ class FitLoop:
         # A loader without length flagged its last batch itself (it reads one ahead)
         self._data_ended = self.num_training_batches == float("inf") and acc.gradient_state.end_of_dataloader
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches or self._data_ended
-        if not self.module.automatic_optimization:
-            return run_manual_step(self, batch, batch_idx)
+        if not self._fit_module.automatic_optimization:
+            return run_manual_step(cast("Trainer", self), batch, batch_idx)
         with acc.accumulate(self.model):  # the one step path: the strategy's forward_backward
             output = self.strategy.forward_backward(self.model, self._training_step, batch, batch_idx,
                                                     backward=lambda out: self._backward(out, batch_idx))
@@ -131,7 +186,7 @@ class FitLoop:
         of every micro-batch (training_step is not called); the batch loss, the same on every rank,
         is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
         self._last_output = loss
-        self.module.log("train/loss", loss)
+        self._fit_module.log("train/loss", loss)
         if self._check_loss(loss, batch_idx):
             self._fire(Event.AFTER_BACKWARD)
         else:
@@ -152,7 +207,7 @@ class FitLoop:
         """The loss in what training_step returned, or a ConfigurationError at the first bad batch."""
         if type(output) is torch.Tensor and output.requires_grad and output.numel() == 1:
             return output  # the common case, checked in the fewest operations (a per-step path)
-        where = f"{type(self.module).__name__}.training_step (batch {batch_idx})"
+        where = f"{type(self._fit_module).__name__}.training_step (batch {batch_idx})"
         if isinstance(output, dict):
             if "loss" not in output:
                 raise ConfigurationError(f"{where} returned a dict without a 'loss' key (keys: {sorted(output)[:10]}); "
@@ -167,7 +222,7 @@ class FitLoop:
         if output.numel() != 1:
             raise ConfigurationError(f"{where} returned a loss of shape {tuple(output.shape)}; reduce it to one "
                                      "value (e.g. loss.mean()) before returning it")
-        if not output.requires_grad and self.module.automatic_optimization and torch.is_grad_enabled():
+        if not output.requires_grad and self._fit_module.automatic_optimization and torch.is_grad_enabled():
             raise ConfigurationError(f"{where} returned a loss that does not require grad (detached, computed under "
                                      "torch.no_grad(), or from parameters with requires_grad=False): nothing would be "
                                      "trained; return the loss tensor the model computed")
@@ -178,7 +233,7 @@ class FitLoop:
         if batches and self._none_steps >= batches and not self._warned_none and self.is_global_zero:
             self._warned_none = True
             log.warning("trainforge: %s.training_step returned None for all %d batches of epoch %d, so nothing was "
-                        "trained (None skips a batch); return the loss", type(self.module).__name__, batches,
+                        "trained (None skips a batch); return the loss", type(self._fit_module).__name__, batches,
                         self.progress.epoch)
         self._none_steps = 0
 

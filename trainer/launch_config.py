@@ -374,7 +374,7 @@ def strategy_kwargs(strategy: str, defaults: Mapping[str, Any]) -> Dict[str, Any
     if not isinstance(section, Mapping):
         return {}
     if strategy == "fsdp":
-        kwargs = {}
+        kwargs: Dict[str, Any] = {}
         if "sharding_strategy" in section:
             kwargs["sharding_strategy"] = str(section["sharding_strategy"]).lower()
         return kwargs

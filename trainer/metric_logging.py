@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set
 
 import torch
 
@@ -21,11 +21,26 @@ from trainforge.strategies.errors import invalid_choice
 from trainforge.trainer.events import Event
 from trainforge.trainer.metrics import REDUCE_FX
 
+if TYPE_CHECKING:  # pragma: no cover
+    from trainforge.strategies.base import Strategy
+    from trainforge.trainer.metrics import MetricStore
+
 
 class MetricLogging:
     """Mixed into ``Trainer``; uses its ``_metrics``, ``_running``, ``_batch``, ``_fire``."""
 
     callback_metrics: Dict[str, Any]
+
+    if TYPE_CHECKING:  # the Trainer's, for the type checker
+        strategy: Strategy
+        stage: str
+        global_step: int
+        world_size: int
+        _metrics: Dict[str, MetricStore]
+        _running: str
+        _batch: Any
+
+        def _fire(self, event: Event, *args: Any) -> None: ...
 
     def _init_logging(self) -> None:
         self.callback_metrics = {}

@@ -5,7 +5,7 @@ Lightning's hook signatures (``trainer/hooks.py``).
 """
 from __future__ import annotations
 
-import inspect
+import sys
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 import torch
@@ -24,6 +24,8 @@ class TrainingModule(ModuleHooks, nn.Module):
     ``configure_optimizers`` returns an optimizer, ``(optimizer, scheduler)``, or
     ``{"optimizer": opt, "lr_scheduler": sched | {"scheduler": sched, "interval": "step"|"epoch",
     "frequency": 1, "name": ...}}``."""
+
+    _trainer: Optional["Trainer"]  # set with object.__setattr__: not a submodule
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,7 +72,7 @@ class TrainingModule(ModuleHooks, nn.Module):
 
     def save_hyperparameters(self, *names: str, **values: Any) -> None:
         """Record ``__init__`` arguments (all, or those named) plus ``values`` in ``self.hparams``."""
-        frame = inspect.currentframe().f_back
+        frame = sys._getframe(1)  # the caller's: its __init__
         init_args = {k: v for k, v in frame.f_locals.items() if k not in ("self", "__class__") and not k.startswith("_")}
         if names:
             init_args = {k: init_args[k] for k in names}
@@ -94,7 +96,8 @@ class TrainingModule(ModuleHooks, nn.Module):
     # ---- manual optimization (Lightning's automatic_optimization = False; trainer/manual.py) -----
     @property
     def automatic_optimization(self) -> bool:
-        return self.__dict__.get("_automatic_optimization", True)
+        value: bool = self.__dict__.get("_automatic_optimization", True)
+        return value
 
     @automatic_optimization.setter
     def automatic_optimization(self, value: bool) -> None:

@@ -7,13 +7,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional
 
 from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainforge.strategies.base import Strategy
 
 
 class ProcessControl:
     """Mixed into ``Accelerator`` (uses ``strategy``, ``process_index``, ``num_processes``...)."""
+
+    if TYPE_CHECKING:  # the Accelerator's, for the type checker
+        strategy: Strategy
+        process_index: int
+        num_processes: int
+        is_main_process: bool
+        is_local_main_process: bool
+
+        def wait_for_everyone(self) -> None: ...
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:

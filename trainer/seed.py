@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple, cast
 
 import numpy as np
 import torch
@@ -52,14 +52,15 @@ def worker_init_fn(worker_id: int) -> None:
 
 def rng_state() -> Dict[str, Any]:
     """This process's generator states, as tensors and plain values (loadable with weights_only)."""
-    np_state = np.random.get_state()
+    # the legacy tuple (numpy's default, legacy=True; its stubs give a dict-or-tuple union)
+    np_state = cast(Tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state: Dict[str, Any] = {
         "python": _plain(random.getstate()),
         "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
                   "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # unannotated in torch
         state["cuda"] = torch.cuda.get_rng_state_all()
     xm = _xla_model()
     if xm is not None:

@@ -4,7 +4,7 @@ precision, accumulation and checkpointing with users of the thin API."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Sized, Union, cast
 
 import torch
 
@@ -300,7 +300,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
         except TypeError:
             return  # an IterableDataset without a length
         if empty:
-            raise ConfigurationError(f"{name} is empty (len == 0, dataset of {len(loader.dataset)} samples with "
+            raise ConfigurationError(f"{name} is empty (len == 0, dataset of {len(cast(Sized, loader.dataset))} samples with "
                                      f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data")
 
 

@@ -34,18 +34,18 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.step_count = 0  # optimizer steps taken (saved by Accelerator.save_state as the run's global step)
 
     @property
-    def param_groups(self):  # type: ignore[override]
+    def param_groups(self):
         return self.optimizer.param_groups
 
     @property
-    def state(self):  # type: ignore[override]
+    def state(self):
         return self.optimizer.state
 
     @property
-    def defaults(self):  # type: ignore[override]
+    def defaults(self):
         return self.optimizer.defaults
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if self.gradient_state.sync_gradients:
             self.step_count += 1
             return self.strategy.optimizer_step(self.optimizer)
@@ -164,12 +164,13 @@ class PreparedDataLoader:
         convert = self.precision.convert_input if self.precision.input_dtype is not None else None
         state.end_of_dataloader = False
         state.active_dataloaders += 1
-        tracked = self.device_batches is not None
+        device_batches = self.device_batches
+        tracked = device_batches is not None
         move = move and not tracked  # the strategy's loader puts them on the device (streams: moved here)
         batches: Any = None
         try:
             if total >= 0:
-                batches = iter(self.device_batches(_with_positions(self.loader))) if tracked else self.loader
+                batches = iter(device_batches(_with_positions(self.loader))) if device_batches is not None else self.loader
                 for batch in batches:
                     if tracked:
                         batch, position = batch
@@ -229,11 +230,15 @@ class PreparedDataLoader:
             yield batch, padding, current is None
             previous = current
 
+    def _gather(self, obj: Any) -> List[Any]:
+        assert self.gather_object is not None, "the checks that gather run with several processes only"
+        return self.gather_object(obj)
+
     def _check_same_end(self, has_batch: bool, read: int) -> None:
         """Audit N-IT1/N-IT4: an IterableDataset whose stream is longer on one rank (or empty on one)
         hung until the process-group timeout. One small gather per batch of such a loader (only with
         several processes and no dispatch) finds it: every rank stops with the same error."""
-        seen = self.gather_object((bool(has_batch), int(read)))
+        seen = self._gather((bool(has_batch), int(read)))
         if len({flag for flag, _ in seen}) > 1:
             ended = [f"rank {r} after {n} batch(es)" for r, (flag, n) in enumerate(seen) if not flag]
             going = [r for r, (flag, _) in enumerate(seen) if flag]
@@ -248,7 +253,7 @@ class PreparedDataLoader:
     def _check_same_stream(self, mark: Optional[str]) -> None:
         """A split stream must be the same on every rank; compare the first sample each read (one small
         gather per epoch, on every rank, also one that has no batch)."""
-        marks = self.gather_object(mark)
+        marks = self._gather(mark)
         seen = {m for m in marks if m is not None}
         if len(seen) > 1:
             differ = [rank for rank, m in enumerate(marks) if m is not None and m != marks[0]]
@@ -266,7 +271,7 @@ class PreparedDataLoader:
         RandomSampler makes for ``num_samples % n``). The permutation's generator state is handed to
         our sampler, which saves it, so a resumed epoch keeps its order on any number of processes."""
         base = int(torch.empty((), dtype=torch.int64).random_(generator=self.base_generator).item())
-        sampler = getattr(self.loader, "sampler", None)
+        sampler: Any = getattr(self.loader, "sampler", None)
         if getattr(sampler, "shuffle", False) and callable(getattr(sampler, "set_order_state", None)):
             g = self.order_generator
             if g is None:
@@ -302,7 +307,7 @@ class PreparedDataLoader:
         return self
 
     def _start_at(self, num_batches: int) -> None:
-        sampler = getattr(self.loader, "sampler", None)
+        sampler: Any = getattr(self.loader, "sampler", None)
         if self.dispatcher is not None or not callable(getattr(sampler, "check_compatible", None)):
             raise ConfigurationError("skip_first_batches needs a map-style dataset sharded by trainforge (no custom "
                                      "sampler, IterableDataset or dispatch_batches=True): skip inside your own "

@@ -245,6 +245,8 @@ class _Writer:
 
     def _write_params(self) -> None:
         params, self.params = self.params, None
+        if params is None:  # the caller checked; nothing to write
+            return
         self.param_attempts += 1
         try:
             self.tracker._write_params(params)
@@ -341,15 +343,15 @@ class TrackerCallback(Callback):
     def on_log(self, trainer: "TrainerView", module: "TrainingModule", metrics: Dict[str, float], step: int) -> None:
         if not trainer.is_global_zero:
             return
-        self._start(trainer)
+        writer = self._start(trainer)
         values: Dict[str, float] = {}
         for key, value in metrics.items():
             try:
                 values[str(key)] = float(value)
             except (TypeError, ValueError):
-                self._writer.count_other()  # not a number: nothing a tracker can plot
+                writer.count_other()  # not a number: nothing a tracker can plot
         if values:
-            self._writer.put("metrics", (int(step), values), len(values))
+            writer.put("metrics", (int(step), values), len(values))
         self._warn_first_failure()
 
     def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
@@ -384,13 +386,14 @@ class TrackerCallback(Callback):
         return self._writer.dropped if self._writer is not None else 0
 
     # --- lifecycle ---
-    def _start(self, trainer: "TrainerView") -> None:
+    def _start(self, trainer: "TrainerView") -> _Writer:
         if self._writer is not None:
-            return
+            return self._writer
         self._prepare(trainer)
         self._warned_first = False
-        self._writer = _Writer(self, self.failure_policy)
-        self._writer.put("params", flatten_params(dict(trainer.hparams)))
+        self._writer = writer = _Writer(self, self.failure_policy)
+        writer.put("params", flatten_params(dict(trainer.hparams)))
+        return writer
 
     def _wait_opened(self, timeout: Optional[float] = None) -> None:
         """Let ``state_dict`` see the run id of a run being opened: at most ``open_wait_s``, and only

@@ -17,7 +17,7 @@ that Comet appends to the same experiment on upload).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
 from trainforge.callbacks.trackers.run_paths import resolve_in_run, run_relative
@@ -70,7 +70,7 @@ class CometLogger(TrackerCallback):
         self._directory: Optional[str] = None
         self._root: Optional[str] = None
         self._saved_directory: Optional[str] = None
-        self._experiment = None
+        self._experiment: Any = None  # the comet_ml experiment, opened lazily (comet_ml is optional)
 
     def __repr__(self) -> str:
         mode = "offline" if self.offline else "online"
@@ -111,7 +111,9 @@ class CometLogger(TrackerCallback):
         import comet_ml as comet
 
         kwargs: Dict[str, Any] = dict(_QUIET, project_name=self.project_name, workspace=self.workspace)
+        cls: Callable[..., Any]
         if self.offline:
+            assert self._directory is not None, "the offline directory is resolved before the run opens"
             os.makedirs(self._directory, exist_ok=True)
             kwargs["offline_directory"] = self._directory
             cls = comet.ExistingOfflineExperiment if self._experiment_key else comet.OfflineExperiment

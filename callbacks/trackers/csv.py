@@ -86,13 +86,18 @@ class CSVLogger(TrackerCallback):
             self._resumed_step = int(trainer.global_step)
         self._started_once = True
 
+    @property
+    def _run_file(self) -> str:
+        assert self._file is not None, "the run's file is resolved (_prepare) before anything is written"
+        return self._file
+
     def _open(self) -> None:
-        os.makedirs(os.path.dirname(self._file), exist_ok=True)
-        claim(_targets(self._file))
-        if self._fresh and os.path.exists(self._file) and os.path.getsize(self._file) > 0:
-            older = _free_name(self._file)
+        os.makedirs(os.path.dirname(self._run_file), exist_ok=True)
+        claim(_targets(self._run_file))
+        if self._fresh and os.path.exists(self._run_file) and os.path.getsize(self._run_file) > 0:
+            older = _free_name(self._run_file)
             claim([older])
-            os.replace(self._file, older)  # a previous run's file, written by trainforge (checked in _prepare)
+            os.replace(self._run_file, older)  # a previous run's file, written by trainforge (checked in _prepare)
         self._fresh = False
         header, rows = self._read()
         if self._resumed_step is not None:
@@ -103,39 +108,39 @@ class CSVLogger(TrackerCallback):
         self._columns = header[1:] if header else []
 
     def _write_params(self, params: Dict[str, Any]) -> None:
-        target = os.path.join(os.path.dirname(self._file), "hparams.yaml")
+        target = os.path.join(os.path.dirname(self._run_file), "hparams.yaml")
         _atomic_write(target, yaml.safe_dump(_plain(self._hparams), sort_keys=False))
 
     def _write_metrics(self, records: MetricRecords) -> None:
         new = [k for _, values in records for k in values if k not in self._columns]
-        if new or not os.path.exists(self._file) or os.path.getsize(self._file) == 0:
+        if new or not os.path.exists(self._run_file) or os.path.getsize(self._run_file) == 0:
             header, rows = self._read()
             self._columns += list(dict.fromkeys(new))
             self._rewrite(["step"] + self._columns, rows)
-        with open(self._file, "a", newline="") as f:
+        with open(self._run_file, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=["step"] + self._columns)
             for step, values in records:
                 writer.writerow({"step": step, **{k: repr(float(v)) for k, v in values.items()}})
 
     def _close(self, status: str) -> None:
-        _atomic_write(os.path.join(os.path.dirname(self._file), "status.txt"), status + "\n")
+        _atomic_write(os.path.join(os.path.dirname(self._run_file), "status.txt"), status + "\n")
 
     # --- file helpers ---
     def _read(self):
-        if not os.path.exists(self._file):
+        if not os.path.exists(self._run_file):
             return [], []
-        with open(self._file, newline="") as f:
+        with open(self._run_file, newline="") as f:
             reader = csv.DictReader(f)
             rows = list(reader)
             return list(reader.fieldnames or []), rows
 
     def _rewrite(self, header: List[str], rows: List[Dict[str, str]]) -> None:
-        tmp = self._file + ".tmp"
+        tmp = self._run_file + ".tmp"
         with open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=header or ["step"])
             writer.writeheader()
             writer.writerows(rows)
-        os.replace(tmp, self._file)
+        os.replace(tmp, self._run_file)
 
 
 def _targets(file: str) -> List[str]:

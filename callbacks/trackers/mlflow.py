@@ -120,7 +120,7 @@ class MLflowLogger(TrackerCallback):
         self._saved: Dict[str, Any] = {}  # the checkpoint's state: data to check, never a store to follow
         self._uri: Optional[str] = None
         self._experiment_id: Optional[str] = None
-        self._client = None
+        self._client: Any = None  # the MlflowClient, opened lazily (mlflow is optional)
         self._default_artifacts: Optional[str] = None
         self._waiting_checkpoints: Dict[str, Optional[Tuple[int, int]]] = {}
 
@@ -208,12 +208,14 @@ class MLflowLogger(TrackerCallback):
             self._default_artifacts = Path(root, "mlruns").as_uri()
 
     def _open(self) -> None:
-        _check_reachable(self._uri, self.connect_timeout_s)
+        uri = self._uri
+        assert uri is not None, "the tracking URI is resolved before the run opens"
+        _check_reachable(uri, self.connect_timeout_s)
         from mlflow.tracking import MlflowClient
 
-        if self._uri.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(self._uri[len("sqlite:///"):]) or ".", exist_ok=True)
-        client = MlflowClient(tracking_uri=self._uri)
+        if uri.startswith("sqlite:///"):
+            os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
+        client = MlflowClient(tracking_uri=uri)
         self._existing_params: Dict[str, str] = {}
         if self._run_id is not None:
             run = client.get_run(self._run_id)  # raises if the run is not in this store

@@ -42,7 +42,7 @@ class TensorBoardLogger(TrackerCallback):
         self._saved_dir: Optional[str] = None
         self._resumed = False
         self._purge_step: Optional[int] = None
-        self._summary = None
+        self._summary: Any = None  # the SummaryWriter, opened lazily (torch.utils.tensorboard imports tensorboard)
 
     def __repr__(self) -> str:
         return f"TensorBoardLogger(log_dir={self._dir or self.log_dir!r})"

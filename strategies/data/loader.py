@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sized, cast
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -349,13 +349,13 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
         return ResumableDataLoader(dataset, kind="custom", sampler=sampler, batch_size=batch_size,
                                    drop_last=drop_last, **common)
     try:
-        len(dataset)
+        len(cast(Sized, dataset))
     except TypeError:
         raise ConfigurationError(f"the map-style dataset {type(dataset).__name__} has no __len__, so it "
                                  "cannot be sharded: define __len__, or make it an IterableDataset") from None
     if shuffle is None:
         shuffle = isinstance(sampler, (RandomSampler, _TorchdataRandomSampler))
-    ours = ResumableDistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed,
+    ours = ResumableDistributedSampler(cast(Sized, dataset), world_size, rank, shuffle=shuffle, seed=seed,
                                        pad=even_batches)
     return ResumableDataLoader(dataset, kind="map", sampler=ours, batch_size=batch_size,
                                drop_last=drop_last, **common)
@@ -410,7 +410,7 @@ def num_padding_samples(loader: Any) -> int:
     sampler = getattr(loader, "sampler", None)
     if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not getattr(sampler, "pad", True):
         return 0
-    n, total, replicas = len(sampler.dataset), sampler.total_size, sampler.num_replicas
+    n, total, replicas = len(cast(Sized, sampler.dataset)), sampler.total_size, sampler.num_replicas
     batch = loader.batch_size or 1
     per_rank = total // replicas
     batches = per_rank // batch if loader.drop_last else -(-per_rank // batch)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Any, Dict, Iterator, Optional, Sized
+from typing import Any, Dict, Iterator, Optional, Sized, cast
 
 import torch
+from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ..errors import ConfigurationError
@@ -59,7 +60,7 @@ class ResumableDistributedSampler(DistributedSampler):
         if not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ConfigurationError(
                 f"rank={rank!r} is not valid for num_replicas={num_replicas}: use 0..{num_replicas - 1}")
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+        super().__init__(cast("Dataset[Any]", dataset), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.pad = pad
         n = len(dataset)
@@ -74,7 +75,7 @@ class ResumableDistributedSampler(DistributedSampler):
     # -- order ----------------------------------------------------------------------------
     def global_order(self) -> list:
         """All ranks' indices for the current epoch, in global position order."""
-        n = len(self.dataset)
+        n = len(cast(Sized, self.dataset))
         if self.shuffle:
             g = torch.Generator()
             if self._order_state is not None:
@@ -130,7 +131,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def state_dict(self) -> Dict[str, Any]:
         return {SAMPLER_STATE_MARKER: 1, "epoch": self.epoch, "consumed": self.consumed,
                 "seed": self.seed, "num_replicas": self.num_replicas,
-                "dataset_len": len(self.dataset), "shuffle": self.shuffle,
+                "dataset_len": len(cast(Sized, self.dataset)), "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "pad": self.pad, "order_state": self._order_state}
 
     def check_compatible(self, state: Dict[str, Any]) -> None:
@@ -139,7 +140,7 @@ class ResumableDistributedSampler(DistributedSampler):
             raise ConfigurationError(
                 f"not a ResumableDistributedSampler state (keys: {sorted(state)}); pass the dict "
                 "returned by state_dict()")
-        n = len(self.dataset)
+        n = len(cast(Sized, self.dataset))
         if state["dataset_len"] != n:
             raise ConfigurationError(
                 f"the data position was saved for a dataset of {state['dataset_len']} samples but "
@@ -211,4 +212,4 @@ if _StatefulBatchSampler is not None:
         def __iter__(self) -> Iterator[list]:
             return _WholeBatchIterator(self.sampler, self.batch_size, self.drop_last)
 else:  # pragma: no cover
-    WholeBatchSampler = None
+    WholeBatchSampler = None  # type: ignore[misc, assignment]  # without torchdata: no class (callers check for None)

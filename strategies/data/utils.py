@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, List
 
 import torch
 
@@ -30,7 +30,7 @@ def move_to_device(data: Any, device: torch.device) -> Any:
 
 def batch_size_of(batch: Any) -> int:
     """Leading dim of the first tensor found (1 when none)."""
-    found = []
+    found: List[torch.Tensor] = []
 
     def first(t: torch.Tensor) -> torch.Tensor:
         if not found:

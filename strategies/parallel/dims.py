@@ -6,7 +6,7 @@ traffic, so its ranks are adjacent: on a GPU cluster they land in one node, as M
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union, overload
 
 from trainforge.strategies.errors import ConfigurationError
 
@@ -14,6 +14,10 @@ Size = Union[int, str]
 DIM_NAMES = ("pp", "dp", "tp")
 
 
+@overload
+def check_positive(name: str, value: Any, auto_ok: Literal[False]) -> int: ...
+@overload
+def check_positive(name: str, value: Any, auto_ok: bool) -> Optional[int]: ...
 def check_positive(name: str, value: Any, auto_ok: bool) -> Optional[int]:
     if auto_ok and value == "auto":
         return None

@@ -61,7 +61,7 @@ class ModelShape:
         layers = first("num_hidden_layers", "n_layer", "num_layers")
         hidden = first("hidden_size", "n_embd", "d_model")
         heads = first("num_attention_heads", "n_head", "num_heads")
-        if None in (layers, hidden, heads):
+        if layers is None or hidden is None or heads is None:
             raise ConfigurationError(
                 f"{type(model).__name__} has no transformers config giving its layers, hidden size and heads; "
                 "pass them: ModelShape(params=..., layers=..., hidden=..., heads=...)")
