@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -213,11 +213,14 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     def module_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
         """The full state dict on CPU on rank 0; {} on the other ranks (every rank must call it:
         it all-gathers one tensor at a time, so no rank ever holds more than one full copy)."""
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(Dict[str, torch.Tensor],
+                    get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
     def load_module_state_dict(self, module: nn.Module, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
         """``state`` is a full state dict present on every rank; each keeps its shard."""
-        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+        # torch types the argument dict[str, ValueType] (invariant): a dict of tensors is one
+        set_model_state_dict(module, cast(Dict[str, Any], state),
+                             options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         return get_optimizer_state_dict(module, optimizer,

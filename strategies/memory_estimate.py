@@ -117,7 +117,7 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int], world_size: int
     def part(nbytes: int) -> int:  # one rank's partition, rounded up as DeepSpeed pads partitions
         return -(-psi * nbytes // n)
 
-    table = {
+    table: Dict[str, Tuple[str, str, Dict[str, Any], int, int, int, int]] = {
         "ddp": ("DDP", "ddp", {}, psi * p, psi * g, psi * k, 0),
         "zero1": ("ZeRO-1", "deepspeed", {"stage": 1}, psi * p, psi * g, part(k), 0),
         "zero2": ("ZeRO-2", "deepspeed", {"stage": 2}, psi * p, part(g), part(k), 0),

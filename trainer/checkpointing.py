@@ -18,6 +18,7 @@ next batch can shift the random streams (that is what makes resume bit-identical
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import uuid
@@ -292,10 +293,11 @@ def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> 
 
 
 def _project_root(acc: "Accelerator") -> Path:
-    if not acc.automatic_checkpoint_naming:
+    project_dir = acc.project_dir  # set whenever automatic_checkpoint_naming is (the Accelerator checks)
+    if not acc.automatic_checkpoint_naming or project_dir is None:
         raise ConfigurationError("save_state()/load_state() without a directory need Accelerator(project_dir=..., "
                                  "automatic_checkpoint_naming=True); or pass the directory")
-    return Path(acc.project_dir) / "checkpoints"
+    return Path(project_dir) / "checkpoints"
 
 
 def save_project_checkpoint(acc: "Accelerator", async_save: bool = False) -> Path:
@@ -312,7 +314,7 @@ def save_project_checkpoint(acc: "Accelerator", async_save: bool = False) -> Pat
         old = [p for _, p in _numbered(root) if p != path]
         for stale in old[:max(0, len(old) - (acc.total_limit - 1))]:
             if is_async:
-                acc.async_checkpointer.after_commit(lambda stale=stale: delete_checkpoint(stale))
+                acc.async_checkpointer.after_commit(functools.partial(delete_checkpoint, stale))
             else:
                 delete_checkpoint(stale)
     if not is_async:
@@ -347,7 +349,7 @@ def save_weights(strategy: Any, model: Any, path: os.PathLike | str, max_shard_s
     if strategy.is_global_zero:
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
         writer.save_tensors("model", weights, **kwargs)
-        config = getattr(strategy.unwrap(model), "config", None)
+        config: Any = getattr(strategy.unwrap(model), "config", None)
         if hasattr(config, "to_json_string"):
             (writer.tmp_dir / "config.json").write_text(config.to_json_string())
     return writer.finalize({"strategy": strategy.name, "kind": "weights"},

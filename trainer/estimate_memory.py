@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import nn
@@ -108,7 +108,7 @@ def describe(row: MemoryRow, world_size: int) -> str:
     return f"{row.name}: strategy={row.strategy!r}, i.e. {_CLASS_NAMES[row.strategy]}({args})"
 
 
-def default_memory() -> Tuple[Optional[int], str]:
+def default_memory() -> Tuple[int, str]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return int(props.total_memory), f"GPU 0 ({props.name})"
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_layouts(args: argparse.Namespace, model: nn.Module, param_count: int, precision: str,
-                 device_memory: Optional[int], source: str) -> int:
+                 device_memory: int, source: str) -> int:
     from trainforge.strategies.parallel.layout import (
         ModelShape,
         choose_layout,

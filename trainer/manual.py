@@ -41,9 +41,12 @@ class ManualOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         trainer = self._trainer
-        if trainer.module.automatic_optimization:  # audit N-MO5: two updates per batch, counted twice
+        module = trainer.module
+        if module is None:  # handed out by fit, which sets the module first
+            raise AttributeError("'NoneType' object has no attribute 'automatic_optimization' (trainer.module)")
+        if module.automatic_optimization:  # audit N-MO5: two updates per batch, counted twice
             raise ConfigurationError(
-                f"{type(trainer.module).__name__} calls self.optimizers().step() under automatic optimization, "
+                f"{type(module).__name__} calls self.optimizers().step() under automatic optimization, "
                 "where the Trainer steps the optimizer itself after training_step returns the loss: remove the "
                 "call, or set self.automatic_optimization = False and step (and backward) by hand")
         if closure is not None:

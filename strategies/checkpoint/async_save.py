@@ -45,7 +45,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -239,8 +239,10 @@ class StagingWriter:
         import torch.distributed.checkpoint as dcp
 
         self._staged.append(state)  # counted in the logged staging size (DCP stages it)
-        self._dcp.append(dcp.async_save(state, checkpoint_id=str(self.tmp_dir / rel), process_group=self._saver._group,
-                                        async_stager=self._saver.stager))
+        # a Future (not an AsyncSaveResponse): the stager stages synchronously (use_async_staging=False)
+        self._dcp.append(cast(Future, dcp.async_save(state, checkpoint_id=str(self.tmp_dir / rel),
+                                                     process_group=self._saver._group,
+                                                     async_stager=self._saver.stager)))
 
     @contextlib.contextmanager
     def deferred_engine(self, engine: Any) -> Iterator[None]:

@@ -95,9 +95,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             if "Nothing in it was executed" in str(e):
                 self.refusal = e
             raise
-        if getattr(meta, "storage_meta", None) is None:
-            meta.storage_meta = dcp_metadata.StorageMeta()
-        meta.storage_meta.load_id = self.load_id
+        storage_meta = getattr(meta, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = meta.storage_meta = dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
         return meta
 
 

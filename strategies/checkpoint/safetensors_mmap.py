@@ -11,7 +11,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Tuple, Union, cast
 
 import torch
 
@@ -48,8 +48,9 @@ def mmap_safetensors(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
     size = os.path.getsize(path)
     if not entries:
         return {}
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,))
+    # from_file returns an UntypedStorage (torch's stub says _StorageBase | TypedStorage)
+    storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size))
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
     out: Dict[str, torch.Tensor] = {}
     for name, e in entries.items():
         dtype, shape = SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"])

@@ -31,7 +31,7 @@ import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union, overload
 
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
@@ -251,6 +251,16 @@ def find_latest_valid(root: PathLike) -> Tuple[Optional[Path], List[Tuple[Path, 
     return None, skipped
 
 
+@overload
+def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: Literal[False] = False,
+                       verify: bool = True) -> Path: ...
+
+
+@overload
+def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: bool = False,
+                       verify: bool = True) -> Optional[Path]: ...
+
+
 def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: bool = False,
                        verify: bool = True) -> Optional[Path]:
     """The directory to resume from.
@@ -288,7 +298,13 @@ def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_
             return pointed
         except CheckpointError as e:
             reason = str(e)
-    best, skipped = find_latest_valid(root) if verify else ((list_checkpoints(root) or [None])[-1], [])
+    best: Optional[Path]
+    skipped: List[Tuple[Path, str]]
+    if verify:
+        best, skipped = find_latest_valid(root)
+    else:
+        listed = list_checkpoints(root)
+        best, skipped = (listed[-1] if listed else None), []
     if reason is not None and (pointed is None or pointed not in [p for p, _ in skipped]):
         skipped.insert(0, (pointed or root / str(name), reason))
     if skipped:

@@ -232,7 +232,7 @@ def _tied(root: nn.Module, split: PipelineSplit) -> List[List[Tuple[int, str]]]:
         if outside:
             raise ConfigurationError(f"parameter {names[0]!r} is shared with {outside[0]!r}, outside the pipelined "
                                      f"model {split.prefix}; pipeline stages can only share parameters inside it")
-        placed = sorted({(split.stage_of(split.child(n)), n) for n in names})
+        placed = sorted({(split.stage_of(child), n) for n in names if (child := split.child(n)) is not None})
         if len({s for s, _ in placed}) > 1:
             tied.append(placed)
     return tied
@@ -269,9 +269,13 @@ class PassThrough(nn.Identity):
         return input
 
 
-def _kept_everywhere(split: PipelineSplit, module: nn.Module) -> bool:
+def _kept_everywhere(split: PipelineSplit, module: Optional[nn.Module]) -> bool:
     """A causal LM's parameterless children (rotary embeddings) are computed on every stage."""
-    return bool(split.heads) and not any(True for _ in module.parameters())
+    if not split.heads:
+        return False
+    if module is None:  # a child registered as None has no parameters() to look at
+        raise AttributeError("'NoneType' object has no attribute 'parameters'")
+    return not any(True for _ in module.parameters())
 
 
 def prune(root: nn.Module, split: PipelineSplit, local: Sequence[int]) -> None:

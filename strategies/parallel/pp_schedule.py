@@ -9,7 +9,7 @@ ranks of the pipeline, so every rank returns (and logs) the same value.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,10 @@ class PipelineRunner:
         self.rows: Optional[int] = None  # samples per batch, fixed by the first one (the stages' shapes)
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        return self.loss_fn(output, target)
+        loss_fn = self.loss_fn
+        if loss_fn is None:  # step() checks it before the schedule runs
+            raise TypeError("'NoneType' object is not callable: PipelineRunner.loss_fn is None")
+        return loss_fn(output, target)
 
     # ---- tied parameters (Megatron's embedding group) -------------------------------------------
     def setup_tied(self, split: PipelineSplit, local: Sequence[int]) -> None:
@@ -84,10 +87,11 @@ class PipelineRunner:
             grad = param.grad
             if grad is None:
                 continue
-            if isinstance(grad, DTensor) and grad.placements != param.placements:
+            dparam = cast(DTensor, param)  # read only when the gradient is a DTensor: then the parameter is one
+            if isinstance(grad, DTensor) and grad.placements != dparam.placements:
                 # e.g. an embedding_rowwise weight's gradient comes back Replicate: give it the
                 # parameter's sharding, so both copies' local shards line up
-                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+                grad = param.grad = grad.redistribute(dparam.device_mesh, dparam.placements)
             dist.all_reduce(_local(grad), group=group)
 
     def norm_excluded(self, params: Dict[str, nn.Parameter]) -> Set[int]:

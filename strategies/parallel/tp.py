@@ -130,8 +130,12 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan, only: Optional[Callable
 
     from trainforge.strategies.parallel.sp import rewrite_plan
 
-    resolved = resolve_plan(model, plan, tp_mesh.size()) if only is None else \
-        {name: style for name, style in plan.items() if only(name)}
+    if only is None:
+        resolved = resolve_plan(model, plan, tp_mesh.size())
+    elif isinstance(plan, Mapping):
+        resolved = {name: style for name, style in plan.items() if only(name)}
+    else:  # with ``only`` the plan comes resolved: a dict
+        raise TypeError(f"apply_tp(only=...) needs a resolved plan (a dict), not {plan!r}")
     if sequence_parallel or loss_parallel:
         resolved = rewrite_plan(model, resolved, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     total = sum(p.numel() for p in model.parameters())

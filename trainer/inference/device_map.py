@@ -148,7 +148,10 @@ def infer_auto_device_map(model: nn.Module, max_memory: Optional[Dict[Device, Un
         except AttributeError:  # a direct tensor of some module
             mod = model.get_submodule(owner(u))
             leaf = u.rpartition(".")[2]
-            return [(u, mod._parameters.get(leaf) if leaf in mod._parameters else mod._buffers[leaf])]
+            t = mod._parameters.get(leaf) if leaf in mod._parameters else mod._buffers[leaf]
+            if t is None:  # units come from _direct, which skips None entries
+                raise AttributeError(f"{u!r} is registered as None, not a tensor")
+            return [(u, t)]
 
     def closure(u: str) -> List[str]:
         out = [u]

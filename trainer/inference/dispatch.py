@@ -22,7 +22,7 @@ from trainforge.trainer.inference.sources import Source, check_writable, open_so
 
 
 def _all_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
-    out = dict(model.named_parameters(remove_duplicate=False))
+    out: Dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     out.update(model.named_buffers(remove_duplicate=False))
     return out
 
@@ -126,9 +126,10 @@ def attach(model: nn.Module, device_map: Dict[str, Device], per_tensor: Dict[str
             lambda m, a, k: state.__setitem__("dev", first_device(a, k)), with_kwargs=True))
         handles.append(model.register_forward_hook(
             lambda m, a, k, o: send_to(o, state["dev"]) if state["dev"] is not None else o, with_kwargs=True))
-    model._trainforge_runner = runner
-    model._trainforge_handles = handles
-    model.hf_device_map = dict(device_map)
+    # plain attributes (nn.Module's __setattr__ is typed for tensors and modules only)
+    setattr(model, "_trainforge_runner", runner)
+    setattr(model, "_trainforge_handles", handles)
+    setattr(model, "hf_device_map", dict(device_map))
     _refuse_to(model)
     return model
 

@@ -8,10 +8,11 @@ are: nothing is copied.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 
 def send_to(obj: Any, device: torch.device) -> Any:
@@ -38,6 +39,8 @@ def first_device(args: Tuple, kwargs: Dict) -> Optional[torch.device]:
 
 class Block:
     """Tensors ``(module, leaf, offloaded tensor)`` that one module's forward needs on the device."""
+
+    handles: List[RemovableHandle]  # the forward (pre-)hooks, set by ``Runner.add``
 
     def __init__(self, runner: "Runner", module: nn.Module, slots: List[Tuple[nn.Module, str, torch.Tensor]]) -> None:
         self.runner, self.module, self.slots = runner, module, slots
@@ -88,14 +91,19 @@ class Block:
         else:
             on_dev, _ = self.fetch(None)
         for mod, leaf, t in self.slots:
-            (mod._parameters if leaf in mod._parameters else mod._buffers)[leaf] = \
-                nn.Parameter(on_dev[id(t)], requires_grad=False) if leaf in mod._parameters else on_dev[id(t)]
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = nn.Parameter(on_dev[id(t)], requires_grad=False)
+            else:
+                mod._buffers[leaf] = on_dev[id(t)]
         r.entered(self)
         return send_to(args, r.device), send_to(kwargs, r.device)
 
     def post(self, module: nn.Module, args: Tuple, kwargs: Dict, output: Any) -> Any:
         for mod, leaf, t in self.slots:
-            (mod._parameters if leaf in mod._parameters else mod._buffers)[leaf] = t
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = cast(nn.Parameter, t)  # the offloaded tensor, put back as it was
+            else:
+                mod._buffers[leaf] = t
         return output
 
 

@@ -8,7 +8,7 @@ the group's first parameter again.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -29,23 +29,25 @@ def init_empty_weights(include_buffers: bool = True) -> Iterator[None]:
         raise ConfigurationError(f"include_buffers={include_buffers!r} must be True or False")
     reg_param, reg_buffer = nn.Module.register_parameter, nn.Module.register_buffer
 
-    def register_parameter(module: nn.Module, name: str, param) -> None:
+    def register_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
         reg_param(module, name, param)
         if param is not None and param.device.type != "meta":
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    def register_buffer(module: nn.Module, name: str, tensor, persistent: bool = True) -> None:
+    def register_buffer(module: nn.Module, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
         if tensor is not None and persistent:
             tensor = tensor.to("meta")
         reg_buffer(module, name, tensor, persistent=persistent)
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    # setattr: patching a method of the class (mypy would check it as a bound method)
+    setattr(nn.Module, "register_parameter", register_parameter)
     if include_buffers:
-        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+        setattr(nn.Module, "register_buffer", register_buffer)
     try:
         yield
     finally:
-        nn.Module.register_parameter, nn.Module.register_buffer = reg_param, reg_buffer  # type: ignore
+        setattr(nn.Module, "register_parameter", reg_param)
+        setattr(nn.Module, "register_buffer", reg_buffer)
 
 
 def _hf_ties(model: nn.Module) -> Dict[str, str]:

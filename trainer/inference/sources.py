@@ -56,8 +56,8 @@ def _index_source(index: Path) -> Source:
     for s in shards:
         if s.suffix == ".safetensors":
             header, _, _ = read_header(s)
-            for k, e in header.items():
-                entries[k] = (s, SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"]))
+            for k, entry in header.items():
+                entries[k] = (s, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
         else:  # .bin: the shapes come from a memory-mapped load (no copy)
             for k, t in torch.load(s, map_location="cpu", weights_only=True, mmap=True).items():
                 entries[k] = (s, t.dtype, tuple(t.shape))
