@@ -6,11 +6,17 @@ callbacks/ and strategies/ become ``trainforge.trainer``, ``trainforge.callbacks
 ``trainer``, and with a user's own trainer.py beside their script). Editable installs
 (``pip install -e .``) get the same names through setuptools' editable finder.
 """
+
 from setuptools import find_packages, setup
 
-FOLDERS = {"trainforge": "trainforge", "trainforge.trainer": "trainer", "trainforge.callbacks": "callbacks",
-           "trainforge.strategies": "strategies"}
-PACKAGES = [f"{name}.{sub}" if sub else name
-            for name, folder in FOLDERS.items() for sub in ["", *find_packages(folder)]]
+FOLDERS = {
+    "trainforge": "trainforge",
+    "trainforge.trainer": "trainer",
+    "trainforge.callbacks": "callbacks",
+    "trainforge.strategies": "strategies",
+}
+PACKAGES = [
+    f"{name}.{sub}" if sub else name for name, folder in FOLDERS.items() for sub in ["", *find_packages(folder)]
+]
 
 setup(packages=PACKAGES, package_dir=FOLDERS)

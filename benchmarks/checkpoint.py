@@ -15,6 +15,7 @@ Parts (each a function ``part(args) -> None`` registered in ``PARTS``; add new o
              asynchronous, next to the raw step time and the throughput of a window with one save
              (benchmarks/checkpoint_stall.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,19 @@ def make_state(size_mb: float) -> Tuple[Dict[str, torch.Tensor], Dict[str, objec
     count = max(1, round(params_bytes / (numel * 4)))
     gen = torch.Generator().manual_seed(0)
     model = {f"layers.{i}.weight": torch.randn(numel, generator=gen) for i in range(count)}
-    optim = {"state": {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(numel, generator=gen),
-                           "exp_avg_sq": torch.rand(numel, generator=gen)} for i in range(count)},
-             "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
-                               "params": list(range(count))}]}
+    optim = {
+        "state": {
+            i: {
+                "step": torch.tensor(10.0),
+                "exp_avg": torch.randn(numel, generator=gen),
+                "exp_avg_sq": torch.rand(numel, generator=gen),
+            }
+            for i in range(count)
+        },
+        "param_groups": [
+            {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "params": list(range(count))}
+        ],
+    }
     return model, optim
 
 
@@ -62,8 +72,10 @@ def _time(fn: Callable[[], object]) -> float:
 def part_save_load(args: argparse.Namespace) -> None:
     model, optim = make_state(args.size_mb)
     total = sum(t.numel() * t.element_size() for t in model.values()) * 3
-    print(f"\n== save/load: {len(model)} weight tensors + Adam moments = {total / 2**20:.0f} MiB, "
-          f"{args.repeats} interleaved repeats ==")
+    print(
+        f"\n== save/load: {len(model)} weight tensors + Adam moments = {total / 2**20:.0f} MiB, "
+        f"{args.repeats} interleaved repeats =="
+    )
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     plain, ours = work / "plain.pt", work / "ours"
     # Every save writes a fresh name; the previous output is deleted outside the timed region, so
@@ -94,19 +106,22 @@ def part_save_load(args: argparse.Namespace) -> None:
         ours_load()
 
     saves = {"torch.save": torch_save, "torch.save+fsync": torch_save_fsync, "trainforge save": ours_save}
-    loads = {"torch.load(weights_only)": torch_load, "trainforge load": ours_load,
-             "trainforge verify+load": ours_verify_load}
+    loads = {
+        "torch.load(weights_only)": torch_load,
+        "trainforge load": ours_load,
+        "trainforge verify+load": ours_verify_load,
+    }
     times: Dict[str, List[float]] = {name: [] for name in (*saves, *loads)}
     try:
         for r in range(args.repeats):
-            order = list(saves)[r % 3:] + list(saves)[:r % 3]
+            order = list(saves)[r % 3 :] + list(saves)[: r % 3]
             for name in order:
                 plain.unlink(missing_ok=True)
                 shutil.rmtree(ours, ignore_errors=True)
                 times[name].append(_time(saves[name]))
             torch_save()  # both files exist for the loads
             ours_save()
-            order = list(loads)[r % 3:] + list(loads)[:r % 3]
+            order = list(loads)[r % 3 :] + list(loads)[: r % 3]
             for name in order:
                 times[name].append(_time(loads[name]))
         disk = sum(p.stat().st_size for p in (ours / "step-1").rglob("*") if p.is_file())
@@ -119,9 +134,13 @@ def part_save_load(args: argparse.Namespace) -> None:
         print(f"  {name:26s} median {value:7.3f} s  {total / 2**30 / value:6.2f} GiB/s   runs: {runs}")
     print(f"  ratio save  trainforge / torch.save        = {med['trainforge save'] / med['torch.save']:.2f}")
     print(f"  ratio save  trainforge / torch.save+fsync  = {med['trainforge save'] / med['torch.save+fsync']:.2f}")
-    print(f"  ratio load  trainforge / torch.load        = {med['trainforge load'] / med['torch.load(weights_only)']:.2f}")
-    print(f"  ratio load  trainforge verify+load / torch.load = "
-          f"{med['trainforge verify+load'] / med['torch.load(weights_only)']:.2f}")
+    print(
+        f"  ratio load  trainforge / torch.load        = {med['trainforge load'] / med['torch.load(weights_only)']:.2f}"
+    )
+    print(
+        f"  ratio load  trainforge verify+load / torch.load = "
+        f"{med['trainforge verify+load'] / med['torch.load(weights_only)']:.2f}"
+    )
 
 
 class _CountingDataset(torch.utils.data.Dataset):
@@ -179,14 +198,19 @@ def part_resume(args: argparse.Namespace) -> None:
                 naive.append(time.perf_counter() - t0)
             results[position] = (statistics.median(times), statistics.median(naive), loaded)
         (t10, n10, l10), (t10k, n10k, l10k) = results[10], results[10_000]
-        print(f"num_workers={workers}: ours {t10 * 1e3:8.2f} ms at batch 10, {t10k * 1e3:8.2f} ms at batch 10,000"
-              f" (ratio {t10k / t10:5.2f}); iterating past the seen batches: {n10 * 1e3:8.2f} ms vs"
-              f" {n10k * 1e3:9.2f} ms (ratio {n10k / n10:6.1f})"
-              + (f"; items loaded on resume: {l10} vs {l10k}" if workers == 0 else ""))
+        print(
+            f"num_workers={workers}: ours {t10 * 1e3:8.2f} ms at batch 10, {t10k * 1e3:8.2f} ms at batch 10,000"
+            f" (ratio {t10k / t10:5.2f}); iterating past the seen batches: {n10 * 1e3:8.2f} ms vs"
+            f" {n10k * 1e3:9.2f} ms (ratio {n10k / n10:6.1f})"
+            + (f"; items loaded on resume: {l10} vs {l10k}" if workers == 0 else "")
+        )
 
 
-PARTS: Dict[str, Callable[[argparse.Namespace], None]] = {"save_load": part_save_load, "resume": part_resume,
-                                                          "stall": part_stall}
+PARTS: Dict[str, Callable[[argparse.Namespace], None]] = {
+    "save_load": part_save_load,
+    "resume": part_resume,
+    "stall": part_stall,
+}
 DEFAULT_PARTS = ["save_load", "resume"]  # "stall" trains a model: asked for with --stall
 
 
@@ -202,8 +226,10 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=30, help="stall: measured optimizer steps per run")
     args = parser.parse_args(argv)
     if args.size_mb <= 0 or args.repeats < 1 or args.stall_mb <= 0 or args.window < 3:
-        parser.error(f"--size-mb={args.size_mb} and --stall-mb={args.stall_mb} must be > 0, --repeats={args.repeats}"
-                     f" >= 1 and --window={args.window} >= 3")
+        parser.error(
+            f"--size-mb={args.size_mb} and --stall-mb={args.stall_mb} must be > 0, --repeats={args.repeats}"
+            f" >= 1 and --window={args.window} >= 3"
+        )
     if args.stall:
         args.parts = ["stall"]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, writing under {args.dir or tempfile.gettempdir()}")

@@ -13,6 +13,7 @@ asynchronous), and the throughput of each window relative to the window without 
 asynchronous write overlaps the steps that follow it; ``fit`` waits for it at the end, outside
 the window (printed as "tail"). Timings are printed, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,28 +100,42 @@ class Random(Dataset):
         return self.make(torch.Generator().manual_seed(i))
 
 
-def one_run(build: Any, data: Dataset, batch: int, precision: str, window: int, save: Optional[bool],
-            workdir: str) -> Dict[str, Any]:
+def one_run(
+    build: Any, data: Dataset, batch: int, precision: str, window: int, save: Optional[bool], workdir: str
+) -> Dict[str, Any]:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="tf-stall-", dir=workdir) as root:
         save_at = WARMUP + window // 3 if save is not None else None
         clock = Clock(save_at, bool(save), root)
-        trainer = Trainer(max_steps=WARMUP + window, precision=precision, default_root_dir=root,
-                          enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=10**6,
-                          callbacks=[clock])
+        trainer = Trainer(
+            max_steps=WARMUP + window,
+            precision=precision,
+            default_root_dir=root,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            log_every_n_steps=10**6,
+            callbacks=[clock],
+        )
         trainer.fit(build(), DataLoader(data, batch_size=batch, shuffle=False))
         tail = time.perf_counter() - clock.ends[-1]
-    steps = [b - a for a, b in zip(clock.ends[WARMUP - 1:], clock.ends[WARMUP:])]
-    return {"window": clock.ends[-1] - clock.ends[WARMUP - 1], "step": statistics.median(steps),
-            "blocked": clock.blocked, "first": clock.first, "tail": tail}
+    steps = [b - a for a, b in zip(clock.ends[WARMUP - 1 :], clock.ends[WARMUP:])]
+    return {
+        "window": clock.ends[-1] - clock.ends[WARMUP - 1],
+        "step": statistics.median(steps),
+        "blocked": clock.blocked,
+        "first": clock.first,
+        "tail": tail,
+    }
 
 
 def report(name: str, build: Any, data: Dataset, batch: int, precision: str, args: argparse.Namespace) -> None:
     probe = build()
     mb = sum(p.numel() * p.element_size() for p in probe.parameters()) / 1e6
     del probe
-    print(f"\n== stall: {name}, {mb:.0f} MB of weights (+ AdamW state: ~{3 * mb:.0f} MB per checkpoint), "
-          f"precision {precision}, window of {args.window} steps, {args.repeats} repeat(s), medians ==")
+    print(
+        f"\n== stall: {name}, {mb:.0f} MB of weights (+ AdamW state: ~{3 * mb:.0f} MB per checkpoint), "
+        f"precision {precision}, window of {args.window} steps, {args.repeats} repeat(s), medians =="
+    )
     runs: Dict[str, List[Dict[str, Any]]] = {"none": [], "sync": [], "async": []}
     for _ in range(args.repeats):  # interleaved, so drift in the machine's load hits all three alike
         for kind, save in (("none", None), ("sync", False), ("async", True)):
@@ -133,24 +148,38 @@ def report(name: str, build: Any, data: Dataset, batch: int, precision: str, arg
     sync_blocked, async_blocked = med("sync", "blocked"), med("async", "blocked")
     print(f"raw step time (no save)           {step * 1e3:10.1f} ms")
     print(f"loop blocked by a synchronous save {sync_blocked * 1e3:9.1f} ms  ({sync_blocked / step:6.1f} steps)")
-    print(f"loop blocked by an async save      {async_blocked * 1e3:9.1f} ms  ({async_blocked / step:6.1f} steps; "
-          f"{100 * async_blocked / sync_blocked:5.1f} % of the synchronous save; target <= 10 %)")
+    print(
+        f"loop blocked by an async save      {async_blocked * 1e3:9.1f} ms  ({async_blocked / step:6.1f} steps; "
+        f"{100 * async_blocked / sync_blocked:5.1f} % of the synchronous save; target <= 10 %)"
+    )
     print(f"  (the run's first async save, which allocates the staging buffers: {med('async', 'first') * 1e3:.1f} ms)")
     for kind in ("sync", "async"):
-        print(f"throughput, window with one {kind:5s} save / without: {base / med(kind, 'window'):5.3f}"
-              f"  (target for async >= 0.95; tail after the window: {med(kind, 'tail') * 1e3:.0f} ms)")
+        print(
+            f"throughput, window with one {kind:5s} save / without: {base / med(kind, 'window'):5.3f}"
+            f"  (target for async >= 0.95; tail after the window: {med(kind, 'tail') * 1e3:.0f} ms)"
+        )
 
 
 def part_stall(args: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available()
     width = 1024
-    report(f"MLP on {'cuda' if cuda else 'cpu'}", lambda: MLP(args.stall_mb, width),
-           Random(16 * (WARMUP + args.window), lambda g: torch.randn(width, generator=g)), 16,
-           "bf16-mixed" if cuda else "32", args)
+    report(
+        f"MLP on {'cuda' if cuda else 'cpu'}",
+        lambda: MLP(args.stall_mb, width),
+        Random(16 * (WARMUP + args.window), lambda g: torch.randn(width, generator=g)),
+        16,
+        "bf16-mixed" if cuda else "32",
+        args,
+    )
     if args.gpt2:
         if not cuda:
             print("\n== stall: GPT-2 124M skipped: no CUDA device (on a CPU a step takes tens of seconds) ==")
             return
-        report("GPT-2 124M on cuda", GPT2, Random(8 * (WARMUP + args.window),
-                                                  lambda g: torch.randint(0, 50257, (1024,), generator=g)),
-               8, "bf16-mixed", args)
+        report(
+            "GPT-2 124M on cuda",
+            GPT2,
+            Random(8 * (WARMUP + args.window), lambda g: torch.randint(0, 50257, (1024,), generator=g)),
+            8,
+            "bf16-mixed",
+            args,
+        )

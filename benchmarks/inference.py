@@ -12,6 +12,7 @@ baseline during the load, RssAnon after the forwards, median forward time and ro
   disk_offload  trainforge: from the safetensors checkpoint, on meta; Accelerate: from the loaded model
   cpu_offload   the model loaded in memory, weights visiting the execution device per block
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,6 +77,7 @@ def child(a: argparse.Namespace) -> None:
             load_checkpoint_and_dispatch,
         )
     from safetensors.torch import load_file
+
     x = torch.randn(a.batch, a.width, device=dev)
     nn.Linear(4, 4)(torch.randn(1, 4))
     base = anon()
@@ -88,8 +90,9 @@ def child(a: argparse.Namespace) -> None:
         if a.path == "disk_offload":
             model = disk_offload(model, Path(a.dir), execution_device=exec_dev)
         elif a.lib == "trainforge":
-            model = load_checkpoint_and_dispatch(model, ckpt, device_map="auto", offload_folder=off,
-                                                 max_memory={"cpu": a.cap_mb * 2**20})
+            model = load_checkpoint_and_dispatch(
+                model, ckpt, device_map="auto", offload_folder=off, max_memory={"cpu": a.cap_mb * 2**20}
+            )
         else:
             dm = infer_auto_device_map(model, max_memory={"cpu": a.cap_mb * 2**20})
             model = load_checkpoint_and_dispatch(model, str(ckpt), device_map=dm, offload_folder=str(off))
@@ -97,8 +100,12 @@ def child(a: argparse.Namespace) -> None:
         model = build(a.width, a.layers)
         model.load_state_dict(load_file(str(ckpt)))
         if a.path == "cpu_offload":
-            model = cpu_offload(model, execution_device=exec_dev if a.lib == "trainforge" else torch.device(
-                "cuda" if dev == "cuda" else "cpu", 0 if dev == "cuda" else None))
+            model = cpu_offload(
+                model,
+                execution_device=exec_dev
+                if a.lib == "trainforge"
+                else torch.device("cuda" if dev == "cuda" else "cpu", 0 if dev == "cuda" else None),
+            )
         else:
             model = disk_offload(model, str(off), execution_device=torch.device(dev))
     load_s = time.perf_counter() - t0
@@ -114,14 +121,44 @@ def child(a: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t)
     written = sum(p.stat().st_size for p in off.rglob("*") if p.is_file()) if off.exists() else 0
     fwd = statistics.median(times[1:] or times)
-    print(json.dumps({"load_s": load_s, "peak_load": sampler.peak - base, "after": anon() - base, "fwd_s": fwd,
-                      "rows_s": a.batch / fwd, "written": written}))
+    print(
+        json.dumps(
+            {
+                "load_s": load_s,
+                "peak_load": sampler.peak - base,
+                "after": anon() - base,
+                "fwd_s": fwd,
+                "rows_s": a.batch / fwd,
+                "written": written,
+            }
+        )
+    )
 
 
 def run_row(a: argparse.Namespace, lib: str, path: str, work: str):
-    cmd = [sys.executable, __file__, "--child", "--lib", lib, "--path", path, "--dir", work, "--width", str(a.width),
-           "--layers", str(a.layers), "--cap-mb", str(a.cap_mb), "--forwards", str(a.forwards), "--batch",
-           str(a.batch), "--device", a.device]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--lib",
+        lib,
+        "--path",
+        path,
+        "--dir",
+        work,
+        "--width",
+        str(a.width),
+        "--layers",
+        str(a.layers),
+        "--cap-mb",
+        str(a.cap_mb),
+        "--forwards",
+        str(a.forwards),
+        "--batch",
+        str(a.batch),
+        "--device",
+        a.device,
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if p.returncode:
@@ -150,6 +187,7 @@ def main() -> None:
         a.width, a.layers, a.cap_mb, a.forwards = 256, 8, 1, 3
     try:
         import accelerate  # noqa: F401
+
         libs = ["trainforge", "accelerate"]
     except ImportError:
         libs = ["trainforge"]
@@ -157,27 +195,36 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="tf-bench-inference-")
     try:
         from safetensors.torch import save_file
+
         torch.manual_seed(0)
         save_file(build(a.width, a.layers).state_dict(), os.path.join(work, "model.safetensors"))
         mib = lambda b: b / 2**20  # noqa: E731
         block = (a.width * a.width + a.width) * 4
-        print(f"model {a.layers} x Linear({a.width}) = {mib(block * a.layers):.1f} MiB fp32, cpu cap {a.cap_mb} MiB, "
-              f"largest block {mib(block):.2f} MiB, device {a.device}, batch {a.batch}, {a.forwards} forwards")
-        print(f"{'path':<13} {'lib':<11} {'load s':>8} {'peak anon MiB':>14} {'anon after MiB':>15} "
-              f"{'written MiB':>12} {'fwd ms':>8} {'rows/s':>9}")
+        print(
+            f"model {a.layers} x Linear({a.width}) = {mib(block * a.layers):.1f} MiB fp32, cpu cap {a.cap_mb} MiB, "
+            f"largest block {mib(block):.2f} MiB, device {a.device}, batch {a.batch}, {a.forwards} forwards"
+        )
+        print(
+            f"{'path':<13} {'lib':<11} {'load s':>8} {'peak anon MiB':>14} {'anon after MiB':>15} "
+            f"{'written MiB':>12} {'fwd ms':>8} {'rows/s':>9}"
+        )
         for path in a.paths:
             rows = {lib: run_row(a, lib, path, work) for lib in libs}
             for lib, r in rows.items():
                 if "error" in r:
                     print(f"{path:<13} {lib:<11} error: {r['error']}")
                     continue
-                print(f"{path:<13} {lib:<11} {r['load_s']:8.3f} {mib(r['peak_load']):14.1f} {mib(r['after']):15.1f} "
-                      f"{mib(r['written']):12.1f} {r['fwd_s'] * 1e3:8.2f} {r['rows_s']:9.0f}")
+                print(
+                    f"{path:<13} {lib:<11} {r['load_s']:8.3f} {mib(r['peak_load']):14.1f} {mib(r['after']):15.1f} "
+                    f"{mib(r['written']):12.1f} {r['fwd_s'] * 1e3:8.2f} {r['rows_s']:9.0f}"
+                )
             tf, ac = rows.get("trainforge", {}), rows.get("accelerate", {})
             if "fwd_s" in tf and "fwd_s" in ac:
-                print(f"{path:<13} ratio (trainforge/accelerate): load time {tf['load_s'] / ac['load_s']:.2f}x, "
-                      f"peak anon {(tf['peak_load'] + 1) / (ac['peak_load'] + 1):.2f}x, "
-                      f"throughput {tf['rows_s'] / ac['rows_s']:.2f}x")
+                print(
+                    f"{path:<13} ratio (trainforge/accelerate): load time {tf['load_s'] / ac['load_s']:.2f}x, "
+                    f"peak anon {(tf['peak_load'] + 1) / (ac['peak_load'] + 1):.2f}x, "
+                    f"throughput {tf['rows_s'] / ac['rows_s']:.2f}x"
+                )
             if path == "dispatch_cap" and "peak_load" in tf:
                 bound = a.cap_mb * 2**20 + block
                 print(f"{path:<13} trainforge peak anon / (cap + largest block) = {tf['peak_load'] / bound:.3f}")

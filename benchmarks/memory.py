@@ -14,6 +14,7 @@ with stage 1 dividing ``k``, stage 2 ``g + k`` and stage 3 (FSDP full_shard) ``p
 number of processes. To add a strategy, add a ``make_*`` function to ``STRATEGIES`` and rows to
 ``ROWS``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,19 +32,21 @@ ADAM_BYTES = {"32": (4, 4, 8), "bf16-mixed": (2, 2, 12)}  # (p, g, k) bytes per 
 
 @dataclass(frozen=True)
 class Row:
-    label: str          # what the table shows
-    strategy: str       # key of STRATEGIES
-    precision: str      # Trainer precision; also picks the formula's bytes per parameter
-    zero_stage: int     # which of the formula's terms are divided by the process count
+    label: str  # what the table shows
+    strategy: str  # key of STRATEGIES
+    precision: str  # Trainer precision; also picks the formula's bytes per parameter
+    zero_stage: int  # which of the formula's terms are divided by the process count
 
 
 def make_ddp():
     from trainforge.strategies import DDPStrategy
+
     return DDPStrategy()
 
 
 def make_fsdp():
     from trainforge.strategies import FSDPStrategy
+
     return FSDPStrategy(sharding_strategy="full_shard")
 
 
@@ -59,15 +62,20 @@ ROWS: List[Row] = [
 def make_zero(stage: int) -> Callable:
     def make():
         from trainforge.strategies import DeepSpeedStrategy
+
         return DeepSpeedStrategy(stage=stage)
+
     return make
 
 
 def deepspeed_rows() -> List[Row]:
     """DeepSpeed ZeRO-1/2/3 in fp32 and bf16-mixed (measured by ``measure_deepspeed``)."""
     STRATEGIES.update({f"zero{stage}": make_zero(stage) for stage in (1, 2, 3)})
-    return [Row(f"DeepSpeed ZeRO-{stage}", f"zero{stage}", precision, stage)
-            for precision in ("32", "bf16-mixed") for stage in (1, 2, 3)]
+    return [
+        Row(f"DeepSpeed ZeRO-{stage}", f"zero{stage}", precision, stage)
+        for precision in ("32", "bf16-mixed")
+        for stage in (1, 2, 3)
+    ]
 
 
 ROWS += deepspeed_rows()
@@ -170,9 +178,23 @@ def worker(rows: List[int], dim: int, layers: int, out: str) -> None:
 def launch(nproc: int, dim: int, layers: int, timeout: int = 600) -> List[Dict[str, Dict[str, int]]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               __file__, "--worker", ",".join(str(i) for i in range(len(ROWS))), "--dim", str(dim),
-               "--layers", str(layers), "--out", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            __file__,
+            "--worker",
+            ",".join(str(i) for i in range(len(ROWS))),
+            "--dim",
+            str(dim),
+            "--layers",
+            str(layers),
+            "--out",
+            out,
+        ]
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
@@ -187,8 +209,20 @@ def table(per_nproc: Dict[int, List[Dict[str, Dict[str, int]]]]) -> List[Tuple]:
             worst = max((r[str(i)] for r in ranks), key=lambda s: s["total"])  # the fullest rank
             n = worst["n_params"]
             expected = formula_bytes(row, n, nproc)
-            lines.append((row.label, row.precision, nproc, n, worst["params"] / n, worst["grads"] / n,
-                          worst["optimizer"] / n, worst["total"] / 2**20, expected / 2**20, worst["total"] / expected))
+            lines.append(
+                (
+                    row.label,
+                    row.precision,
+                    nproc,
+                    n,
+                    worst["params"] / n,
+                    worst["grads"] / n,
+                    worst["optimizer"] / n,
+                    worst["total"] / 2**20,
+                    expected / 2**20,
+                    worst["total"] / expected,
+                )
+            )
     return lines
 
 
@@ -203,21 +237,37 @@ def main() -> None:
     if args.worker is not None:
         return worker([int(i) for i in args.worker.split(",")], args.dim, args.layers, args.out)
     per_nproc = {n: launch(n, args.dim, args.layers) for n in (int(v) for v in args.nproc.split(","))}
-    header = ("strategy", "precision", "nproc", "params", "p B/param", "g B/param", "opt B/param",
-              "measured MiB", "formula MiB", "measured/formula")
+    header = (
+        "strategy",
+        "precision",
+        "nproc",
+        "params",
+        "p B/param",
+        "g B/param",
+        "opt B/param",
+        "measured MiB",
+        "formula MiB",
+        "measured/formula",
+    )
     print(" | ".join(header))
     for line in table(per_nproc):
         label, precision, nproc, n, p, g, k, measured, expected, ratio = line
-        print(f"{label:<16} | {precision:<10} | {nproc:>5} | {n:>9,} | {p:9.3f} | {g:9.3f} | {k:11.3f} | "
-              f"{measured:12.2f} | {expected:11.2f} | {ratio:16.4f}")
-    print("\nUnder bf16-mixed, DDP (autocast) and FSDP2 (MixedPrecisionPolicy) both keep fp32 parameters and fp32 "
-          "gradients; the bf16 copies are transient (autocast's per-op casts, FSDP's gathered unit), so the "
-          "measured 4+4+8 split sums to the formula's 2+2+12 = 16 bytes per parameter. Not counted: "
-          "activations, DDP's gradient buckets, FSDP's gathered parameters during forward/backward.")
-    print("DeepSpeed rows are counted between backward and step (its step frees the gradient partitions), once per "
-          "storage. Its ZeRO optimizers keep an fp32 master partition in every precision, so fp32 Adam measures "
-          "4 + 4 + 12 bytes per parameter at one process (1.25 x the paper's fp32 formula); ZeRO-1 here reduces "
-          "gradients into partitions during backward, like ZeRO-2. Not counted: the reduction buckets.")
+        print(
+            f"{label:<16} | {precision:<10} | {nproc:>5} | {n:>9,} | {p:9.3f} | {g:9.3f} | {k:11.3f} | "
+            f"{measured:12.2f} | {expected:11.2f} | {ratio:16.4f}"
+        )
+    print(
+        "\nUnder bf16-mixed, DDP (autocast) and FSDP2 (MixedPrecisionPolicy) both keep fp32 parameters and fp32 "
+        "gradients; the bf16 copies are transient (autocast's per-op casts, FSDP's gathered unit), so the "
+        "measured 4+4+8 split sums to the formula's 2+2+12 = 16 bytes per parameter. Not counted: "
+        "activations, DDP's gradient buckets, FSDP's gathered parameters during forward/backward."
+    )
+    print(
+        "DeepSpeed rows are counted between backward and step (its step frees the gradient partitions), once per "
+        "storage. Its ZeRO optimizers keep an fp32 master partition in every precision, so fp32 Adam measures "
+        "4 + 4 + 12 bytes per parameter at one process (1.25 x the paper's fp32 formula); ZeRO-1 here reduces "
+        "gradients into partitions during backward, like ZeRO-2. Not counted: the reduction buckets."
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Repeats are interleaved (the order rotates) and medians reported; the ratio to r
 median of per-repeat ratios, which is robust to the machine's load drifting between repeats.
 Targets: trainer/raw <= 1.03, accelerator/raw <= 1.01. Timings are printed, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -107,8 +108,9 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def make_loader(data: Dataset, args: argparse.Namespace, sampler=None) -> DataLoader:
-    return DataLoader(data, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
-                      collate_fn=keep_batch, num_workers=0)
+    return DataLoader(
+        data, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=keep_batch, num_workers=0
+    )
 
 
 # ---- the three loops -----------------------------------------------------------------------------
@@ -187,9 +189,13 @@ def run_trainer(args: argparse.Namespace, data: Dataset) -> Tuple[float, float]:
     clock = StepClock(args.warmup, args.steps)
     args.runs += 1
     root = os.path.join(args.root, f"run{args.runs}")  # the same directory on every rank
-    trainer = Trainer(accelerator="cpu", strategy="ddp" if args.ddp else None,
-                      max_steps=args.warmup + args.steps + 1, default_root_dir=root,
-                      callbacks=[ProgressBar(stream=_TerminalSink())])
+    trainer = Trainer(
+        accelerator="cpu",
+        strategy="ddp" if args.ddp else None,
+        max_steps=args.warmup + args.steps + 1,
+        default_root_dir=root,
+        callbacks=[ProgressBar(stream=_TerminalSink())],
+    )
     trainer.fit(Classifier(make_model(args), clock), make_loader(data, args))
     trainer.strategy.barrier()
     if trainer.is_global_zero:
@@ -198,7 +204,10 @@ def run_trainer(args: argparse.Namespace, data: Dataset) -> Tuple[float, float]:
 
 
 LOOPS: Dict[str, Callable[[argparse.Namespace, Dataset], Tuple[float, float]]] = {
-    "raw": run_raw, "accelerator": run_accelerator, "trainer": run_trainer}
+    "raw": run_raw,
+    "accelerator": run_accelerator,
+    "trainer": run_trainer,
+}
 
 
 # ---- driver --------------------------------------------------------------------------------------
@@ -209,7 +218,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Dict[str, List[float]]]:
     names = list(LOOPS)
     times: Dict[str, Dict[str, List[float]]] = {"wall": {n: [] for n in names}, "cpu": {n: [] for n in names}}
     for r in range(args.warmup_repeats + args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate: no loop always runs first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no loop always runs first
         for name in order:
             gc.collect()
             wall, cpu = LOOPS[name](args, data)
@@ -225,22 +234,28 @@ def measure(args: argparse.Namespace) -> Dict[str, Dict[str, List[float]]]:
 
 def report(times: Dict[str, Dict[str, List[float]]], args: argparse.Namespace) -> None:
     mode = "DDP, 2 processes, gloo" if args.ddp else f"1 process, {torch.get_num_threads()} thread(s)"
-    print(f"\noverhead benchmark ({mode}): {args.repeats} interleaved repeats x {args.steps} steps "
-          f"(after {args.warmup} warmup steps), batch {args.batch_size}, MLP {args.d_in}-{args.hidden}-"
-          f"{args.hidden}-{args.classes}, torch {torch.__version__}")
+    print(
+        f"\noverhead benchmark ({mode}): {args.repeats} interleaved repeats x {args.steps} steps "
+        f"(after {args.warmup} warmup steps), batch {args.batch_size}, MLP {args.d_in}-{args.hidden}-"
+        f"{args.hidden}-{args.classes}, torch {torch.__version__}"
+    )
     for clock, label in (("wall", "wall time (perf_counter)"), ("cpu", "CPU time of the process (process_time)")):
         raw = times[clock]["raw"]
         print(f"\n{label}")
-        print(f"{'loop':<13}{'median ms/step':>15}{'min':>9}{'max':>9}{'+us/step':>10}{'ratio (medians)':>17}"
-              f"{'ratio (paired)':>16}  target")
+        print(
+            f"{'loop':<13}{'median ms/step':>15}{'min':>9}{'max':>9}{'+us/step':>10}{'ratio (medians)':>17}"
+            f"{'ratio (paired)':>16}  target"
+        )
         for name, values in times[clock].items():
             med = statistics.median(values)
             ratio = med / statistics.median(raw)
             paired = statistics.median(v / r for v, r in zip(values, raw))
             target = TARGETS.get(name)
             verdict = "" if target is None else f"<= {target:.2f} {'ok' if paired <= target else 'MISSED'}"
-            print(f"{name:<13}{med * 1e3:>15.4f}{min(values) * 1e3:>9.4f}{max(values) * 1e3:>9.4f}"
-                  f"{(med - statistics.median(raw)) * 1e6:>10.1f}{ratio:>17.4f}{paired:>16.4f}  {verdict}")
+            print(
+                f"{name:<13}{med * 1e3:>15.4f}{min(values) * 1e3:>9.4f}{max(values) * 1e3:>9.4f}"
+                f"{(med - statistics.median(raw)) * 1e6:>10.1f}{ratio:>17.4f}{paired:>16.4f}  {verdict}"
+            )
 
 
 def profile(args: argparse.Namespace, which: str) -> None:
@@ -257,16 +272,20 @@ def profile(args: argparse.Namespace, which: str) -> None:
         prof.enable()
         LOOPS[name](args, data)
         prof.disable()
-        per_step[name] = {f"{_short(f)}:{line}({func})": (tt / total_steps * 1e6, ct / total_steps * 1e6,
-                                                           nc / total_steps)
-                          for (f, line, func), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()}  # type: ignore
+        per_step[name] = {
+            f"{_short(f)}:{line}({func})": (tt / total_steps * 1e6, ct / total_steps * 1e6, nc / total_steps)
+            for (f, line, func), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()
+        }  # type: ignore
     base, prof_rows = per_step["raw"], per_step[which]
-    rows = sorted(((own - base.get(k, (0.0,))[0], own, cum, calls, k) for k, (own, cum, calls) in prof_rows.items()),
-                  reverse=True)
-    print(f"\ncProfile of '{which}' vs 'raw' ({total_steps} steps each; cProfile inflates small Python "
-          "functions, so read the list as where, not how much)")
+    rows = sorted(
+        ((own - base.get(k, (0.0,))[0], own, cum, calls, k) for k, (own, cum, calls) in prof_rows.items()), reverse=True
+    )
+    print(
+        f"\ncProfile of '{which}' vs 'raw' ({total_steps} steps each; cProfile inflates small Python "
+        "functions, so read the list as where, not how much)"
+    )
     print(f"{'+own us/step':>13}{'own':>9}{'cum':>9}{'calls/step':>11}  function")
-    for delta, own, cum, calls, name in rows[:args.profile_top]:
+    for delta, own, cum, calls, name in rows[: args.profile_top]:
         print(f"{delta:>13.1f}{own:>9.1f}{cum:>9.1f}{calls:>11.2f}  {name}")
 
 
@@ -289,8 +308,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a busy machine)")
-    p.add_argument("--profile", choices=("accelerator", "trainer"), default=None,
-                   help="cProfile this loop and the raw one instead, and list where the time differs")
+    p.add_argument(
+        "--profile",
+        choices=("accelerator", "trainer"),
+        default=None,
+        help="cProfile this loop and the raw one instead, and list where the time differs",
+    )
     p.add_argument("--profile-top", type=int, default=35)
     return p.parse_args(argv)
 
@@ -300,8 +323,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.set_num_threads(args.threads)
     if args.ddp:
         if "RANK" not in os.environ:
-            sys.exit("--ddp: start with python -m torch.distributed.run --standalone --nproc-per-node 2 "
-                     "benchmarks/overhead.py --ddp")
+            sys.exit(
+                "--ddp: start with python -m torch.distributed.run --standalone --nproc-per-node 2 "
+                "benchmarks/overhead.py --ddp"
+            )
         dist.init_process_group("gloo")
     args.runs, root = 0, [tempfile.mkdtemp(prefix="tf-overhead-") if not args.ddp or dist.get_rank() == 0 else None]
     if args.ddp:

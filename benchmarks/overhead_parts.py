@@ -9,6 +9,7 @@ what a raw loop does instead. The last rows time whole loops with an almost free
 total overhead can be compared with the sum of the pieces (the rest is the loop's own glue:
 event dispatch, step bookkeeping, property lookups).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,23 +69,31 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
     out: Dict[str, float] = {}
 
     out["nonfinite check: bool(torch.isfinite(loss).all())  [Trainer._check_loss]"] = best_us(
-        lambda: bool(torch.isfinite(loss).all()), number, repeat)
+        lambda: bool(torch.isfinite(loss).all()), number, repeat
+    )
     out["  (alternative: math.isfinite(loss.item()), CPU only)"] = best_us(
-        lambda: math.isfinite(loss.item()), number, repeat)
+        lambda: math.isfinite(loss.item()), number, repeat
+    )
 
     store = MetricStore()
     out["self.log('train/loss', loss): MetricStore.log  [trainer/metrics.py]"] = best_us(
-        lambda: store.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False,
-                          batch_size=1), number, repeat)
+        lambda: store.log(
+            "train/loss", loss, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, batch_size=1
+        ),
+        number,
+        repeat,
+    )
 
     def accumulate() -> None:
         with acc.accumulate(model):
             pass
+
     out["with accelerator.accumulate(model)  [Accelerator.accumulate]"] = best_us(accumulate, number, repeat)
 
     def autocast() -> None:
         with acc.autocast():
             pass
+
     out["with accelerator.autocast() (fp32)  [Precision.autocast]"] = best_us(autocast, number, repeat)
 
     def raw_step() -> None:
@@ -94,8 +103,10 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
     def prepared_step() -> None:
         prepared_opt.step()
         prepared_opt.zero_grad()
+
     out["optimizer.step()+zero_grad() via PreparedOptimizer, delta  [trainer/wrappers.py]"] = delta_us(
-        prepared_step, raw_step, number, repeat)
+        prepared_step, raw_step, number, repeat
+    )
 
     leaf = torch.ones((), requires_grad=True)
 
@@ -104,24 +115,35 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
 
     def acc_backward() -> None:
         acc.backward(leaf * 1.0)
+
     out["accelerator.backward(loss), delta  [Accelerator/Strategy/Precision.backward]"] = delta_us(
-        acc_backward, raw_backward, number, repeat)
+        acc_backward, raw_backward, number, repeat
+    )
 
     data = overhead.InMemory(64 * 520, 4, 3)
     args = SimpleNamespace(batch_size=64)
     plain = per_batch_us(lambda: overhead.make_loader(data, args), 500, repeat)
-    resumable = per_batch_us(lambda: prepare_dataloader(overhead.make_loader(data, args), rank=0, world_size=1),
-                             500, repeat)
+    resumable = per_batch_us(
+        lambda: prepare_dataloader(overhead.make_loader(data, args), rank=0, world_size=1), 500, repeat
+    )
     prepared = per_batch_us(lambda: acc.prepare_data_loader(overhead.make_loader(data, args)), 500, repeat)
     out["next(batch): ResumableDataLoader, delta  [strategies/data/loader.py, data_sampler.py]"] = resumable - plain
     out["next(batch): PreparedDataLoader on top, delta  [trainer/wrappers.py, move_to_device]"] = prepared - resumable
 
     bar = ProgressBar(stream=overhead._TerminalSink())
-    fake = SimpleNamespace(is_global_zero=True, num_training_batches=10**9, batch_idx=0, current_epoch=0,
-                           global_step=1, log_every_n_steps=50, _metrics={"train": MetricStore()})
+    fake = SimpleNamespace(
+        is_global_zero=True,
+        num_training_batches=10**9,
+        batch_idx=0,
+        current_epoch=0,
+        global_step=1,
+        log_every_n_steps=50,
+        _metrics={"train": MetricStore()},
+    )
     bar.on_train_epoch_start(fake, None)
     out["ProgressBar.on_train_batch_end (tqdm on a terminal)  [callbacks/progress.py]"] = best_us(
-        lambda: bar.on_train_batch_end(fake, None, loss, None, 0), number, repeat)
+        lambda: bar.on_train_batch_end(fake, None, loss, None, 0), number, repeat
+    )
     bar._close()
     return out
 
@@ -129,8 +151,9 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
 def whole_loops(repeat: int) -> Dict[str, float]:
     """Per-step time of each loop with an almost free model (4-4-4-3 MLP) and batches of 64 (the
     data loader's cost grows with the batch size, the rest does not): the overhead."""
-    args = overhead.parse_args(["--d-in", "4", "--hidden", "4", "--classes", "3", "--batch-size", "64",
-                                "--steps", "300"])
+    args = overhead.parse_args(
+        ["--d-in", "4", "--hidden", "4", "--classes", "3", "--batch-size", "64", "--steps", "300"]
+    )
     args.runs, args.root = 0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".overhead_parts_runs")
     data = overhead.InMemory((args.warmup + args.steps + 2) * args.batch_size, args.d_in, args.classes)
     best: Dict[str, float] = {name: float("inf") for name in overhead.LOOPS}

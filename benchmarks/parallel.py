@@ -12,6 +12,7 @@ stage is printed), and the median step time. Pipeline layouts run the Trainer's 
 (``strategy.forward_backward``: 1F1B over ``--microbatches`` micro-batches). On a GPU each row also
 prints tokens/s. Nothing is asserted: CPU timings on a shared machine are noisy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,7 +91,9 @@ def run_layout(tp: int, pp: int, args: argparse.Namespace) -> None:
     total = sum(p.numel() for p in model.parameters())  # this rank's stage(s), global sizes (DTensor.numel)
     p_tp = strategy.tp_coverage.get("sharded_numel", 0)
     dp = strategy.dims.dp
-    name = " x ".join(f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v > 1 or k == "dp" and tp == pp == 1)
+    name = " x ".join(
+        f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v > 1 or k == "dp" and tp == pp == 1
+    )
     g = torch.Generator().manual_seed(strategy.data_parallel_rank)
     x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(strategy.root_device)
     times = []
@@ -117,8 +120,10 @@ def run_layout(tp: int, pp: int, args: argparse.Namespace) -> None:
         ms = statistics.median(t for _, t, _ in rows) * 1e3
         tokens = args.batch * args.seq * dp / (ms / 1e3)
         extra = f"  {tokens:10.0f} tok/s" if strategy.root_device.type == "cuda" else ""
-        print(f"{name:10s} per-rank MiB [{per_rank}]  formula {formula / 2**20:.3f} MiB  step {ms:8.2f} ms{extra}",
-              flush=True)
+        print(
+            f"{name:10s} per-rank MiB [{per_rank}]  formula {formula / 2**20:.3f} MiB  step {ms:8.2f} ms{extra}",
+            flush=True,
+        )
     dist.barrier()
     strategy.pipeline = None  # the next layout builds its own mesh and schedule
 
@@ -137,14 +142,25 @@ def main() -> None:
     args, _ = parser.parse_known_args()
     if "RANK" not in os.environ:  # re-launch on --processes processes
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
-                                                        env.get("PYTHONPATH", "")) if p)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}",
-               __file__, *sys.argv[1:]]
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")) if p
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.processes}",
+            __file__,
+            *sys.argv[1:],
+        ]
         sys.exit(subprocess.call(cmd, env=env))
     if int(os.environ["RANK"]) == 0:
-        print(f"model: GPT dim={args.dim} depth={args.depth} vocab={args.vocab}; batch {args.batch}/dp rank x "
-              f"seq {args.seq}; {os.environ['WORLD_SIZE']} processes; bytes = params + AdamW state", flush=True)
+        print(
+            f"model: GPT dim={args.dim} depth={args.depth} vocab={args.vocab}; batch {args.batch}/dp rank x "
+            f"seq {args.seq}; {os.environ['WORLD_SIZE']} processes; bytes = params + AdamW state",
+            flush=True,
+        )
     world = int(os.environ["WORLD_SIZE"])
     for tp, pp in LAYOUTS:
         if world % (tp * pp) == 0 and (pp == 1 or args.depth >= pp):

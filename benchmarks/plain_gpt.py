@@ -2,6 +2,7 @@
 for the fp8 runs of throughput.py: every matmul is an ``nn.Linear`` whose sizes divide by 16, so
 torchao's float8 conversion reaches all of them but the output head (kept in bf16, as the
 Trainer's filter does). n_layer=18, n_embd=2048, vocab 50304: 1.01B parameters."""
+
 from __future__ import annotations
 
 import torch

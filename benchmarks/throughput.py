@@ -18,6 +18,7 @@ to raw in the same mode. MFU = 6 * N * tokens/s / peak, N = parameter count (emb
 attention FLOPs not), peak = the dense bf16 FLOP/s of the GPU found in ``PEAK_FLOPS`` by name
 (``--peak-tflops`` overrides; on CPU MFU is shown only with ``--peak-tflops``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,21 @@ from trainforge.callbacks import ProgressBar
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s from the vendors' datasheets; first match wins,
 # so more specific names come first.
 PEAK_FLOPS: Tuple[Tuple[str, float], ...] = (
-    ("B200", 2250e12), ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12),
-    ("H100", 989e12), ("H800", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
-    ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12), ("MI300X", 1307e12),
+    ("B200", 2250e12),
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("MI300X", 1307e12),
     ("MI250X", 383e12),
 )
 
@@ -104,8 +117,9 @@ def gpt2_config(small: bool):
     from transformers import GPT2Config
 
     if small:  # a few seconds per step on a CPU
-        return GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=512, bos_token_id=511,
-                          eos_token_id=511)
+        return GPT2Config(
+            n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=512, bos_token_id=511, eos_token_id=511
+        )
     return GPT2Config()  # GPT-2 124M: 12 layers, 12 heads, 768 wide, 1024 positions, 50257 tokens
 
 
@@ -138,8 +152,14 @@ def make_optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optimi
 
 
 def make_loader(data: Dataset, args: argparse.Namespace, device: torch.device) -> DataLoader:
-    return DataLoader(data, batch_size=args.batch_size, shuffle=True, collate_fn=keep_batch, num_workers=0,
-                      pin_memory=device.type == "cuda")
+    return DataLoader(
+        data,
+        batch_size=args.batch_size,
+        shuffle=True,
+        collate_fn=keep_batch,
+        num_workers=0,
+        pin_memory=device.type == "cuda",
+    )
 
 
 # ---- the three loops -----------------------------------------------------------------------------
@@ -171,8 +191,9 @@ def run_raw(args: argparse.Namespace, data: Dataset, compile: bool, device: torc
     return clock.per_step
 
 
-def run_accelerator(args: argparse.Namespace, data: Dataset, compile: bool, device: torch.device,
-                    precision: str) -> float:
+def run_accelerator(
+    args: argparse.Namespace, data: Dataset, compile: bool, device: torch.device, precision: str
+) -> float:
     accelerator = Accelerator(precision=precision)
     model = make_model(args)
     if compile:
@@ -221,26 +242,38 @@ class _Terminal:
         return True
 
 
-def run_trainer(args: argparse.Namespace, data: Dataset, compile: bool, device: torch.device, precision: str,
-                defaults: bool = False) -> float:
+def run_trainer(
+    args: argparse.Namespace, data: Dataset, compile: bool, device: torch.device, precision: str, defaults: bool = False
+) -> float:
     """``defaults``: every default on (tqdm bar, CSV tracker, end-of-fit checkpoint, which falls after the
     measured window); otherwise the bar and the tracker without checkpointing."""
     clock = StepClock(args.warmup, args.steps, device)
     with tempfile.TemporaryDirectory(prefix="tf-throughput-") as root:
         extra = {} if defaults else {"enable_checkpointing": False}
-        trainer = Trainer(precision=precision, max_steps=args.warmup + args.steps + 1, compile=compile,
-                          default_root_dir=root, callbacks=[ProgressBar(stream=_Terminal())], **extra)
+        trainer = Trainer(
+            precision=precision,
+            max_steps=args.warmup + args.steps + 1,
+            compile=compile,
+            default_root_dir=root,
+            callbacks=[ProgressBar(stream=_Terminal())],
+            **extra,
+        )
         trainer.fit(LitGPT2(make_model(args), clock), make_loader(data, args, device))
     return clock.per_step
 
 
-def run_trainer_defaults(args: argparse.Namespace, data: Dataset, compile: bool, device: torch.device,
-                         precision: str) -> float:
+def run_trainer_defaults(
+    args: argparse.Namespace, data: Dataset, compile: bool, device: torch.device, precision: str
+) -> float:
     return run_trainer(args, data, compile, device, precision, defaults=True)
 
 
-LOOPS: Dict[str, Callable[..., float]] = {"raw": run_raw, "accelerator": run_accelerator, "trainer": run_trainer,
-                                          "trainer-defaults": run_trainer_defaults}
+LOOPS: Dict[str, Callable[..., float]] = {
+    "raw": run_raw,
+    "accelerator": run_accelerator,
+    "trainer": run_trainer,
+    "trainer-defaults": run_trainer_defaults,
+}
 
 
 def add_peer_loops() -> None:
@@ -262,18 +295,25 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the model's {cfg.n_positions} positions")
     vocab = 50304 if args.model == "gpt1b" else cfg.vocab_size
     data = RandomTokens((args.warmup + args.steps + 2) * args.batch_size, args.seq_len, vocab)
-    variants = [(loop, mode, prec) for prec in args.precision for mode in args.modes for loop in args.loops
-                if loop not in NO_FP8 or prec != "fp8"]
+    variants = [
+        (loop, mode, prec)
+        for prec in args.precision
+        for mode in args.modes
+        for loop in args.loops
+        if loop not in NO_FP8 or prec != "fp8"
+    ]
     times: Dict[Tuple[str, str, str], List[float]] = {v: [] for v in variants}
     for r in range(args.repeats):
-        for loop, mode, prec in variants[r % len(variants):] + variants[:r % len(variants)]:
+        for loop, mode, prec in variants[r % len(variants) :] + variants[: r % len(variants)]:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             per_step = LOOPS[loop](args, data, mode == "compile", device, prec)
             times[(loop, mode, prec)].append(per_step)
-            print(f"  repeat {r + 1}/{args.repeats} {loop:<17}{mode:<8}{prec:<11}{per_step * 1e3:10.2f} ms/step",
-                  flush=True)
+            print(
+                f"  repeat {r + 1}/{args.repeats} {loop:<17}{mode:<8}{prec:<11}{per_step * 1e3:10.2f} ms/step",
+                flush=True,
+            )
     n_params = sum(p.numel() for p in make_model(args).parameters())
     report(times, args, device, n_params)
 
@@ -281,19 +321,24 @@ def main(argv: Optional[List[str]] = None) -> None:
 NO_FP8 = ("accelerate", "lightning")  # the peers' rows are bf16/fp32 only here
 
 
-def report(times: Dict[Tuple[str, str, str], List[float]], args: argparse.Namespace, device: torch.device,
-           n_params: int) -> None:
+def report(
+    times: Dict[Tuple[str, str, str], List[float]], args: argparse.Namespace, device: torch.device, n_params: int
+) -> None:
     peak = peak_flops(device, args.peak_tflops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     tokens = args.batch_size * args.seq_len
     model = {"gpt1b": "plain GPT", "gpt2": "GPT-2 (small config)" if args.small else "GPT-2 124M"}[args.model]
-    print(f"\nthroughput benchmark on {name}: {model} "
-          f"({n_params / 1e6:.1f}M parameters), batch {args.batch_size} x seq {args.seq_len} = {tokens} tokens/step, "
-          f"{args.repeats} interleaved repeats x {args.steps} steps, torch {torch.__version__}"
-          + (f", peak {peak / 1e12:.0f} TFLOP/s" if peak else ", MFU n/a (unknown peak: pass --peak-tflops)"))
+    print(
+        f"\nthroughput benchmark on {name}: {model} "
+        f"({n_params / 1e6:.1f}M parameters), batch {args.batch_size} x seq {args.seq_len} = {tokens} tokens/step, "
+        f"{args.repeats} interleaved repeats x {args.steps} steps, torch {torch.__version__}"
+        + (f", peak {peak / 1e12:.0f} TFLOP/s" if peak else ", MFU n/a (unknown peak: pass --peak-tflops)")
+    )
     print("MFU counts the bf16 peak for every precision (fp8 above 100% of it is possible)")
-    print(f"{'loop':<18}{'mode':<9}{'precision':<12}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'ratio to raw':>14}"
-          f"{'vs bf16':>9}")
+    print(
+        f"{'loop':<18}{'mode':<9}{'precision':<12}{'ms/step':>10}{'tokens/s':>12}{'MFU':>8}{'ratio to raw':>14}"
+        f"{'vs bf16':>9}"
+    )
     for (loop, mode, prec), values in times.items():
         med = statistics.median(values)
         raw = times.get(("raw", mode, prec))
@@ -306,27 +351,43 @@ def report(times: Dict[Tuple[str, str, str], List[float]], args: argparse.Namesp
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GPT-2 training throughput: raw loop vs Accelerator vs Trainer")
-    p.add_argument("--small", action="store_true",
-                   help="tiny GPT-2 config, short sequences, few steps (a CPU smoke test)")
+    p.add_argument(
+        "--small", action="store_true", help="tiny GPT-2 config, short sequences, few steps (a CPU smoke test)"
+    )
     p.add_argument("--batch-size", type=int, default=None, help="default 16 (--small: 4)")
     p.add_argument("--seq-len", type=int, default=None, help="default 1024 (--small: 64)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 30; --small: 4)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; --small: 2)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; --small: 1)")
-    p.add_argument("--precision", default="bf16-mixed",
-                   help="comma-separated among 32, bf16-mixed, 16-mixed, fp8 (16-mixed and fp8 need a GPU; fp8 "
-                        "needs torchao and prints its speed-up over bf16-mixed when both are given)")
-    p.add_argument("--model", default="gpt2", choices=("gpt2", "gpt1b"),
-                   help="gpt2: GPT-2 124M from transformers; gpt1b: a 1.0B GPT of plain blocks (fp8 runs)")
-    p.add_argument("--loops", default="raw,accelerator,trainer,trainer-defaults,accelerate,lightning",
-                   help="the peers (accelerate, lightning) only where installed")
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        help="comma-separated among 32, bf16-mixed, 16-mixed, fp8 (16-mixed and fp8 need a GPU; fp8 "
+        "needs torchao and prints its speed-up over bf16-mixed when both are given)",
+    )
+    p.add_argument(
+        "--model",
+        default="gpt2",
+        choices=("gpt2", "gpt1b"),
+        help="gpt2: GPT-2 124M from transformers; gpt1b: a 1.0B GPT of plain blocks (fp8 runs)",
+    )
+    p.add_argument(
+        "--loops",
+        default="raw,accelerator,trainer,trainer-defaults,accelerate,lightning",
+        help="the peers (accelerate, lightning) only where installed",
+    )
     p.add_argument("--modes", default="eager,compile", help="eager, compile, or both")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s for MFU, overriding the table")
     args = p.parse_args(argv)
     add_peer_loops()
     small = args.small
-    for name, big, tiny in (("batch_size", 16, 4), ("seq_len", 1024, 64), ("steps", 30, 4), ("warmup", 10, 2),
-                            ("repeats", 3, 1)):
+    for name, big, tiny in (
+        ("batch_size", 16, 4),
+        ("seq_len", 1024, 64),
+        ("steps", 30, 4),
+        ("warmup", 10, 2),
+        ("repeats", 3, 1),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, tiny if small else big)
     args.loops = [x.strip() for x in args.loops.split(",") if x.strip()]
@@ -334,8 +395,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.loops = [loop for loop in args.loops if loop in LOOPS]
     args.modes = [x.strip() for x in args.modes.split(",") if x.strip()]
     args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
-    for flag, given, valid in (("--loops", args.loops, tuple(LOOPS)), ("--modes", args.modes, ("eager", "compile")),
-                               ("--precision", args.precision, ("32", "bf16-mixed", "16-mixed", "fp8"))):
+    for flag, given, valid in (
+        ("--loops", args.loops, tuple(LOOPS)),
+        ("--modes", args.modes, ("eager", "compile")),
+        ("--precision", args.precision, ("32", "bf16-mixed", "16-mixed", "fp8")),
+    ):
         bad = [x for x in given if x not in valid]
         if bad or not given:
             p.error(f"{flag}={','.join(given)!r}: choose from {', '.join(valid)}")

@@ -1,5 +1,6 @@
 """Callbacks: checkpointing, tracking, monitoring, progress. Imported lazily, so a tracker's
 backend library is needed only when that tracker is used."""
+
 from __future__ import annotations
 
 import importlib

@@ -7,6 +7,7 @@ Never overwritten: a checkpoint of another run (its metadata's ``run_id`` differ
 run would use; this run's checkpoint gets ``-v1``, ``-v2``... instead (logged once). Pruning deletes
 only trainforge checkpoints directly inside this callback's directory; paths restored from a
 checkpoint's saved state are checked the same way before anything is deleted."""
+
 from __future__ import annotations
 
 import logging
@@ -36,17 +37,22 @@ def _check_template(filename: Any, within_epoch: bool) -> None:
     """Audit N-CK2 / N-CK5: a malformed template was used literally, and one without ``{step}`` made the
     saves of one epoch replace each other."""
     if not isinstance(filename, str):
-        raise ConfigurationError(f"ModelCheckpoint filename={filename!r} must be a string template, e.g. "
-                                 "'{epoch}-{step}'")
+        raise ConfigurationError(
+            f"ModelCheckpoint filename={filename!r} must be a string template, e.g. '{{epoch}}-{{step}}'"
+        )
     rest = _FIELD.sub("", filename)
     if "{" in rest or "}" in rest:
-        raise ConfigurationError(f"ModelCheckpoint filename={filename!r} is not a valid template: every '{{' and "
-                                 "'}' must enclose a field name, e.g. '{epoch}-{step}' or '{epoch}-{val/loss:.3f}'")
+        raise ConfigurationError(
+            f"ModelCheckpoint filename={filename!r} is not a valid template: every '{{' and "
+            "'}' must enclose a field name, e.g. '{epoch}-{step}' or '{epoch}-{val/loss:.3f}'"
+        )
     if within_epoch and {m.group(1) for m in _FIELD.finditer(filename)} <= {"epoch"}:
-        raise ConfigurationError(f"ModelCheckpoint(filename={filename!r}) saves several times per epoch "
-                                 "(every_n_steps or train_time_interval) but its names change only with the epoch: "
-                                 "each save of an epoch would replace the one before; add {step}, e.g. "
-                                 "'{epoch}-{step}'")
+        raise ConfigurationError(
+            f"ModelCheckpoint(filename={filename!r}) saves several times per epoch "
+            "(every_n_steps or train_time_interval) but its names change only with the epoch: "
+            "each save of an epoch would replace the one before; add {step}, e.g. "
+            "'{epoch}-{step}'"
+        )
 
 
 class ModelCheckpoint(Callback):
@@ -73,13 +79,25 @@ class ModelCheckpoint(Callback):
             background, one save at a time, and pruning waits for the new checkpoint's commit.
     """
 
-    def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None, monitor: Optional[str] = None,
-                 mode: str = "min", save_top_k: int = 1, every_n_steps: Optional[int] = None,
-                 every_n_epochs: Optional[int] = None, save_last: bool = False,
-                 keep_last_k: Optional[int] = None, *, every_n_train_steps: Optional[int] = None,
-                 train_time_interval: Optional[timedelta] = None, save_weights_only: bool = False,
-                 auto_insert_metric_name: bool = True, save_on_train_epoch_end: Optional[bool] = None,
-                 async_save: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        every_n_steps: Optional[int] = None,
+        every_n_epochs: Optional[int] = None,
+        save_last: bool = False,
+        keep_last_k: Optional[int] = None,
+        *,
+        every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[timedelta] = None,
+        save_weights_only: bool = False,
+        auto_insert_metric_name: bool = True,
+        save_on_train_epoch_end: Optional[bool] = None,
+        async_save: Optional[bool] = None,
+    ) -> None:
         self.async_save = check_async_save(async_save, "ModelCheckpoint")
         if mode not in MODES:
             raise invalid_choice("mode", mode, MODES)
@@ -87,23 +105,33 @@ class ModelCheckpoint(Callback):
             check_metric_name(monitor, "ModelCheckpoint(monitor)")
         if every_n_train_steps is not None:
             if every_n_steps is not None and every_n_steps != every_n_train_steps:
-                raise ConfigurationError(f"every_n_steps={every_n_steps!r} and every_n_train_steps="
-                                         f"{every_n_train_steps!r} are the same setting; pass one")
+                raise ConfigurationError(
+                    f"every_n_steps={every_n_steps!r} and every_n_train_steps="
+                    f"{every_n_train_steps!r} are the same setting; pass one"
+                )
             every_n_steps = every_n_train_steps
             if monitor is None and keep_last_k is None:
-                warnings.warn("ModelCheckpoint(every_n_train_steps=...) without monitor keeps every periodic "
-                              "checkpoint (Lightning keeps only the newest); pass keep_last_k=1 for that",
-                              UserWarning, stacklevel=2)
-        for name, value in (("every_n_steps", every_n_steps), ("every_n_epochs", every_n_epochs),
-                            ("keep_last_k", keep_last_k)):
+                warnings.warn(
+                    "ModelCheckpoint(every_n_train_steps=...) without monitor keeps every periodic "
+                    "checkpoint (Lightning keeps only the newest); pass keep_last_k=1 for that",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        for name, value in (
+            ("every_n_steps", every_n_steps),
+            ("every_n_epochs", every_n_epochs),
+            ("keep_last_k", keep_last_k),
+        ):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name}={value!r} must be an int >= 1 or None")
         if not isinstance(save_top_k, int) or save_top_k < -1:
             raise ConfigurationError(f"save_top_k={save_top_k!r} must be -1 (keep all), 0 (none) or a count >= 1")
         if monitor is None and save_top_k not in (-1, 0, 1):
-            raise ConfigurationError(f"ModelCheckpoint(save_top_k={save_top_k}) without monitor: there is no metric "
-                                     "to rank checkpoints by; pass monitor='<logged metric>', or save_top_k -1 "
-                                     "(keep all), 0 or 1 (the newest)")
+            raise ConfigurationError(
+                f"ModelCheckpoint(save_top_k={save_top_k}) without monitor: there is no metric "
+                "to rank checkpoints by; pass monitor='<logged metric>', or save_top_k -1 "
+                "(keep all), 0 or 1 (the newest)"
+            )
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
             raise ConfigurationError(f"train_time_interval={train_time_interval!r} must be a datetime.timedelta")
         self.dirpath = dirpath
@@ -115,17 +143,18 @@ class ModelCheckpoint(Callback):
         self.train_time_interval = train_time_interval
         self.save_weights_only, self.save_on_train_epoch_end = save_weights_only, save_on_train_epoch_end
         # Lightning's default: no trigger given -> every epoch end, the newest save_top_k kept
-        self._epoch_default = monitor is None and every_n_steps is None and every_n_epochs is None \
-            and train_time_interval is None
+        self._epoch_default = (
+            monitor is None and every_n_steps is None and every_n_epochs is None and train_time_interval is None
+        )
         if self._epoch_default:
             self.every_n_epochs = 1 if save_top_k != 0 else None
             if keep_last_k is None and save_top_k >= 1:
                 keep_last_k = save_top_k
         self.save_last, self.keep_last_k = save_last, keep_last_k
-        self.best_k: Dict[str, float] = {}     # path -> score (monitored saves)
-        self.periodic: List[str] = []          # paths of periodic saves, oldest first
+        self.best_k: Dict[str, float] = {}  # path -> score (monitored saves)
+        self.periodic: List[str] = []  # paths of periodic saves, oldest first
         self.last_saved_step = -1
-        self.last_path: Optional[str] = None   # the newest checkpoint written, whatever its kind
+        self.last_path: Optional[str] = None  # the newest checkpoint written, whatever its kind
         self.last_model_path: Optional[str] = None  # the ``last`` checkpoint (save_last)
         self._last_written_step = -1  # the step of the ``last`` checkpoint
         self.current_score: Optional[float] = None
@@ -135,9 +164,15 @@ class ModelCheckpoint(Callback):
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {"best_k": dict(self.best_k), "periodic": list(self.periodic), "last_saved_step": self.last_saved_step,
-                "last_path": self.last_path, "monitor": self.monitor, "last_model_path": self.last_model_path,
-                "current_score": self.current_score}
+        return {
+            "best_k": dict(self.best_k),
+            "periodic": list(self.periodic),
+            "last_saved_step": self.last_saved_step,
+            "last_path": self.last_path,
+            "monitor": self.monitor,
+            "last_model_path": self.last_model_path,
+            "current_score": self.current_score,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.best_k = dict(state.get("best_k", {}))
@@ -152,6 +187,7 @@ class ModelCheckpoint(Callback):
         """The checkpoint's paths, which name the directory of the run that wrote them, resolved against
         this run's directory by name: a copied run (``cp -r``) keeps top-k and pruning inside its copy,
         and a downloaded checkpoint cannot name another folder (a checkpoint's state is data)."""
+
         def here(path: Optional[str]) -> Optional[str]:
             name = Path(path).name if isinstance(path, str) else ""
             return str(root / name) if name not in ("", ".", "..") else None
@@ -195,8 +231,9 @@ class ModelCheckpoint(Callback):
             self._restored_paths = False
             self._place_restored_paths(self.directory(trainer))
 
-    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         n = self.every_n_steps
         if n and trainer.global_step % n == 0 and trainer.global_step != self.last_saved_step:
             self._save_periodic(trainer)
@@ -230,8 +267,10 @@ class ModelCheckpoint(Callback):
 
     def _save_top_k(self, trainer: "TrainerView") -> None:
         if self.monitor not in trainer.callback_metrics:
-            raise ConfigurationError(f"ModelCheckpoint(monitor={self.monitor!r}): no such logged metric; available: "
-                                     f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...)")
+            raise ConfigurationError(
+                f"ModelCheckpoint(monitor={self.monitor!r}): no such logged metric; available: "
+                f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...)"
+            )
         score = trainer.strategy.broadcast(float(trainer.callback_metrics[self.monitor]), 0)
         self.current_score = score
         if self.save_top_k == 0 or math.isnan(score) or not self._improves(score):
@@ -288,8 +327,12 @@ class ModelCheckpoint(Callback):
                 free = f"{name}-v{version}"
             if version and not self._versioned_logged:
                 self._versioned_logged = True
-                log.warning("ModelCheckpoint: %s is taken by another run; saving as %s (nothing is overwritten; "
-                            "to continue that run use Trainer(resume='auto'))", directory / name, free)
+                log.warning(
+                    "ModelCheckpoint: %s is taken by another run; saving as %s (nothing is overwritten; "
+                    "to continue that run use Trainer(resume='auto'))",
+                    directory / name,
+                    free,
+                )
         return str(directory / trainer.strategy.broadcast(free, 0))
 
     def _write(self, trainer: "TrainerView", path: str) -> None:
@@ -314,8 +357,10 @@ class ModelCheckpoint(Callback):
         try:
             name = _FIELD.sub(fill, self.filename)
         except (KeyError, ValueError, IndexError) as exc:
-            raise ConfigurationError(f"ModelCheckpoint filename={self.filename!r} cannot be filled ({exc}); it may "
-                                     f"use epoch, step and the logged metrics {sorted(trainer.callback_metrics)}") from None
+            raise ConfigurationError(
+                f"ModelCheckpoint filename={self.filename!r} cannot be filled ({exc}); it may "
+                f"use epoch, step and the logged metrics {sorted(trainer.callback_metrics)}"
+            ) from None
         return name.replace("/", "_").replace(" ", "_")
 
     def _delete(self, trainer: "TrainerView", path: str) -> None:

@@ -6,6 +6,7 @@ loop or with ``check_on_train_epoch_end=True``, as Lightning does. Each rank jud
 then reduced (``all_reduce`` max of a 0/1 tensor: stop if any rank says stop), so every rank sets
 ``trainer.should_stop`` at the same step even when the metric was not synced across ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,20 +32,33 @@ class EarlyStopping(Callback):
     ``stopping_threshold`` (good enough) or crosses ``divergence_threshold`` (hopeless).
     """
 
-    def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0,
-                 check_finite: bool = True, stopping_threshold: Optional[float] = None,
-                 divergence_threshold: Optional[float] = None, verbose: bool = True, strict: bool = True,
-                 check_on_train_epoch_end: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        monitor: str,
+        mode: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        check_finite: bool = True,
+        stopping_threshold: Optional[float] = None,
+        divergence_threshold: Optional[float] = None,
+        verbose: bool = True,
+        strict: bool = True,
+        check_on_train_epoch_end: Optional[bool] = None,
+    ) -> None:
         if mode not in MODES:
-            raise invalid_choice("EarlyStopping(mode)", mode, MODES,
-                                 "use 'min' for losses and errors, 'max' for accuracies and scores")
+            raise invalid_choice(
+                "EarlyStopping(mode)", mode, MODES, "use 'min' for losses and errors, 'max' for accuracies and scores"
+            )
         check_metric_name(monitor, "EarlyStopping(monitor)")
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
-            raise ConfigurationError(f"EarlyStopping(patience={patience!r}) must be an integer >= 0 "
-                                     "(0: stop at the first check without improvement)")
+            raise ConfigurationError(
+                f"EarlyStopping(patience={patience!r}) must be an integer >= 0 "
+                "(0: stop at the first check without improvement)"
+            )
         if min_delta < 0:
-            raise ConfigurationError(f"EarlyStopping(min_delta={min_delta!r}) must be >= 0; "
-                                     "the direction comes from mode")
+            raise ConfigurationError(
+                f"EarlyStopping(min_delta={min_delta!r}) must be >= 0; the direction comes from mode"
+            )
         self.monitor = monitor
         self.mode = mode
         self.patience = int(patience)
@@ -86,9 +100,11 @@ class EarlyStopping(Callback):
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             available = ", ".join(sorted(metrics)) or "(none: nothing was logged)"
-            message = (f"EarlyStopping(monitor={self.monitor!r}): no such metric in trainer.callback_metrics. "
-                       f"Available: {available}. Log it (self.log({self.monitor!r}, value)) "
-                       "or monitor one of the available names")
+            message = (
+                f"EarlyStopping(monitor={self.monitor!r}): no such metric in trainer.callback_metrics. "
+                f"Available: {available}. Log it (self.log({self.monitor!r}, value)) "
+                "or monitor one of the available names"
+            )
             if not self.strict:
                 warnings.warn(message + " (strict=False: not checked this time)", UserWarning, stacklevel=2)
                 return
@@ -103,8 +119,10 @@ class EarlyStopping(Callback):
             self.stopping_reason = reason or "another rank asked to stop"
             trainer.should_stop = True
             if self.verbose and (reason or trainer.is_global_zero):
-                print(f"[rank {trainer.global_rank}] EarlyStopping at epoch {self.stopped_epoch}, "
-                      f"step {self.stopped_step}: {self.stopping_reason}")
+                print(
+                    f"[rank {trainer.global_rank}] EarlyStopping at epoch {self.stopped_epoch}, "
+                    f"step {self.stopped_step}: {self.stopping_reason}"
+                )
 
     def judge(self, current: float) -> Optional[str]:
         """Update wait count / best score with one value; the reason to stop, or None."""
@@ -112,10 +130,12 @@ class EarlyStopping(Callback):
         if self.check_finite and not math.isfinite(current):
             return f"{self.monitor} = {current} is not finite"
         if self.stopping_threshold is not None and (
-                current == self.stopping_threshold or self._better(current, self.stopping_threshold)):
+            current == self.stopping_threshold or self._better(current, self.stopping_threshold)
+        ):
             return f"{self.monitor} = {current:.6g} reached stopping_threshold {self.stopping_threshold}"
         if self.divergence_threshold is not None and not (
-                current == self.divergence_threshold or self._better(current, self.divergence_threshold)):
+            current == self.divergence_threshold or self._better(current, self.divergence_threshold)
+        ):
             return f"{self.monitor} = {current:.6g} crossed divergence_threshold {self.divergence_threshold}"
         delta = -self.min_delta if self.mode == "min" else self.min_delta
         if self._better(current - delta, self.best_score) and math.isfinite(current):
@@ -124,13 +144,20 @@ class EarlyStopping(Callback):
             return None
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            return (f"{self.monitor} did not improve ({op} {self.best_score:.6g} by more than {self.min_delta}) "
-                    f"in the last {self.wait_count} validations")
+            return (
+                f"{self.monitor} did not improve ({op} {self.best_score:.6g} by more than {self.min_delta}) "
+                f"in the last {self.wait_count} validations"
+            )
         return None
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"wait_count": self.wait_count, "best_score": self.best_score, "stopped_epoch": self.stopped_epoch,
-                "stopped_step": self.stopped_step, "patience": self.patience}
+        return {
+            "wait_count": self.wait_count,
+            "best_score": self.best_score,
+            "stopped_epoch": self.stopped_epoch,
+            "stopped_step": self.stopped_step,
+            "patience": self.patience,
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.wait_count = int(state_dict["wait_count"])

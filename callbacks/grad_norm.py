@@ -10,6 +10,7 @@ the step the optimizer is about to complete (``global_step + 1``), next to that 
 optimizers the names get ``_opt<k>``. Parameters whose gradient lives outside ``.grad``
 (DeepSpeed keeps its own buffers) are not seen.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,10 @@ class GradientNormMonitor(Callback):
     def __init__(self, norm_type: float = 2.0, per_layer: bool = False) -> None:
         norm_type = float(norm_type)
         if not (norm_type > 0 or math.isinf(norm_type)):
-            raise ConfigurationError(f"GradientNormMonitor(norm_type={norm_type!r}) must be > 0 or inf "
-                                     "(2.0 for the Euclidean norm, inf for the largest absolute value)")
+            raise ConfigurationError(
+                f"GradientNormMonitor(norm_type={norm_type!r}) must be > 0 or inf "
+                "(2.0 for the Euclidean norm, inf for the largest absolute value)"
+            )
         self.norm_type = norm_type
         self.per_layer = per_layer
         self.last_metrics: Dict[str, float] = {}
@@ -72,8 +75,9 @@ class GradientNormMonitor(Callback):
         """``{"grad_norm/total": ..., "grad_norm/<name>": ...}`` for the optimizer's parameters.
 
         Collective when gradients are DTensors: call it on every rank."""
-        params: List[torch.nn.Parameter] = [p for group in optimizer.param_groups for p in group["params"]
-                                            if p.grad is not None]
+        params: List[torch.nn.Parameter] = [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
         if not params:
             return {}
         metrics = {"grad_norm/total": float(total_norm([p.grad for p in params if p.grad is not None], self.norm_type))}

@@ -11,6 +11,7 @@ used (read in ``on_before_optimizer_step``, before the scheduler moves it), ever
 ``trainer.log_every_n_steps`` steps, next to the loss of that step. ``"epoch"``: at each epoch
 start, the lr the epoch begins with, at step ``trainer.global_step``.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -31,8 +32,12 @@ class LearningRateMonitor(Callback):
 
     def __init__(self, logging_interval: str = "step", log_momentum: bool = False) -> None:
         if logging_interval not in INTERVALS:
-            raise invalid_choice("LearningRateMonitor(logging_interval)", logging_interval, INTERVALS,
-                                 "log once per optimizer step ('step') or once per epoch ('epoch')")
+            raise invalid_choice(
+                "LearningRateMonitor(logging_interval)",
+                logging_interval,
+                INTERVALS,
+                "log once per optimizer step ('step') or once per epoch ('epoch')",
+            )
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
         self.last_metrics: Dict[str, float] = {}
@@ -50,8 +55,9 @@ class LearningRateMonitor(Callback):
             self._pending = self.current_values(trainer)
             self._pending_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self.logging_interval != "step" or step == 0 or step == self._last_step:
             return

@@ -11,6 +11,7 @@ Memory snapshots (``torch.cuda.memory._record_memory_history`` / ``_dump_snapsho
 from ``torch.cuda._memory_viz``) are CUDA-only: on a CPU run they are skipped (one warning when
 ``record_history=True`` was asked for).
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,15 @@ log = logging.getLogger("trainforge")
 
 _MB = 1024.0 * 1024.0
 #: Order of the per-rank vector that is gathered; NaN where a value does not exist on that rank.
-_FIELDS = ("host_rss_mb", "cuda_allocated_mb", "cuda_reserved_mb", "cuda_peak_allocated_mb",
-           "utilization_pct", "temperature_c", "power_w")
+_FIELDS = (
+    "host_rss_mb",
+    "cuda_allocated_mb",
+    "cuda_reserved_mb",
+    "cuda_peak_allocated_mb",
+    "utilization_pct",
+    "temperature_c",
+    "power_w",
+)
 _NVML_FIELDS = ("utilization_pct", "temperature_c", "power_w")
 #: Quantities watched for leaks, and the peak columns of the summary.
 _LEAK_FIELDS = ("host_rss_mb", "cuda_allocated_mb")
@@ -55,12 +63,21 @@ class MemoryMonitor(Callback):
     peak of the interval and the summary can say at which step the run peaked.
     """
 
-    def __init__(self, every_n_steps: int = 50, leak_intervals: int = 5, leak_min_growth_mb: float = 64.0,
-                 snapshot_on_oom: bool = True, snapshot_dir: Optional[str] = None,
-                 record_history: bool = False, history_max_entries: int = 100_000) -> None:
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        leak_intervals: int = 5,
+        leak_min_growth_mb: float = 64.0,
+        snapshot_on_oom: bool = True,
+        snapshot_dir: Optional[str] = None,
+        record_history: bool = False,
+        history_max_entries: int = 100_000,
+    ) -> None:
         if int(every_n_steps) < 1 or int(leak_intervals) < 1:
-            raise ConfigurationError(f"MemoryMonitor(every_n_steps={every_n_steps!r}, "
-                                     f"leak_intervals={leak_intervals!r}): both must be integers >= 1")
+            raise ConfigurationError(
+                f"MemoryMonitor(every_n_steps={every_n_steps!r}, "
+                f"leak_intervals={leak_intervals!r}): both must be integers >= 1"
+            )
         if leak_min_growth_mb < 0:
             raise ConfigurationError(f"MemoryMonitor(leak_min_growth_mb={leak_min_growth_mb!r}) must be >= 0")
         self.every_n_steps = int(every_n_steps)
@@ -86,14 +103,19 @@ class MemoryMonitor(Callback):
         if not self.record_history:
             return
         if not _is_cuda(trainer):
-            warnings.warn("MemoryMonitor(record_history=True): memory snapshots need CUDA; skipped on this "
-                          f"{_device(trainer).type} run", UserWarning, stacklevel=2)
+            warnings.warn(
+                "MemoryMonitor(record_history=True): memory snapshots need CUDA; skipped on this "
+                f"{_device(trainer).type} run",
+                UserWarning,
+                stacklevel=2,
+            )
             return
         torch.cuda.memory._record_memory_history(max_entries=self.history_max_entries)
         self._recording = True
 
-    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step > 0 and step != self._last_step and step % self.every_n_steps == 0:
             self.measure(trainer)
@@ -109,8 +131,11 @@ class MemoryMonitor(Callback):
             print(self.summary())
 
     def on_exception(self, trainer: "TrainerView", module: "TrainingModule", exception: BaseException) -> None:
-        oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
-                                      getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+        oom_types = tuple(
+            t
+            for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
+            if t is not None
+        )
         if self.snapshot_on_oom and isinstance(exception, oom_types) and _is_cuda(trainer):
             # Rank-local on purpose: the other ranks may never reach a collective again.
             self._dump_snapshot(trainer, f"oom_step{trainer.global_step}")
@@ -171,9 +196,11 @@ class MemoryMonitor(Callback):
                 else:
                     self._nvml = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
             handle = self._nvml
-            return {"utilization_pct": float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                    "temperature_c": float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
-                    "power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0}
+            return {
+                "utilization_pct": float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                "temperature_c": float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+            }
         except Exception as err:  # no pynvml, no driver, no permission: GPU health is optional
             log.debug("MemoryMonitor: NVML unavailable (%s); GPU utilisation/temperature/power skipped", err)
             self._nvml = False
@@ -200,12 +227,21 @@ class MemoryMonitor(Callback):
             rising = all(b[1] > a[1] for a, b in zip(samples, samples[1:]))
             growth = samples[-1][1] - samples[0][1]
             if rising and growth > self.leak_min_growth_mb:
-                leak = {"rank": rank, "field": field, "growth_mb": growth,
-                        "from_step": samples[0][0], "to_step": samples[-1][0]}
+                leak = {
+                    "rank": rank,
+                    "field": field,
+                    "growth_mb": growth,
+                    "from_step": samples[0][0],
+                    "to_step": samples[-1][0],
+                }
                 self.leaks.append(leak)
-                warnings.warn(f"MemoryMonitor: possible memory leak on rank {rank}: {field} grew by "
-                              f"{growth:.1f} MB over {self.leak_intervals} consecutive intervals "
-                              f"(steps {leak['from_step']} -> {leak['to_step']})", MemoryLeakWarning, stacklevel=2)
+                warnings.warn(
+                    f"MemoryMonitor: possible memory leak on rank {rank}: {field} grew by "
+                    f"{growth:.1f} MB over {self.leak_intervals} consecutive intervals "
+                    f"(steps {leak['from_step']} -> {leak['to_step']})",
+                    MemoryLeakWarning,
+                    stacklevel=2,
+                )
                 window.clear()
                 window.append(samples[-1])
 
@@ -232,8 +268,10 @@ class MemoryMonitor(Callback):
     # ---- summary and state ----------------------------------------------------------------
     def summary(self) -> str:
         """A table: peak host RSS and CUDA memory per rank and the step where each happened."""
-        lines = ["MemoryMonitor summary (MB, peak per rank)",
-                 f"{'rank':>4}  {'host_rss_peak':>13}  {'at_step':>7}  {'cuda_peak':>10}  {'at_step':>7}"]
+        lines = [
+            "MemoryMonitor summary (MB, peak per rank)",
+            f"{'rank':>4}  {'host_rss_peak':>13}  {'at_step':>7}  {'cuda_peak':>10}  {'at_step':>7}",
+        ]
         for rank in sorted(self.peaks):
             cells = []
             for field, width in (("host_rss_mb", 13), ("cuda_peak_allocated_mb", 10)):
@@ -246,12 +284,16 @@ class MemoryMonitor(Callback):
 
     def state_dict(self) -> Dict[str, Any]:
         # The leak windows are not saved: a resumed process starts from its own memory baseline.
-        return {"peaks": {r: {f: list(v) for f, v in p.items()} for r, p in self.peaks.items()},
-                "leaks": list(self.leaks), "last_step": self._last_step}
+        return {
+            "peaks": {r: {f: list(v) for f, v in p.items()} for r, p in self.peaks.items()},
+            "leaks": list(self.leaks),
+            "last_step": self._last_step,
+        }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.peaks = {int(r): {f: (float(v[0]), int(v[1])) for f, v in p.items()}
-                      for r, p in state_dict.get("peaks", {}).items()}
+        self.peaks = {
+            int(r): {f: (float(v[0]), int(v[1])) for f, v in p.items()} for r, p in state_dict.get("peaks", {}).items()
+        }
         self.leaks = list(state_dict.get("leaks", []))
         self._last_step = int(state_dict.get("last_step", -1))
 

@@ -1,5 +1,6 @@
 """The default progress display: a tqdm bar on a terminal, a plain line per ``log_every_n_steps``
 otherwise (CI logs, files). Main process only."""
+
 from __future__ import annotations
 
 import sys
@@ -43,11 +44,19 @@ class ProgressBar(Callback):
             total = trainer.num_training_batches
             total = None if total == float("inf") else total  # a loader without length
             initial = trainer.batch_idx if total is None else min(trainer.batch_idx, total)
-            self._bar = tqdm(total=total, initial=initial, desc=f"epoch {trainer.current_epoch}",
-                             file=stream, dynamic_ncols=True, leave=True, unit="batch")
+            self._bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=f"epoch {trainer.current_epoch}",
+                file=stream,
+                dynamic_ncols=True,
+                leave=True,
+                unit="batch",
+            )
 
-    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._enabled(trainer):
             return
         every = self.refresh_every_n_steps or trainer.log_every_n_steps
@@ -67,8 +76,11 @@ class ProgressBar(Callback):
             self._t0, self._last_step = now, trainer.global_step
             fields = " ".join(f"{k}={v}" for k, v in self._postfix(trainer, outputs).items())
             stream = self.stream if self.stream is not None else sys.stderr
-            print(f"epoch {trainer.current_epoch} step {trainer.global_step} {fields} {rate:.2f} it/s",
-                  file=stream, flush=True)
+            print(
+                f"epoch {trainer.current_epoch} step {trainer.global_step} {fields} {rate:.2f} it/s",
+                file=stream,
+                flush=True,
+            )
 
     def _postfix(self, trainer: "TrainerView", outputs: Any) -> Dict[str, str]:
         out: Dict[str, str] = {}

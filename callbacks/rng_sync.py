@@ -17,6 +17,7 @@ The Trainer creates the epoch's data iterator after ``on_train_epoch_start``, so
 decides that epoch's shuffle. Note that identical torch state also means identical dropout masks
 on all ranks after the sync, which is what "same randomness everywhere" implies.
 """
+
 from __future__ import annotations
 
 import random
@@ -67,8 +68,12 @@ class RNGSync(Callback):
 
     def __init__(self, every: str = "epoch") -> None:
         if every not in EVERY:
-            raise invalid_choice("RNGSync(every)", every, EVERY,
-                                 "sync at each training epoch start ('epoch') or each training batch start ('step')")
+            raise invalid_choice(
+                "RNGSync(every)",
+                every,
+                EVERY,
+                "sync at each training epoch start ('epoch') or each training batch start ('step')",
+            )
         self.every = every
         self.syncs = 0  # how many times the state was synced (for inspection)
 
@@ -76,7 +81,9 @@ class RNGSync(Callback):
         if self.every == "epoch":
             self.sync(trainer)
 
-    def on_train_batch_start(self, trainer: "TrainerView", module: "TrainingModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "TrainerView", module: "TrainingModule", batch: Any, batch_idx: int
+    ) -> None:
         if self.every == "step":
             self.sync(trainer)
 
@@ -85,8 +92,12 @@ class RNGSync(Callback):
         samplers = _samplers(trainer)
         state: Optional[Dict[str, Any]] = None
         if trainer.global_rank == 0:
-            state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_state(),
-                     "samplers": [_sampler_state(s) for s in samplers]}
+            state = {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "numpy": _numpy_state(),
+                "samplers": [_sampler_state(s) for s in samplers],
+            }
         state = trainer.strategy.broadcast(state, src=0)
         if trainer.global_rank != 0:
             torch.set_rng_state(state["torch"])

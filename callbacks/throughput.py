@@ -19,6 +19,7 @@ ahead of the GPU, so the monitor calls ``torch.cuda.synchronize`` at report poin
 step would stall the launch queue and cost the throughput being measured. The window's end is thus
 exact; its start may lead the GPU by the launch queue's depth, an error spread over the window.
 """
+
 from __future__ import annotations
 
 import sys
@@ -85,8 +86,12 @@ def peak_flops_for(device: torch.device, precision: str) -> Optional[float]:
 
 def is_transformer(module: nn.Module) -> bool:
     """True for models the ``6 * N * tokens`` rule fits."""
-    kinds: Tuple[type, ...] = (nn.Transformer, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
-                               nn.MultiheadAttention)
+    kinds: Tuple[type, ...] = (
+        nn.Transformer,
+        nn.TransformerEncoderLayer,
+        nn.TransformerDecoderLayer,
+        nn.MultiheadAttention,
+    )
     hf = sys.modules.get("transformers")  # never import transformers just to ask
     if hf is not None and hasattr(hf, "PreTrainedModel"):
         kinds = kinds + (hf.PreTrainedModel,)
@@ -101,8 +106,13 @@ def parameter_count(module: nn.Module) -> int:
 class ThroughputMonitor(Callback):
     """Measure training speed over the last ``window`` batches; see the module docstring."""
 
-    def __init__(self, window: int = 20, flops_per_sample: Optional[float] = None,
-                 tokens_key: Optional[str] = None, peak_flops: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        window: int = 20,
+        flops_per_sample: Optional[float] = None,
+        tokens_key: Optional[str] = None,
+        peak_flops: Optional[float] = None,
+    ) -> None:
         if int(window) < 1:
             raise ConfigurationError(f"ThroughputMonitor(window={window!r}) must be an integer >= 1")
         for name, value in (("flops_per_sample", flops_per_sample), ("peak_flops", peak_flops)):
@@ -115,7 +125,7 @@ class ThroughputMonitor(Callback):
         self.last_metrics: Dict[str, float] = {}
         self._entries: Deque[Tuple[float, float, Any, Any]] = deque(maxlen=self.window + 1)
         self._samples = 0.0
-        self._tokens: Any = None   # int, or a device tensor summed lazily (no sync per step)
+        self._tokens: Any = None  # int, or a device tensor summed lazily (no sync per step)
         self._flops: Any = None
         self._flops_per_token: Optional[float] = None
         self._peak: Optional[float] = None
@@ -141,8 +151,9 @@ class ThroughputMonitor(Callback):
             self._paused += time.perf_counter() - self._pause_start
             self._pause_start = None
 
-    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         samples = batch_size_of(batch)
         tokens = self._count_tokens(batch)
         self._samples += samples
@@ -169,8 +180,10 @@ class ThroughputMonitor(Callback):
         if self.tokens_key is not None:
             if not isinstance(batch, dict) or self.tokens_key not in batch:
                 keys = sorted(map(str, batch)) if isinstance(batch, dict) else f"a {type(batch).__name__}, not a dict"
-                raise ConfigurationError(f"ThroughputMonitor(tokens_key={self.tokens_key!r}): the batch has no such "
-                                         f"key (batch keys: {keys}); pass one of them or tokens_key=None")
+                raise ConfigurationError(
+                    f"ThroughputMonitor(tokens_key={self.tokens_key!r}): the batch has no such "
+                    f"key (batch keys: {keys}); pass one of them or tokens_key=None"
+                )
             return _numel_or_count(batch[self.tokens_key], is_count=False)
         if isinstance(batch, dict):
             if "num_tokens" in batch:

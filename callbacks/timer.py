@@ -6,6 +6,7 @@ rank 0 and broadcast (``trainer.strategy.broadcast``), so all ranks stop after t
 epoch even though their clocks differ slightly. The elapsed times are saved in ``state_dict``: a
 resumed run counts the time already spent.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,18 +35,24 @@ def parse_duration(duration: Union[str, timedelta, Dict[str, float], None]) -> O
     if isinstance(duration, str):
         match = _DURATION.match(duration.strip())
         if match is None:
-            raise ConfigurationError(f"Timer(duration={duration!r}) is not of the form 'DD:HH:MM:SS' "
-                                     "(e.g. '00:12:00:00' for 12 hours); or pass a timedelta or dict(hours=12)")
+            raise ConfigurationError(
+                f"Timer(duration={duration!r}) is not of the form 'DD:HH:MM:SS' "
+                "(e.g. '00:12:00:00' for 12 hours); or pass a timedelta or dict(hours=12)"
+            )
         days, hours, minutes, seconds = (int(g) for g in match.groups())
         return timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
     if isinstance(duration, dict):
         try:
             return timedelta(**duration)
         except TypeError as err:
-            raise ConfigurationError(f"Timer(duration={duration!r}): {err}. Valid keys: weeks, days, hours, "
-                                     "minutes, seconds, milliseconds, microseconds") from None
-    raise ConfigurationError(f"Timer(duration={duration!r}) must be a 'DD:HH:MM:SS' string, a timedelta, "
-                             "a dict such as dict(hours=12), or None")
+            raise ConfigurationError(
+                f"Timer(duration={duration!r}): {err}. Valid keys: weeks, days, hours, "
+                "minutes, seconds, milliseconds, microseconds"
+            ) from None
+    raise ConfigurationError(
+        f"Timer(duration={duration!r}) must be a 'DD:HH:MM:SS' string, a timedelta, "
+        "a dict such as dict(hours=12), or None"
+    )
 
 
 class Timer(Callback):
@@ -54,11 +61,19 @@ class Timer(Callback):
     ``duration=None`` only measures. ``time_elapsed(stage)`` and ``time_remaining()`` are seconds.
     """
 
-    def __init__(self, duration: Union[str, timedelta, Dict[str, float], None] = None,
-                 interval: str = "step", verbose: bool = True) -> None:
+    def __init__(
+        self,
+        duration: Union[str, timedelta, Dict[str, float], None] = None,
+        interval: str = "step",
+        verbose: bool = True,
+    ) -> None:
         if interval not in INTERVALS:
-            raise invalid_choice("Timer(interval)", interval, INTERVALS,
-                                 "check the time after every training batch ('step') or epoch ('epoch')")
+            raise invalid_choice(
+                "Timer(interval)",
+                interval,
+                INTERVALS,
+                "check the time after every training batch ('step') or epoch ('epoch')",
+            )
         self.duration = parse_duration(duration)
         if self.duration is not None and self.duration.total_seconds() <= 0:
             raise ConfigurationError(f"Timer(duration={duration!r}) must be longer than zero")
@@ -120,8 +135,9 @@ class Timer(Callback):
         for name in STAGES:  # an exception skipped the *_end hook: stop the clock anyway
             self._finish(name)
 
-    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.interval == "step":
             self._check_time(trainer)
 
@@ -136,13 +152,16 @@ class Timer(Callback):
         # Rank 0's clock decides for everyone: every rank calls broadcast at the same point. A tensor,
         # not a Python bool: one small collective per batch instead of pickling through broadcast_object.
         device = trainer.device
-        decision = trainer.strategy.broadcast(torch.tensor([1 if expired else 0], dtype=torch.int32, device=device),
-                                              src=0)
+        decision = trainer.strategy.broadcast(
+            torch.tensor([1 if expired else 0], dtype=torch.int32, device=device), src=0
+        )
         if bool(decision.item()):
             trainer.should_stop = True
             if self.verbose and trainer.is_global_zero:
-                print(f"Timer: {self.duration} elapsed; stopping at epoch {trainer.current_epoch}, "
-                      f"step {trainer.global_step}")
+                print(
+                    f"Timer: {self.duration} elapsed; stopping at epoch {trainer.current_epoch}, "
+                    f"step {trainer.global_step}"
+                )
 
     # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -3,6 +3,7 @@
 ``getattr``); ``tests/callbacks/test_view.py`` checks that the Trainer provides all of it. A custom
 callback is free to use more of the Trainer, at the risk of following its changes.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,11 +18,11 @@ if TYPE_CHECKING:  # pragma: no cover - type hints only
 @runtime_checkable
 class TrainerView(Protocol):
     # where the run is
-    stage: str                              # "fit", "sanity_check", "validate", "test", "predict"
-    should_stop: bool                       # set True to stop fit at the next check
-    run_id: Optional[str]                   # the same on every rank; kept by a resumed run
+    stage: str  # "fit", "sanity_check", "validate", "test", "predict"
+    should_stop: bool  # set True to stop fit at the next check
+    run_id: Optional[str]  # the same on every rank; kept by a resumed run
     default_root_dir: str
-    num_training_batches: Any               # int, or float("inf") for a loader without length
+    num_training_batches: Any  # int, or float("inf") for a loader without length
 
     @property
     def global_step(self) -> int: ...
@@ -33,8 +34,8 @@ class TrainerView(Protocol):
     def log_every_n_steps(self) -> int: ...
 
     # processes and devices
-    strategy: "Strategy"                    # collectives: broadcast, all_reduce, all_gather, barrier
-    accelerator: Any                        # trainforge.Accelerator (async_checkpointer, save/load)
+    strategy: "Strategy"  # collectives: broadcast, all_reduce, all_gather, barrier
+    accelerator: Any  # trainforge.Accelerator (async_checkpointer, save/load)
 
     @property
     def is_global_zero(self) -> bool: ...
@@ -58,8 +59,8 @@ class TrainerView(Protocol):
     def hparams(self) -> Dict[str, Any]: ...
 
     # metrics
-    callback_metrics: Dict[str, Any]        # the latest value of every logged metric
-    logged_metrics: Dict[str, float]        # what was last sent to the trackers
+    callback_metrics: Dict[str, Any]  # the latest value of every logged metric
+    logged_metrics: Dict[str, float]  # what was last sent to the trackers
 
     @property
     def progress_bar_metrics(self) -> Dict[str, float]: ...

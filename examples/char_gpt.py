@@ -10,6 +10,7 @@ This is the shape the README asks of a training script: a ``TrainingModule`` wit
 SQLite store ``<root-dir>/mlflow.db``) when mlflow is installed, else to ``<root-dir>/metrics.csv``.
 At the end the main process prints the validation loss before and after training and a sample.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ from trainforge.callbacks import Callback, ModelCheckpoint
 class LitCharGPT(TrainingModule):
     """The model, its steps and its optimizer. ``val_history`` keeps ``(step, val/loss)`` pairs."""
 
-    def __init__(self, cfg: GPTConfig, lr: float = 2e-3, weight_decay: float = 0.1, warmup_steps: int = 40,
-                 max_steps: int = 400) -> None:
+    def __init__(
+        self, cfg: GPTConfig, lr: float = 2e-3, weight_decay: float = 0.1, warmup_steps: int = 40, max_steps: int = 400
+    ) -> None:
         super().__init__()
         self.save_hyperparameters("lr", "weight_decay", "warmup_steps", "max_steps", **asdict(cfg))
         self.net = CharGPT(cfg)
@@ -57,8 +59,10 @@ class LitCharGPT(TrainingModule):
         # GPT-2 practice: weight decay on matrices (linear weights, embeddings), not on biases or
         # LayerNorm gains.
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
         warmup, total = max(1, self.warmup_steps), max(self.max_steps, self.warmup_steps + 1)
 
@@ -108,11 +112,15 @@ def make_tracker(choice: str) -> Callback:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--max-steps", type=int, default=400, help="optimizer steps (default: about 2 min on "
-                   "2 CPU processes)")
+    p.add_argument(
+        "--max-steps", type=int, default=400, help="optimizer steps (default: about 2 min on 2 CPU processes)"
+    )
     p.add_argument("--batch-size", type=int, default=32, help="per process")
-    p.add_argument("--precision", default=None, help="32, bf16-mixed, 16-mixed (GPU), bf16-true ... "
-                   "(default: the launch config's, else 32)")
+    p.add_argument(
+        "--precision",
+        default=None,
+        help="32, bf16-mixed, 16-mixed (GPU), bf16-true ... (default: the launch config's, else 32)",
+    )
     p.add_argument("--strategy", default=None, help="auto, single, ddp, fsdp, deepspeed (default: auto)")
     p.add_argument("--root-dir", default="runs/char_gpt", help="checkpoints and logs go here")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint under --root-dir")
@@ -143,11 +151,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     args = parse_args(argv)
     started = time.perf_counter()
-    trainer = Trainer(strategy=args.strategy, precision=args.precision, max_steps=args.max_steps,
-                      val_check_interval=args.eval_every, log_every_n_steps=args.log_every,
-                      gradient_clip_val=1.0, default_root_dir=args.root_dir, seed=args.seed,
-                      callbacks=[ModelCheckpoint(every_n_steps=args.ckpt_every, save_last=True, keep_last_k=2),
-                                 make_tracker(args.tracker)])
+    trainer = Trainer(
+        strategy=args.strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        val_check_interval=args.eval_every,
+        log_every_n_steps=args.log_every,
+        gradient_clip_val=1.0,
+        default_root_dir=args.root_dir,
+        seed=args.seed,
+        callbacks=[
+            ModelCheckpoint(every_n_steps=args.ckpt_every, save_last=True, keep_last_k=2),
+            make_tracker(args.tracker),
+        ],
+    )
 
     text = load_corpus()
     tokenizer = CharTokenizer(text)
@@ -156,15 +173,25 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     val_loader = DataLoader(val_set, batch_size=args.batch_size)
 
     seed_everything(args.seed)  # the same initial weights on every process
-    cfg = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    cfg = GPTConfig(
+        vocab_size=tokenizer.vocab_size,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=args.dropout,
+    )
     module = LitCharGPT(cfg, lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
     initial = evaluate(module.net, val_loader) if trainer.is_global_zero and not args.resume else float("nan")
 
     trainer.fit(module, train_loader, val_loader, ckpt_path="last" if args.resume else None)
 
-    result = {"initial_val_loss": initial, "uniform_loss": math.log(tokenizer.vocab_size),
-              "final_val_loss": float("nan"), "final_step": float(trainer.global_step)}
+    result = {
+        "initial_val_loss": initial,
+        "uniform_loss": math.log(tokenizer.vocab_size),
+        "final_val_loss": float("nan"),
+        "final_step": float(trainer.global_step),
+    }
     if module.val_history:
         step, loss = module.val_history[-1]
         result.update(final_val_loss=loss, final_val_step=float(step))
@@ -173,8 +200,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     text = sample(module, tokenizer, args.prompt, args.sample_chars, args.seed) if args.sample_chars > 0 else ""
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())
-        print(f"char_gpt: {n_params / 1e6:.2f}M parameters, vocab {tokenizer.vocab_size}, "
-              f"{trainer.world_size} process(es), {time.perf_counter() - started:.1f} s")
+        print(
+            f"char_gpt: {n_params / 1e6:.2f}M parameters, vocab {tokenizer.vocab_size}, "
+            f"{trainer.world_size} process(es), {time.perf_counter() - started:.1f} s"
+        )
         before = "not measured (resumed run)" if args.resume else f"{initial:.4f}"
         print(f"char_gpt: initial val loss {before} (uniform guess ln(vocab) = {result['uniform_loss']:.4f})")
         if module.val_history:

@@ -7,6 +7,7 @@ GELU MLP, a final LayerNorm, and an output head tied to the token embedding), in
 The text ships with Python itself, so the example needs no download: the Zen of Python (``this.py``,
 stored rot13-encoded) and the sources of a fixed, sorted list of standard-library modules.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,8 +44,10 @@ def load_corpus(files: Sequence[str] = CORPUS_FILES) -> str:
     for name in files:
         path = stdlib / name
         if not path.is_file():
-            raise FileNotFoundError(f"standard-library file {path} not found (this Python installation has no "
-                                    f"{name}); pass other files from {stdlib} to load_corpus")
+            raise FileNotFoundError(
+                f"standard-library file {path} not found (this Python installation has no "
+                f"{name}); pass other files from {stdlib} to load_corpus"
+            )
         text = path.read_text(encoding="utf-8")
         parts.append(_zen_of_python(text) if name == "this.py" else text)
     return "\n\n".join(parts)
@@ -77,8 +80,9 @@ class CharWindows(Dataset):
 
     def __init__(self, data: torch.Tensor, block_size: int, stride: int = 1) -> None:
         if data.dim() != 1 or len(data) < block_size + 1:
-            raise ValueError(f"need a 1-d tensor of at least block_size + 1 = {block_size + 1} ids, "
-                             f"got shape {tuple(data.shape)}")
+            raise ValueError(
+                f"need a 1-d tensor of at least block_size + 1 = {block_size + 1} ids, got shape {tuple(data.shape)}"
+            )
         if stride < 1:
             raise ValueError(f"stride={stride!r} must be >= 1")
         self.data, self.block_size, self.stride = data, block_size, stride
@@ -89,7 +93,7 @@ class CharWindows(Dataset):
     def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} out of range for {len(self)} windows")
-        chunk = self.data[i * self.stride: i * self.stride + self.block_size + 1]
+        chunk = self.data[i * self.stride : i * self.stride + self.block_size + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -194,8 +198,15 @@ class CharGPT(nn.Module):
 
 
 @torch.no_grad()
-def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, block_size: int, temperature: float = 1.0,
-             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """Append ``max_new_tokens`` sampled ids to ``idx`` (``[B, T]``); ``temperature=0`` is greedy.
 
     ``model(ids)`` returns logits ``[B, T, V]`` (or a tuple that starts with them). Call it with the

@@ -10,6 +10,7 @@ untouched. What the Accelerator then does: picks the device, wraps the model for
 on several processes, shards the data per process, runs autocast/grad scaling for ``--precision``,
 skips gradient sync inside accumulation windows, and saves a resumable state directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,8 @@ def main(argv: Optional[List[str]] = None) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(  # ADDED
-        model, optimizer, train_loader, val_loader, scheduler)
+        model, optimizer, train_loader, val_loader, scheduler
+    )
 
     def evaluate() -> float:
         model.eval()
@@ -79,7 +81,7 @@ def main(argv: Optional[List[str]] = None) -> float:
                     _, loss = model(x, y)
                 # loss.backward()
                 accelerator.backward(loss)  # CHANGED: scaled for accumulation and fp16
-                optimizer.step()          # steps only at the end of each accumulation window
+                optimizer.step()  # steps only at the end of each accumulation window
                 scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
@@ -91,9 +93,11 @@ def main(argv: Optional[List[str]] = None) -> float:
         epoch += 1
 
     final = evaluate()
-    accelerator.print(f"raw_loop_to_accelerator: {accelerator.num_processes} process(es), val loss "
-                      f"{initial:.4f} -> {final:.4f} after {step} steps "
-                      f"(uniform guess {math.log(tokenizer.vocab_size):.4f})")
+    accelerator.print(
+        f"raw_loop_to_accelerator: {accelerator.num_processes} process(es), val loss "
+        f"{initial:.4f} -> {final:.4f} after {step} steps "
+        f"(uniform guess {math.log(tokenizer.vocab_size):.4f})"
+    )
     if args.save_dir:
         accelerator.save_state(args.save_dir)  # ADDED: model, optimizer, scheduler, RNG, data position
         accelerator.print(f"raw_loop_to_accelerator: state saved to {args.save_dir}")

@@ -7,6 +7,7 @@ Each launch is ``torch.distributed.run --nproc-per-node 2 tests/scripts/exit_kin
 passes when the launcher exits 0. Prints one line per kind and exits 1 if any run failed, with the
 tail of the first failure's output. tests/test_clean_exit.py runs a few of these in the suite.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,13 +23,27 @@ KINDS = ("trainer-ddp", "fsdp", "megatron-pp", "deepspeed", "accelerator")
 
 
 def launch(kind: str, root: Path, repo: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(repo / "tests" / "scripts" / "exit_kinds.py"), kind, str(root)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(repo / "tests" / "scripts" / "exit_kinds.py"),
+        kind,
+        str(root),
+    ]
     try:
-        return subprocess.run(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         return subprocess.CompletedProcess(cmd, -1, out + f"\n(timed out after {timeout}s)", "")
@@ -54,8 +69,10 @@ def main(argv=None) -> int:
                     continue
                 aborts += "terminate called" in proc.stdout or "exitcode  : -6" in proc.stdout
                 failed_any = failed_any or proc.stdout[-3000:]
-            print(f"{kind:12s} {ok}/{args.runs} exited 0 ({aborts} SIGABRT at exit) "
-                  f"in {time.monotonic() - start:.0f} s", flush=True)
+            print(
+                f"{kind:12s} {ok}/{args.runs} exited 0 ({aborts} SIGABRT at exit) in {time.monotonic() - start:.0f} s",
+                flush=True,
+            )
     if failed_any:
         print("first failure:\n" + failed_any)
         return 1

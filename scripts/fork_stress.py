@@ -20,6 +20,7 @@ descheduled at the wrong moment, which a loaded machine (2 cores in CI) makes fa
 trainforge`` calls ``trainforge.strategies.clean_exit.register()`` after ``init_process_group``, as every
 trainforge strategy does (it installs the before-fork drain). strategies/clean_exit.py has the numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,13 @@ RESULT = re.compile(r"RESULT rank=(\d+) forks=(\d+) hangs=(\d+) seconds=([\d.]+)
 # --------------------------------------------------------------------------------------------- rank side
 def _backtrace(pid: int) -> str:
     try:
-        out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "bt"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, timeout=60)
+        out = subprocess.run(
+            ["gdb", "-p", str(pid), "-batch", "-ex", "bt"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=60,
+        )
         return "\n".join(line for line in out.stdout.splitlines() if line.startswith("#"))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"(no backtrace: {exc!r})"
@@ -67,6 +73,7 @@ def worker(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     if args.mode == "trainforge":
         from trainforge.strategies import clean_exit
+
         clean_exit.register()
     rank = dist.get_rank()
     torch.manual_seed(rank)
@@ -129,16 +136,42 @@ def launch(args: argparse.Namespace) -> tuple:
     env.pop("TRAINFORGE_LAUNCH_CONFIG", None)
     if args.mode == "trainforge":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    script_args = ["--worker", "--mode", args.mode, "--fork", args.fork, "--iters", str(args.iters),
-                   "--seconds", str(args.seconds), "--child-timeout", str(args.child_timeout)]
+    script_args = [
+        "--worker",
+        "--mode",
+        args.mode,
+        "--fork",
+        args.fork,
+        "--iters",
+        str(args.iters),
+        "--seconds",
+        str(args.seconds),
+        "--child-timeout",
+        str(args.child_timeout),
+    ]
     script_args += ["--gdb"] if args.gdb else []
     if args.launcher == "trainforge":
         cmd = [sys.executable, "-m", "trainforge", "launch", "--nproc-per-node", "2", __file__, *script_args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               *script_args]
-    burners = [subprocess.Popen([sys.executable, "-c", f"import time\nend = time.monotonic() + {args.timeout}\n"
-                                 "while time.monotonic() < end: pass"]) for _ in range(args.load)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            *script_args,
+        ]
+    burners = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import time\nend = time.monotonic() + {args.timeout}\nwhile time.monotonic() < end: pass",
+            ]
+        )
+        for _ in range(args.load)
+    ]
     try:
         return _launch(args, cmd, env)
     finally:
@@ -149,8 +182,15 @@ def launch(args: argparse.Namespace) -> tuple:
 
 def _launch(args: argparse.Namespace, cmd: list, env: dict) -> tuple:
     with tempfile.TemporaryDirectory(prefix="fork-stress-") as cwd:  # plain mode: trainforge not importable
-        proc = subprocess.Popen(cmd, cwd=cwd if args.mode == "plain" else REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd if args.mode == "plain" else REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, _ = proc.communicate(timeout=args.timeout)
             timed_out = False
@@ -198,11 +238,16 @@ def main(argv=None) -> int:
         failed_runs += failed
         if (failed or hangs) and first_failure is None:
             first_failure = out[-6000:]
-        print(f"run {i + 1}/{args.runs}: forks={forks} hung={hangs}{' LAUNCH FAILED/TIMED OUT' if failed else ''}",
-              flush=True)
-    print(f"mode={args.mode} fork={args.fork} launcher={args.launcher} load={args.load}: {args.runs} runs, {total_forks} forks, "
-          f"{total_hangs} hung forks, {runs_with_hangs} runs with a hang, {failed_runs} launches failed, "
-          f"{time.monotonic() - start:.0f} s", flush=True)
+        print(
+            f"run {i + 1}/{args.runs}: forks={forks} hung={hangs}{' LAUNCH FAILED/TIMED OUT' if failed else ''}",
+            flush=True,
+        )
+    print(
+        f"mode={args.mode} fork={args.fork} launcher={args.launcher} load={args.load}: {args.runs} runs, {total_forks} forks, "
+        f"{total_hangs} hung forks, {runs_with_hangs} runs with a hang, {failed_runs} launches failed, "
+        f"{time.monotonic() - start:.0f} s",
+        flush=True,
+    )
     if first_failure:
         print("first run with a hang or failure (output tail):\n" + first_failure)
     return 1 if (total_hangs or failed_runs) else 0

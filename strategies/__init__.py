@@ -1,4 +1,5 @@
 """Strategies own placement and parallelism. ``resolve_strategy`` turns a user's choice into one."""
+
 from __future__ import annotations
 
 import importlib
@@ -27,26 +28,32 @@ def strategy_class(name: str) -> type:
     if name in _NOT_BUILT:
         raise ConfigurationError(
             f"strategy={name!r} ({_NOT_BUILT[name]}) is not available in this version of trainforge; "
-            f"choose one of: {', '.join(STRATEGY_NAMES)}")
+            f"choose one of: {', '.join(STRATEGY_NAMES)}"
+        )
     if name not in _REGISTRY:
-        raise ConfigurationError(f"strategy={name!r} is not one of: {', '.join(STRATEGY_NAMES)}; "
-                                 "or pass a Strategy object")
+        raise ConfigurationError(
+            f"strategy={name!r} is not one of: {', '.join(STRATEGY_NAMES)}; or pass a Strategy object"
+        )
     module_name, cls_name = _REGISTRY[name].split(":")
     return getattr(importlib.import_module(module_name), cls_name)
 
 
-def resolve_strategy(strategy: Union[str, Strategy, None] = "auto", environ: Optional[Mapping[str, str]] = None,
-                     **kwargs: Any) -> Strategy:
+def resolve_strategy(
+    strategy: Union[str, Strategy, None] = "auto", environ: Optional[Mapping[str, str]] = None, **kwargs: Any
+) -> Strategy:
     """``"auto"``: several processes in the environment -> DDP, one -> single device."""
     if isinstance(strategy, Strategy):
         return strategy
     if isinstance(strategy, type):
         names = [n for n in STRATEGY_NAMES if n != "auto" and strategy_class(n) is strategy]
-        raise ConfigurationError(f"strategy={strategy.__name__} is a class; pass an instance, "
-                                 f"strategy={strategy.__name__}(...)" + (f", or its name {names[0]!r}" if names else ""))
+        raise ConfigurationError(
+            f"strategy={strategy.__name__} is a class; pass an instance, "
+            f"strategy={strategy.__name__}(...)" + (f", or its name {names[0]!r}" if names else "")
+        )
     if strategy is not None and not isinstance(strategy, str):
-        raise ConfigurationError(f"strategy={strategy!r} is neither a name ({', '.join(STRATEGY_NAMES)}) nor a "
-                                 "Strategy instance")
+        raise ConfigurationError(
+            f"strategy={strategy!r} is neither a name ({', '.join(STRATEGY_NAMES)}) nor a Strategy instance"
+        )
     name = "auto" if strategy is None else str(strategy).lower()
     if name == "auto":
         from trainforge.strategies.environment import detect_environment
@@ -56,8 +63,18 @@ def resolve_strategy(strategy: Union[str, Strategy, None] = "auto", environ: Opt
     return strategy_class(name)(**kwargs)
 
 
-__all__ = ["Strategy", "SingleDeviceStrategy", "DDPStrategy", "resolve_strategy", "strategy_class",
-           "STRATEGY_NAMES", "TrainforgeError", "ConfigurationError", "CheckpointError", "LaunchError"]
+__all__ = [
+    "Strategy",
+    "SingleDeviceStrategy",
+    "DDPStrategy",
+    "resolve_strategy",
+    "strategy_class",
+    "STRATEGY_NAMES",
+    "TrainforgeError",
+    "ConfigurationError",
+    "CheckpointError",
+    "LaunchError",
+]
 
 
 def __getattr__(name: str) -> Any:  # lazy FSDPStrategy / DeepSpeedStrategy

@@ -11,6 +11,7 @@ edited field by field); what a strategy can do is declared on this class with de
 (``pipelined``, ``redirect_forward``, ``handles_accumulation``, ``loss_scaling_in_backend``,
 ``input_dtype``, ``device_batches``), so callers read attributes instead of probing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,10 +34,10 @@ def build_optimizers(optimizers: Optimizers) -> List[torch.optim.Optimizer]:
     return list(optimizers() if callable(optimizers) else optimizers)
 
 
-
 def mean_from_sum(total: torch.Tensor, world_size: int) -> torch.Tensor:
     """``op="mean"`` for backends that reduce with a sum: floats divided, integers floor-divided."""
     return total / world_size if total.is_floating_point() else total // world_size
+
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -157,9 +158,15 @@ class Strategy:
         """Release what ``setup_environment`` took."""
 
     # ---- the step -------------------------------------------------------------------------
-    def forward_backward(self, module: nn.Module, step_fn: Optional[Callable[..., Any]], batch: Any, batch_idx: int,
-                         backward: Optional[Callable[[Any], None]] = None,
-                         loss_fn: Optional[Callable[[Any, Any], Any]] = None) -> Any:
+    def forward_backward(
+        self,
+        module: nn.Module,
+        step_fn: Optional[Callable[..., Any]],
+        batch: Any,
+        batch_idx: int,
+        backward: Optional[Callable[[Any], None]] = None,
+        loss_fn: Optional[Callable[[Any, Any], Any]] = None,
+    ) -> Any:
         """One training batch, the Trainer's only step path: ``step_fn(batch, batch_idx)`` under the
         precision's autocast, then ``backward(output)`` (the caller's loss extraction and backward);
         returns the step's output. A pipeline strategy runs its micro-batch schedule here instead
@@ -193,8 +200,14 @@ class Strategy:
         """Skip gradient synchronisation for the backward passes inside (accumulation)."""
         return contextlib.nullcontext()
 
-    def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
-                       clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+    def clip_gradients(
+        self,
+        parameters: Any,
+        *,
+        max_norm: Optional[float] = None,
+        clip_value: Optional[float] = None,
+        norm_type: float = 2.0,
+    ) -> Optional[torch.Tensor]:
         """Clip by total norm (returns the norm before clipping) or by value."""
         params = [p for p in parameters if p.grad is not None]
         if clip_value is not None:
@@ -234,7 +247,9 @@ class Strategy:
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         return optimizer.state_dict()
 
-    def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+    def load_optimizer_state_dict(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]
+    ) -> None:
         optimizer.load_state_dict(state)
 
     def save_checkpoint(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -268,32 +283,52 @@ def check_model_state(path: Any, expected: Dict[str, Any], loaded: Dict[str, tor
     """CheckpointError naming ``path`` and the first mismatching keys when ``loaded`` does not fit the model."""
     missing = [k for k in expected if k not in loaded]
     unexpected = [k for k in loaded if k not in expected]
-    shapes = [f"{k}: checkpoint {tuple(loaded[k].shape)} vs model {tuple(expected[k].shape)}" for k in expected
-              if k in loaded and hasattr(expected[k], "shape") and tuple(loaded[k].shape) != tuple(expected[k].shape)]
+    shapes = [
+        f"{k}: checkpoint {tuple(loaded[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in expected
+        if k in loaded and hasattr(expected[k], "shape") and tuple(loaded[k].shape) != tuple(expected[k].shape)
+    ]
     if missing or unexpected or shapes:
-        parts = [f"{what} {items[:3]}{' ...' if len(items) > 3 else ''}" for what, items in
-                 (("missing from the checkpoint:", missing), ("not in the model:", unexpected),
-                  ("different shapes:", shapes)) if items]
-        raise CheckpointError(f"{path} does not fit this model ({'; '.join(parts)}); resume with the model it was "
-                              "saved from, or start a new run (load only matching weights yourself)")
+        parts = [
+            f"{what} {items[:3]}{' ...' if len(items) > 3 else ''}"
+            for what, items in (
+                ("missing from the checkpoint:", missing),
+                ("not in the model:", unexpected),
+                ("different shapes:", shapes),
+            )
+            if items
+        ]
+        raise CheckpointError(
+            f"{path} does not fit this model ({'; '.join(parts)}); resume with the model it was "
+            "saved from, or start a new run (load only matching weights yourself)"
+        )
 
 
 def check_optimizer_states(path: Any, optimizers: Sequence[torch.optim.Optimizer], states: Any) -> None:
     """CheckpointError naming ``path`` when the saved optimizer states do not fit ``optimizers``."""
     if not isinstance(states, (list, tuple)) or len(states) != len(optimizers):
         count = len(states) if isinstance(states, (list, tuple)) else "no list of"
-        raise CheckpointError(f"{path} holds {count} optimizer state(s) but the module has {len(optimizers)} "
-                              "optimizer(s); resume with the same configure_optimizers")
+        raise CheckpointError(
+            f"{path} holds {count} optimizer state(s) but the module has {len(optimizers)} "
+            "optimizer(s); resume with the same configure_optimizers"
+        )
     for i, (opt, state) in enumerate(zip(optimizers, states)):
         groups = state.get("param_groups", []) if isinstance(state, dict) else []
         if len(groups) != len(opt.param_groups):
-            raise CheckpointError(f"{path}: optimizer {i} has {len(groups)} parameter group(s) in the checkpoint, "
-                                  f"{len(opt.param_groups)} now ({type(opt).__name__}); resume with the same optimizer")
+            raise CheckpointError(
+                f"{path}: optimizer {i} has {len(groups)} parameter group(s) in the checkpoint, "
+                f"{len(opt.param_groups)} now ({type(opt).__name__}); resume with the same optimizer"
+            )
         for g, (saved, now) in enumerate(zip(groups, opt.param_groups)):
             # keys on both sides differ: another optimizer class (one side only: another torch version)
             keys = sorted(set(saved) ^ set(now)) if set(saved) - set(now) and set(now) - set(saved) else []
             if keys or len(saved.get("params", [])) != len(now["params"]):
-                detail = (f"settings differ: {keys[:5]} (a different optimizer class?)" if keys else
-                          f"{len(saved.get('params', []))} parameters saved, {len(now['params'])} now")
-                raise CheckpointError(f"{path}: optimizer {i} ({type(opt).__name__}) group {g} does not match the "
-                                      f"checkpoint: {detail}; resume with the optimizer it was saved with")
+                detail = (
+                    f"settings differ: {keys[:5]} (a different optimizer class?)"
+                    if keys
+                    else f"{len(saved.get('params', []))} parameters saved, {len(now['params'])} now"
+                )
+                raise CheckpointError(
+                    f"{path}: optimizer {i} ({type(opt).__name__}) group {g} does not match the "
+                    f"checkpoint: {detail}; resume with the optimizer it was saved with"
+                )

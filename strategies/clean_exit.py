@@ -59,6 +59,7 @@ worker is still finishing (fork + exit + wait of such a process: 17-32 ms there)
 (``--mode trainforge``), 18 launches, 22,642 forks: none stuck. The natural hang is too rare for
 that count to prove the fix (1 in ~32,000 forks); tests/test_fork_safety.py checks the hook instead.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -95,7 +96,7 @@ def _gloo_workers() -> List[str]:
                 stat = f.read()
         except OSError:
             continue  # the thread ended
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
         if name == _GLOO_WORKER:
             states.append(stat[stat.rindex(")") + 2])
     return states

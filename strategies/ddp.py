@@ -1,4 +1,5 @@
 """DistributedDataParallel over the process group that the environment describes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -28,10 +29,12 @@ COMM_HOOKS = ("fp16", "bf16")
 def check_timeout(timeout: Any, owner: str) -> timedelta:
     """The process-group timeout, checked at construction (torch would fail only at setup)."""
     if not isinstance(timeout, timedelta):
-        raise ConfigurationError(f"{owner}(timeout={timeout!r}) must be a datetime.timedelta, e.g. "
-                                 f"timeout=timedelta(seconds={timeout!r}) or timedelta(minutes=30)"
-                                 if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else
-                                 f"{owner}(timeout={timeout!r}) must be a datetime.timedelta, e.g. timedelta(minutes=30)")
+        raise ConfigurationError(
+            f"{owner}(timeout={timeout!r}) must be a datetime.timedelta, e.g. "
+            f"timeout=timedelta(seconds={timeout!r}) or timedelta(minutes=30)"
+            if isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+            else f"{owner}(timeout={timeout!r}) must be a datetime.timedelta, e.g. timedelta(minutes=30)"
+        )
     if timeout.total_seconds() <= 0:
         raise ConfigurationError(f"{owner}(timeout={timeout!r}) must be positive")
     return timeout
@@ -47,10 +50,18 @@ def _elastic_store(env: Any, timeout: timedelta) -> dict:
     if env.kind != "torchrun" or attempt is None:
         return {}  # plain env:// rendezvous
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                          is_master=not agent_hosts_store and env.rank == 0, timeout=timeout)
-    return {"store": dist.PrefixStore(f"trainforge/attempt_{attempt}", store), "rank": env.rank,
-            "world_size": env.world_size}
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        env.world_size,
+        is_master=not agent_hosts_store and env.rank == 0,
+        timeout=timeout,
+    )
+    return {
+        "store": dist.PrefixStore(f"trainforge/attempt_{attempt}", store),
+        "rank": env.rank,
+        "world_size": env.world_size,
+    }
 
 
 class ProcessGroupMixin:
@@ -89,9 +100,16 @@ class ProcessGroupMixin:
             clean_exit.register(self._stop_process_group)  # torch warns at exit about a group left open
         clean_exit.register()  # a group someone else started exits cleanly too
         if dist.get_rank() == 0:
-            log.info("trainforge: strategy=%s backend=%s world_size=%d environment=%s master=%s:%s device=%s",
-                     self.name, dist.get_backend(), dist.get_world_size(), env.kind, env.master_addr,
-                     env.master_port, device.type)
+            log.info(
+                "trainforge: strategy=%s backend=%s world_size=%d environment=%s master=%s:%s device=%s",
+                self.name,
+                dist.get_backend(),
+                dist.get_world_size(),
+                env.kind,
+                env.master_addr,
+                env.master_port,
+                device.type,
+            )
         return device
 
     @property
@@ -160,21 +178,35 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
     name = "ddp"
     redirect_forward = True
 
-    def __init__(self, device: Optional[Union[torch.device, str]] = None, *, find_unused_parameters: bool = False,
-                 static_graph: bool = False, gradient_as_bucket_view: bool = False,
-                 comm_hook: Optional[Union[str, Callable]] = None, comm_hook_state: Any = None,
-                 process_group_backend: Optional[str] = None, timeout: timedelta = timedelta(minutes=30),
-                 **ddp_kwargs: Any) -> None:
+    def __init__(
+        self,
+        device: Optional[Union[torch.device, str]] = None,
+        *,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        comm_hook: Optional[Union[str, Callable]] = None,
+        comm_hook_state: Any = None,
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=30),
+        **ddp_kwargs: Any,
+    ) -> None:
         super().__init__(device)
         if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
             raise invalid_choice("comm_hook", comm_hook, COMM_HOOKS, "or pass a DDP communication hook callable")
         unknown = sorted(set(ddp_kwargs) - _DDP_ARGS)
         if unknown:
-            raise ConfigurationError(f"DDPStrategy got unknown keyword argument(s) {unknown}: they are passed to "
-                                     f"DistributedDataParallel, which accepts: {', '.join(sorted(_DDP_ARGS))}")
+            raise ConfigurationError(
+                f"DDPStrategy got unknown keyword argument(s) {unknown}: they are passed to "
+                f"DistributedDataParallel, which accepts: {', '.join(sorted(_DDP_ARGS))}"
+            )
         check_timeout(timeout, "DDPStrategy")
-        self.ddp_kwargs = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                               gradient_as_bucket_view=gradient_as_bucket_view, **ddp_kwargs)
+        self.ddp_kwargs = dict(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            **ddp_kwargs,
+        )
         self.comm_hook, self.comm_hook_state = comm_hook, comm_hook_state
         self.backend, self.timeout = process_group_backend, timeout
 
@@ -197,12 +229,16 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
         if self.comm_hook is None:
             return
         if self.comm_hook == "bf16" and dist.get_backend() != "nccl":
-            raise ConfigurationError(f"comm_hook='bf16' compresses gradients with NCCL only; this process group "
-                                     f"uses {dist.get_backend()!r}. Use comm_hook='fp16' here, or run on CUDA GPUs")
+            raise ConfigurationError(
+                f"comm_hook='bf16' compresses gradients with NCCL only; this process group "
+                f"uses {dist.get_backend()!r}. Use comm_hook='fp16' here, or run on CUDA GPUs"
+            )
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         builtin = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-        hook = builtin[self.comm_hook] if isinstance(self.comm_hook, str) else self.comm_hook  # names checked in __init__
+        hook = (
+            builtin[self.comm_hook] if isinstance(self.comm_hook, str) else self.comm_hook
+        )  # names checked in __init__
         ddp.register_comm_hook(self.comm_hook_state, hook)
 
     def unwrap(self, module: nn.Module) -> nn.Module:

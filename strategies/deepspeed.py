@@ -27,6 +27,7 @@ from a crafted file; this strategy replaces that engine's ``load`` with a
 checks the files against the manifest first. Consolidated weights (``module_state_dict``) are the
 fp32 master weights gathered with DeepSpeed's public ``safe_get_full_fp32_param``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,8 +84,9 @@ def import_deepspeed(device: torch.device) -> Any:
     try:
         import deepspeed
     except ImportError as e:
-        raise ConfigurationError(f"strategy='deepspeed' needs the deepspeed package ({e}); "
-                                 "pip install 'trainforge[deepspeed]'") from e
+        raise ConfigurationError(
+            f"strategy='deepspeed' needs the deepspeed package ({e}); pip install 'trainforge[deepspeed]'"
+        ) from e
     finally:
         if hide:
             sys.modules.pop("mlflow", None)
@@ -92,8 +94,10 @@ def import_deepspeed(device: torch.device) -> Any:
 
     kind = get_accelerator().device_name()
     if kind != device.type:
-        raise ConfigurationError(f"DeepSpeed's accelerator is {kind!r} but this process trains on {device}; set "
-                                 f"DS_ACCELERATOR={device.type} before deepspeed is first imported")
+        raise ConfigurationError(
+            f"DeepSpeed's accelerator is {kind!r} but this process trains on {device}; set "
+            f"DS_ACCELERATOR={device.type} before deepspeed is first imported"
+        )
     compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
     if device.type == "cpu" and isinstance(compatible, dict):
         compatible["deepspeed_shm_comm"] = False
@@ -116,9 +120,11 @@ def weights_only_load(path: str, map_location: Any = None) -> Any:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"refused to load {path}: torch.load(weights_only=True) failed ({type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[0][:300]}); a DeepSpeed checkpoint written by trainforge "
-                              "holds only tensors, plain data and DeepSpeed's loss-scaler/enum classes") from None
+        raise CheckpointError(
+            f"refused to load {path}: torch.load(weights_only=True) failed ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:300]}); a DeepSpeed checkpoint written by trainforge "
+            "holds only tensors, plain data and DeepSpeed's loss-scaler/enum classes"
+        ) from None
 
 
 class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
@@ -132,41 +138,68 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
     "nvme") are the launch-config spellings of the same settings (``trainforge config``)."""
 
     name = "deepspeed"
-    redirect_forward = True       # the engine's forward runs ZeRO-3's parameter gathering hooks
-    handles_accumulation = True   # engine.backward divides by gradient_accumulation_steps
+    redirect_forward = True  # the engine's forward runs ZeRO-3's parameter gathering hooks
+    handles_accumulation = True  # engine.backward divides by gradient_accumulation_steps
     loss_scaling_in_backend = True  # the config's fp16 section scales the loss
 
-    def __init__(self, stage: Union[int, str] = 2, offload_optimizer: bool = False, offload_parameters: bool = False,
-                 offload_device: str = "cpu", nvme_path: str = "/local_nvme", activation_checkpointing: Any = False,
-                 config: Union[None, str, os.PathLike, Dict[str, Any]] = None, logging_level: int = logging.WARN, *,
-                 zero_stage: Optional[int] = None, offload_optimizer_device: Optional[str] = None,
-                 offload_param_device: Optional[str] = None, device: Optional[Union[torch.device, str]] = None,
-                 process_group_backend: Optional[str] = None, timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(
+        self,
+        stage: Union[int, str] = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        offload_device: str = "cpu",
+        nvme_path: str = "/local_nvme",
+        activation_checkpointing: Any = False,
+        config: Union[None, str, os.PathLike, Dict[str, Any]] = None,
+        logging_level: int = logging.WARN,
+        *,
+        zero_stage: Optional[int] = None,
+        offload_optimizer_device: Optional[str] = None,
+        offload_param_device: Optional[str] = None,
+        device: Optional[Union[torch.device, str]] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
         super().__init__(device)
         stage = zero_stage if zero_stage is not None else stage
         if stage not in STAGES or isinstance(stage, bool):
             raise invalid_choice("stage", stage, STAGES)
         if offload_device not in OFFLOAD_DEVICES:
             raise invalid_choice("offload_device", offload_device, OFFLOAD_DEVICES)
-        opt_dev = _offload_choice("offload_optimizer_device", offload_optimizer_device,
-                                  offload_device if offload_optimizer else None)
-        param_dev = _offload_choice("offload_param_device", offload_param_device,
-                                    offload_device if offload_parameters else None)
+        opt_dev = _offload_choice(
+            "offload_optimizer_device", offload_optimizer_device, offload_device if offload_optimizer else None
+        )
+        param_dev = _offload_choice(
+            "offload_param_device", offload_param_device, offload_device if offload_parameters else None
+        )
         if param_dev is not None and stage not in (3, "auto"):
-            raise ConfigurationError(f"offload_parameters needs stage=3 (only ZeRO-3 partitions parameters), got "
-                                     f"stage={stage!r}; pass stage=3 or drop the parameter offload")
+            raise ConfigurationError(
+                f"offload_parameters needs stage=3 (only ZeRO-3 partitions parameters), got "
+                f"stage={stage!r}; pass stage=3 or drop the parameter offload"
+            )
         self.stage = stage
-        self.zero = ZeroSettings(stage=int(stage) if stage != "auto" else 2, offload_optimizer_device=opt_dev,
-                                 offload_param_device=param_dev, nvme_path=str(nvme_path))
+        self.zero = ZeroSettings(
+            stage=int(stage) if stage != "auto" else 2,
+            offload_optimizer_device=opt_dev,
+            offload_param_device=param_dev,
+            nvme_path=str(nvme_path),
+        )
         self.activation_checkpointing = activation_checkpointing
-        given = [name for name, on in (("stage", stage not in (2, "auto")), ("offload_optimizer_device", opt_dev),
-                                       ("offload_param_device", param_dev)) if on]
+        given = [
+            name
+            for name, on in (
+                ("stage", stage not in (2, "auto")),
+                ("offload_optimizer_device", opt_dev),
+                ("offload_param_device", param_dev),
+            )
+            if on
+        ]
         self._zero_given = tuple(given)
         self.user_config = load_user_config(config)  # bad paths/JSON fail here, before any work
         self.logging_level = logging_level
         self.backend, self.timeout = process_group_backend, check_timeout(timeout, "DeepSpeedStrategy")
         self.config: Optional[Dict[str, Any]] = None  # the merged config handed to deepspeed.initialize
-        self.auto_report: Optional[str] = None        # stage="auto": the reasoning table
+        self.auto_report: Optional[str] = None  # stage="auto": the reasoning table
         self._engines: List[Any] = []
         self._by_optimizer: Dict[int, Any] = {}
         self._ds: Any = None
@@ -189,26 +222,36 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
                 module = module.to(self.root_device)
             optimizers = build_optimizers(optimizers)
         if len(optimizers) > 1:
-            raise ConfigurationError(f"DeepSpeed wraps one optimizer per model, got {len(optimizers)}; put the "
-                                     "parameters in param groups of one optimizer")
+            raise ConfigurationError(
+                f"DeepSpeed wraps one optimizer per model, got {len(optimizers)}; put the "
+                "parameters in param groups of one optimizer"
+            )
         optimizer = optimizers[0] if optimizers else None
         if self.settings.gradient_clip_val is not None and self.settings.gradient_clip_algorithm != "norm":
-            raise ConfigurationError("gradient_clip_algorithm='value' is not available with strategy='deepspeed' "
-                                     "(DeepSpeed clips by global norm inside engine.step()); use "
-                                     "gradient_clip_algorithm='norm'")
+            raise ConfigurationError(
+                "gradient_clip_algorithm='value' is not available with strategy='deepspeed' "
+                "(DeepSpeed clips by global norm inside engine.step()); use "
+                "gradient_clip_algorithm='norm'"
+            )
         self.config = self.build_config(module, optimizer)
         # DeepSpeed keeps the parameters in half precision and its engine turns autocast off for the
         # accelerator inside forward, so floating inputs are cast as Lightning does (input_dtype, read
         # by the prepared loaders); its fp16 section does the (dynamic) loss scaling.
-        self.input_dtype = torch.bfloat16 if self.config.get("bf16", {}).get("enabled") else \
-            torch.float16 if self.config.get("fp16", {}).get("enabled") else None
+        self.input_dtype = (
+            torch.bfloat16
+            if self.config.get("bf16", {}).get("enabled")
+            else torch.float16
+            if self.config.get("fp16", {}).get("enabled")
+            else None
+        )
         self._check_nvme()
         if self.activation_checkpointing not in (False, None):
             from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
 
             apply_activation_checkpointing(module, select_modules(module, self.activation_checkpointing))
-        engine, ds_optimizer, _, _ = self._ds.initialize(model=module, optimizer=optimizer, config=self.config,
-                                                         dist_init_required=False)
+        engine, ds_optimizer, _, _ = self._ds.initialize(
+            model=module, optimizer=optimizer, config=self.config, dist_init_required=False
+        )
         engine.checkpoint_engine.load = weights_only_load  # shadows DeepSpeed's weights_only=False load
         self._engines.append(engine)
         if optimizer is None:
@@ -219,16 +262,23 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
     def _params_may_stay_on_host(self) -> bool:
         """Parameter offload (ours or the user's config) or a stage still to be chosen from memory."""
         user_offload = (self.user_config or {}).get("zero_optimization", {}).get("offload_param", {}) or {}
-        return self.stage == "auto" or self.zero.offload_param_device is not None or \
-            user_offload.get("device", "none") not in (None, "none")
+        return (
+            self.stage == "auto"
+            or self.zero.offload_param_device is not None
+            or user_offload.get("device", "none") not in (None, "none")
+        )
 
     def build_config(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
         """The DeepSpeed config for this run: generated from the Trainer's settings (set on this
         strategy by the Accelerator/Trainer before ``setup``), merged with the user's config."""
         run = self.settings
-        settings = TrainingSettings(micro_batch_size=run.micro_batch_size, accumulation_steps=run.accumulation_steps,
-                                    world_size=self.world_size, gradient_clip_val=run.gradient_clip_val,
-                                    precision=run.precision.name)
+        settings = TrainingSettings(
+            micro_batch_size=run.micro_batch_size,
+            accumulation_steps=run.accumulation_steps,
+            world_size=self.world_size,
+            gradient_clip_val=run.gradient_clip_val,
+            precision=run.precision.name,
+        )
         zero = self.zero
         user_stage = (self.user_config or {}).get("zero_optimization", {}).get("stage", "auto")
         if self.stage == "auto" and user_stage == "auto":
@@ -236,9 +286,12 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
         hidden = getattr(getattr(module, "config", None), "hidden_size", None)
         from trainforge.strategies.memory_estimate import count_parameters
 
-        return merge_config(generate_config(settings, zero, count_parameters(module)), self.user_config,
-                            explicit_settings(settings, zero, self._zero_given),
-                            hidden_size=hidden if isinstance(hidden, int) else None)
+        return merge_config(
+            generate_config(settings, zero, count_parameters(module)),
+            self.user_config,
+            explicit_settings(settings, zero, self._zero_given),
+            hidden_size=hidden if isinstance(hidden, int) else None,
+        )
 
     def _choose_auto(self, module: nn.Module, optimizer: Any, precision: str) -> ZeroSettings:
         from trainforge.strategies.memory_estimate import (
@@ -253,25 +306,35 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
         # every rank must choose the same stage: decide on the smallest memory any rank sees
         device_mem, host_mem = (int(v) for v in self.all_reduce(torch.tensor(free, device=self.root_device), "min"))
         row, self.auto_report = choose_deepspeed(
-            count_parameters(module), self.world_size, precision, optimizer_kind(optimizer), device_mem,
-            host_mem if self.root_device.type != "cpu" else None, ranks_per_node)
+            count_parameters(module),
+            self.world_size,
+            precision,
+            optimizer_kind(optimizer),
+            device_mem,
+            host_mem if self.root_device.type != "cpu" else None,
+            ranks_per_node,
+        )
         if self.is_global_zero:
             log.info("trainforge: DeepSpeedStrategy(stage='auto') on %s\n%s", self.root_device.type, self.auto_report)
         opts = row.options
-        return ZeroSettings(stage=opts["stage"], nvme_path=self.zero.nvme_path,
-                            offload_optimizer_device=self.zero.offload_optimizer_device or (
-                                "cpu" if opts.get("offload_optimizer") else None),
-                            offload_param_device=self.zero.offload_param_device or (
-                                "cpu" if opts.get("offload_parameters") else None))
+        return ZeroSettings(
+            stage=opts["stage"],
+            nvme_path=self.zero.nvme_path,
+            offload_optimizer_device=self.zero.offload_optimizer_device
+            or ("cpu" if opts.get("offload_optimizer") else None),
+            offload_param_device=self.zero.offload_param_device or ("cpu" if opts.get("offload_parameters") else None),
+        )
 
     def _check_nvme(self) -> None:
         zero = self.config.get("zero_optimization", {}) if self.config else {}
         if "nvme" in (zero.get("offload_optimizer", {}).get("device"), zero.get("offload_param", {}).get("device")):
             compatible = getattr(self._ds.ops, "__compatible_ops__", {})
             if not compatible.get("async_io", False):
-                raise ConfigurationError("offload_device='nvme' needs DeepSpeed's async_io op, which this deepspeed "
-                                         "install cannot build (libaio missing); install libaio-dev and reinstall "
-                                         "deepspeed, or use offload_device='cpu'")
+                raise ConfigurationError(
+                    "offload_device='nvme' needs DeepSpeed's async_io op, which this deepspeed "
+                    "install cannot build (libaio missing); install libaio-dev and reinstall "
+                    "deepspeed, or use offload_device='cpu'"
+                )
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return cast(nn.Module, module.module) if self._is_engine(module) else module
@@ -291,8 +354,10 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
     def optimizer_step(self, optimizer: Any) -> Any:
         engine = self._by_optimizer.get(id(optimizer))
         if engine is None:
-            raise ConfigurationError("optimizer_step got an optimizer that DeepSpeedStrategy.setup did not return; "
-                                     "step the optimizer that prepare()/setup() gave back")
+            raise ConfigurationError(
+                "optimizer_step got an optimizer that DeepSpeedStrategy.setup did not return; "
+                "step the optimizer that prepare()/setup() gave back"
+            )
         engine.step()  # clips, steps, zeroes gradients (and steps no scheduler: it owns none)
         return None
 
@@ -306,20 +371,29 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
             return contextlib.nullcontext()
         return self._boundary(module, not enabled)
 
-    def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
-                       clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+    def clip_gradients(
+        self,
+        parameters: Any,
+        *,
+        max_norm: Optional[float] = None,
+        clip_value: Optional[float] = None,
+        norm_type: float = 2.0,
+    ) -> Optional[torch.Tensor]:
         """DeepSpeed clips inside ``engine.step()`` with the config's ``gradient_clipping``; this only
         checks that the request matches it and returns None (the norm exists only after the step:
         ``engine.get_global_grad_norm()``)."""
         configured = float((self.config or {}).get("gradient_clipping", 0.0) or 0.0)
         if clip_value is not None:
-            raise ConfigurationError(f"clip_value={clip_value!r}: DeepSpeed clips by global norm only; clip by norm "
-                                     "(gradient_clip_algorithm='norm')")
+            raise ConfigurationError(
+                f"clip_value={clip_value!r}: DeepSpeed clips by global norm only; clip by norm "
+                "(gradient_clip_algorithm='norm')"
+            )
         if max_norm is not None and (float(norm_type) != 2.0 or float(max_norm) != configured):
             raise ConfigurationError(
                 f"clip_gradients(max_norm={max_norm!r}, norm_type={norm_type!r}) but DeepSpeed clips the 2-norm at "
                 f"gradient_clipping={configured!r} from its config; set the Trainer's gradient_clip_val={max_norm!r} "
-                "(written into the generated config) or gradient_clipping in your DeepSpeed config")
+                "(written into the generated config) or gradient_clipping in your DeepSpeed config"
+            )
         return None
 
     # ---- helpers --------------------------------------------------------------------------
@@ -332,12 +406,16 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
         for engine in self._engines:
             if module is None or engine.module is module:
                 return engine
-        raise ConfigurationError(f"{type(module).__name__} was not set up by DeepSpeedStrategy; pass the model that "
-                                 "prepare()/setup() returned")
+        raise ConfigurationError(
+            f"{type(module).__name__} was not set up by DeepSpeedStrategy; pass the model that "
+            "prepare()/setup() returned"
+        )
 
     def __repr__(self) -> str:
-        return (f"DeepSpeedStrategy(stage={self.stage!r}, offload_optimizer={self.zero.offload_optimizer_device!r}, "
-                f"offload_param={self.zero.offload_param_device!r}, world_size={self.world_size})")
+        return (
+            f"DeepSpeedStrategy(stage={self.stage!r}, offload_optimizer={self.zero.offload_optimizer_device!r}, "
+            f"offload_param={self.zero.offload_param_device!r}, world_size={self.world_size})"
+        )
 
 
 def _offload_choice(name: str, value: Optional[str], fallback: Optional[str]) -> Optional[str]:

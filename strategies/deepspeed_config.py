@@ -12,6 +12,7 @@ does (e.g. a different accumulation divides the loss by the wrong number)::
     generated = generate_config(settings, ZeroSettings(stage=3))
     config = merge_config(generated, load_user_config("ds.json"), explicit_settings(settings, zero, zero_given))
 """
+
 from __future__ import annotations
 
 import copy
@@ -78,16 +79,21 @@ def precision_sections(precision: str) -> Dict[str, Dict[str, Any]]:
     """fp16/bf16 sections for a trainforge precision name. "bf16-true" maps to DeepSpeed's bf16
     mode too: DeepSpeed always keeps fp32 master weights in its optimizer."""
     if precision not in SUPPORTED_PRECISIONS:
-        raise invalid_choice("precision (with strategy='deepspeed')", precision, SUPPORTED_PRECISIONS,
-                             "DeepSpeed has no fp8 training mode here; use precision='bf16-mixed'")
+        raise invalid_choice(
+            "precision (with strategy='deepspeed')",
+            precision,
+            SUPPORTED_PRECISIONS,
+            "DeepSpeed has no fp8 training mode here; use precision='bf16-mixed'",
+        )
     fp16: Dict[str, Any] = {"enabled": precision == "16-mixed"}
     if fp16["enabled"]:  # dynamic loss scaling, DeepSpeed's documented defaults
         fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
     return {"fp16": fp16, "bf16": {"enabled": precision in ("bf16-mixed", "bf16-true")}}
 
 
-def generate_config(settings: TrainingSettings, zero: ZeroSettings, param_count: Optional[int] = None
-                    ) -> Dict[str, Any]:
+def generate_config(
+    settings: TrainingSettings, zero: ZeroSettings, param_count: Optional[int] = None
+) -> Dict[str, Any]:
     """The complete DeepSpeed config for these settings (no user input involved). With
     ``param_count``, the gradient reduction bucket (DeepSpeed allocates it whole: 5e8 elements by
     default) is capped at the model's size: every gradient still fits in one bucket, so the
@@ -118,42 +124,61 @@ def generate_config(settings: TrainingSettings, zero: ZeroSettings, param_count:
     return config
 
 
-def explicit_settings(settings: TrainingSettings, zero: ZeroSettings, zero_given: Tuple[str, ...] = ()
-                      ) -> Dict[str, Explicit]:
+def explicit_settings(
+    settings: TrainingSettings, zero: ZeroSettings, zero_given: Tuple[str, ...] = ()
+) -> Dict[str, Explicit]:
     """Dotted config keys whose values trainforge settings fix. ``zero_given`` names the
     ZeroSettings fields the user passed explicitly (the others are defaults a config may override)."""
     out: Dict[str, Explicit] = {
         "gradient_accumulation_steps": Explicit(
-            settings.accumulation_steps, "the Trainer's accumulate_grad_batches (Accelerator: "
-            "gradient_accumulation_steps)", settings.accumulation_steps,
-            "set accumulate_grad_batches to the value you want and write \"auto\" in the config"),
+            settings.accumulation_steps,
+            "the Trainer's accumulate_grad_batches (Accelerator: gradient_accumulation_steps)",
+            settings.accumulation_steps,
+            'set accumulate_grad_batches to the value you want and write "auto" in the config',
+        ),
     }
     sections = precision_sections(settings.precision)
     for name in ("fp16", "bf16"):
-        out[f"{name}.enabled"] = Explicit(sections[name]["enabled"], "precision", settings.precision,
-                                          "pass the precision you want to the Trainer/Accelerator (e.g. "
-                                          "precision='bf16-mixed') and write \"auto\" in the config")
+        out[f"{name}.enabled"] = Explicit(
+            sections[name]["enabled"],
+            "precision",
+            settings.precision,
+            "pass the precision you want to the Trainer/Accelerator (e.g. "
+            "precision='bf16-mixed') and write \"auto\" in the config",
+        )
     if settings.micro_batch_size is not None:
-        fix = "change the DataLoader's batch_size (per process) and write \"auto\" in the config"
-        out["train_micro_batch_size_per_gpu"] = Explicit(settings.micro_batch_size, "the DataLoader's batch_size",
-                                                         settings.micro_batch_size, fix)
+        fix = 'change the DataLoader\'s batch_size (per process) and write "auto" in the config'
+        out["train_micro_batch_size_per_gpu"] = Explicit(
+            settings.micro_batch_size, "the DataLoader's batch_size", settings.micro_batch_size, fix
+        )
         total = settings.micro_batch_size * settings.accumulation_steps * settings.world_size
-        out["train_batch_size"] = Explicit(total, "batch_size x accumulation x processes",
-                                           f"{settings.micro_batch_size} x {settings.accumulation_steps} x "
-                                           f"{settings.world_size}", fix)
+        out["train_batch_size"] = Explicit(
+            total,
+            "batch_size x accumulation x processes",
+            f"{settings.micro_batch_size} x {settings.accumulation_steps} x {settings.world_size}",
+            fix,
+        )
     if settings.gradient_clip_val is not None:
-        out["gradient_clipping"] = Explicit(float(settings.gradient_clip_val), "the Trainer's gradient_clip_val",
-                                            settings.gradient_clip_val,
-                                            "set gradient_clip_val to the value you want and write \"auto\"")
-    zero_keys = {"stage": ("zero_optimization.stage", zero.stage),
-                 "offload_optimizer_device": ("zero_optimization.offload_optimizer.device",
-                                              zero.offload_optimizer_device),
-                 "offload_param_device": ("zero_optimization.offload_param.device", zero.offload_param_device)}
+        out["gradient_clipping"] = Explicit(
+            float(settings.gradient_clip_val),
+            "the Trainer's gradient_clip_val",
+            settings.gradient_clip_val,
+            'set gradient_clip_val to the value you want and write "auto"',
+        )
+    zero_keys = {
+        "stage": ("zero_optimization.stage", zero.stage),
+        "offload_optimizer_device": ("zero_optimization.offload_optimizer.device", zero.offload_optimizer_device),
+        "offload_param_device": ("zero_optimization.offload_param.device", zero.offload_param_device),
+    }
     for field_name in zero_given:
         if field_name in zero_keys and zero_keys[field_name][1] is not None:
             key, value = zero_keys[field_name]
-            out[key] = Explicit(value, f"DeepSpeedStrategy({field_name}=...)", value,
-                                f"pass the value you want to DeepSpeedStrategy or remove {key} from the config")
+            out[key] = Explicit(
+                value,
+                f"DeepSpeedStrategy({field_name}=...)",
+                value,
+                f"pass the value you want to DeepSpeedStrategy or remove {key} from the config",
+            )
     return out
 
 
@@ -167,15 +192,18 @@ def load_user_config(config: Union[None, str, "os.PathLike[str]", Mapping[str, A
         raise ConfigurationError(f"config={config!r} must be a dict, a path to a DeepSpeed JSON file, or None")
     path = Path(config)
     if not path.is_file():
-        raise ConfigurationError(f"config={str(config)!r}: no such DeepSpeed config file; give the path of a JSON "
-                                 "file, a dict, or None to use the generated config")
+        raise ConfigurationError(
+            f"config={str(config)!r}: no such DeepSpeed config file; give the path of a JSON "
+            "file, a dict, or None to use the generated config"
+        )
     try:
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigurationError(f"config={str(config)!r} is not valid JSON ({e}); fix the file") from None
     if not isinstance(loaded, dict):
-        raise ConfigurationError(f"config={str(config)!r} holds a {type(loaded).__name__}; a DeepSpeed config is "
-                                 "a JSON object")
+        raise ConfigurationError(
+            f"config={str(config)!r} holds a {type(loaded).__name__}; a DeepSpeed config is a JSON object"
+        )
     return loaded
 
 
@@ -215,8 +243,12 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def merge_config(generated: Mapping[str, Any], user: Optional[Mapping[str, Any]],
-                 explicit: Mapping[str, Explicit], hidden_size: Optional[int] = None) -> Dict[str, Any]:
+def merge_config(
+    generated: Mapping[str, Any],
+    user: Optional[Mapping[str, Any]],
+    explicit: Mapping[str, Explicit],
+    hidden_size: Optional[int] = None,
+) -> Dict[str, Any]:
     """``generated`` overridden by ``user``; "auto" filled from ``generated`` (or from
     ``hidden_size`` for the bucket sizes; dropped when it is unknown); conflicts raise."""
     merged = copy.deepcopy(dict(generated))
@@ -225,11 +257,14 @@ def merge_config(generated: Mapping[str, Any], user: Optional[Mapping[str, Any]]
             raise ConfigurationError(
                 f"the DeepSpeed config has an {key!r} section, but trainforge hands DeepSpeed the optimizer and "
                 f"scheduler you create (configure_optimizers / prepare); remove {key!r} from the config and create "
-                "that optimizer/scheduler in code (deepspeed.ops.adam.DeepSpeedCPUAdam is a torch optimizer too)")
+                "that optimizer/scheduler in code (deepspeed.ops.adam.DeepSpeedCPUAdam is a torch optimizer too)"
+            )
     if user and _get(user, "checkpoint.load_universal") is True:
-        raise ConfigurationError("checkpoint.load_universal=True in the DeepSpeed config makes DeepSpeed read "
-                                 "checkpoint files with torch.load(weights_only=False), which trainforge refuses; "
-                                 "remove it (trainforge checkpoints resume on the same number of processes)")
+        raise ConfigurationError(
+            "checkpoint.load_universal=True in the DeepSpeed config makes DeepSpeed read "
+            "checkpoint files with torch.load(weights_only=False), which trainforge refuses; "
+            "remove it (trainforge checkpoints resume on the same number of processes)"
+        )
     for path, value in _leaves(user or {}):
         if value == "auto":
             if path in _HIDDEN_SIZE_KEYS:
@@ -238,8 +273,10 @@ def merge_config(generated: Mapping[str, Any], user: Optional[Mapping[str, Any]]
                 continue  # unknown hidden size: leave DeepSpeed's default
             filled = _get(generated, path)
             if filled is KeyError:
-                raise ConfigurationError(f"the DeepSpeed config sets {path}=\"auto\", which trainforge cannot fill in "
-                                         "(no trainforge setting decides it); give a value or remove the key")
+                raise ConfigurationError(
+                    f'the DeepSpeed config sets {path}="auto", which trainforge cannot fill in '
+                    "(no trainforge setting decides it); give a value or remove the key"
+                )
             continue  # the generated value is already in ``merged``
         if isinstance(value, Mapping) and _get(merged, path) is not KeyError:
             continue  # an empty section adds nothing to the generated one
@@ -247,6 +284,7 @@ def merge_config(generated: Mapping[str, Any], user: Optional[Mapping[str, Any]]
         if rule is not None and not _same(value, rule.value):
             raise ConfigurationError(
                 f"the DeepSpeed config sets {path}={value!r}, but {rule.label}={rule.setting!r} means "
-                f"{path}={rule.value!r}; {rule.fix}")
+                f"{path}={rule.value!r}; {rule.fix}"
+            )
         _set(merged, path, value)
     return merged

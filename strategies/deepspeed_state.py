@@ -1,6 +1,7 @@
 """DeepSpeedStrategy's weights and checkpoints (a mixin of ``DeepSpeedStrategy``): full state dicts
 gathered from ZeRO partitions, DeepSpeed's own checkpoint format inside trainforge's directory (loaded
 with ``weights_only``), and the bytes each rank holds."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,7 @@ from trainforge.strategies.checkpoint.verify import file_crc32, read_metadata
 from trainforge.strategies.errors import CheckpointError
 
 CHECKPOINT_DIR = "deepspeed"  # inside a trainforge checkpoint directory
-TAG = "state"                 # DeepSpeed's tag sub-directory
+TAG = "state"  # DeepSpeed's tag sub-directory
 
 
 class DeepSpeedState:
@@ -64,8 +65,10 @@ class DeepSpeedState:
         current = self.unwrap(module).state_dict(keep_vars=True)
         missing, unexpected = sorted(set(current) - set(state)), sorted(set(state) - set(current))
         if strict and (missing or unexpected):
-            raise CheckpointError(f"state dict does not match the model: missing {missing[:5]}, unexpected "
-                                  f"{unexpected[:5]}; pass strict=False to load the common keys")
+            raise CheckpointError(
+                f"state dict does not match the model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}; pass strict=False to load the common keys"
+            )
         partitioned = False
         with torch.no_grad():
             for name, target in current.items():
@@ -97,17 +100,26 @@ class DeepSpeedState:
         meta = read_metadata(path)
         source = path / CHECKPOINT_DIR / TAG
         if not source.is_dir():
-            raise CheckpointError(f"{path} holds no DeepSpeed state ({source} is missing): it was written by "
-                                  f"strategy={meta.get('strategy')!r}; resume it with that strategy, or load its "
-                                  "weights with strategy.load_module_state_dict(model, load_tensors(path))")
+            raise CheckpointError(
+                f"{path} holds no DeepSpeed state ({source} is missing): it was written by "
+                f"strategy={meta.get('strategy')!r}; resume it with that strategy, or load its "
+                "weights with strategy.load_module_state_dict(model, load_tensors(path))"
+            )
         if int(meta.get("world_size", 1)) != self.world_size:
-            raise CheckpointError(f"{path} holds ZeRO shards of {meta.get('world_size')} process(es) but this run has "
-                                  f"{self.world_size}; resume with {meta.get('world_size')} processes (ZeRO shards are "
-                                  "per rank), or start from its consolidated weights")
+            raise CheckpointError(
+                f"{path} holds ZeRO shards of {meta.get('world_size')} process(es) but this run has "
+                f"{self.world_size}; resume with {meta.get('world_size')} processes (ZeRO shards are "
+                "per rank), or start from its consolidated weights"
+            )
         verify_subtree(path, meta, CHECKPOINT_DIR)
         engine = self._engine_of(module)
-        load_path, _ = engine.load_checkpoint(str(path / CHECKPOINT_DIR), tag=TAG, load_module_strict=True,
-                                              load_optimizer_states=bool(optimizers), load_lr_scheduler_states=False)
+        load_path, _ = engine.load_checkpoint(
+            str(path / CHECKPOINT_DIR),
+            tag=TAG,
+            load_module_strict=True,
+            load_optimizer_states=bool(optimizers),
+            load_lr_scheduler_states=False,
+        )
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {source}; see its log above")
 
@@ -133,13 +145,20 @@ def local_state_bytes(engine: Any) -> Dict[str, int]:
     params = list(engine.module.parameters())
     ds_opt = engine.optimizer
     base = getattr(ds_opt, "optimizer", ds_opt)
-    out = {"params": size(getattr(p, "ds_tensor", p) for p in params),
-           "optimizer": size([p for g in base.param_groups for p in g["params"]] +  # ZeRO-3 empties these
-                             list(getattr(ds_opt, "fp32_partitioned_groups_flat", [])) +   # outside step()
-                             list(getattr(ds_opt, "single_partition_of_fp32_groups", [])) +
-                             [v for st in base.state.values() for v in st.values()]),
-           "grads": size([p.grad for p in params] + list(getattr(ds_opt, "averaged_gradients", {}).values()) +
-                         [getattr(ds_opt, "grad_partitions_flat_buffer", None)])}
+    out = {
+        "params": size(getattr(p, "ds_tensor", p) for p in params),
+        "optimizer": size(
+            [p for g in base.param_groups for p in g["params"]]  # ZeRO-3 empties these
+            + list(getattr(ds_opt, "fp32_partitioned_groups_flat", []))  # outside step()
+            + list(getattr(ds_opt, "single_partition_of_fp32_groups", []))
+            + [v for st in base.state.values() for v in st.values()]
+        ),
+        "grads": size(
+            [p.grad for p in params]
+            + list(getattr(ds_opt, "averaged_gradients", {}).values())
+            + [getattr(ds_opt, "grad_partitions_flat_buffer", None)]
+        ),
+    }
     out["total"] = out["params"] + out["optimizer"] + out["grads"]
     out["buffers"] = size(b.buffer for b in getattr(ds_opt, "ipg_buckets", {}).values() if hasattr(b, "buffer"))
     return out
@@ -153,9 +172,12 @@ def verify_subtree(path: Path, meta: Dict[str, Any], subdir: str) -> None:
         rel = file.relative_to(path).as_posix()
         entry = files.get(rel)
         if entry is None:
-            raise CheckpointError(f"{file}: not in the manifest of {path}; it was not written by this checkpoint's "
-                                  "save (remove it)")
+            raise CheckpointError(
+                f"{file}: not in the manifest of {path}; it was not written by this checkpoint's save (remove it)"
+            )
         size, crc = file_crc32(file)
         if size != entry.get("size") or crc != entry.get("crc32"):
-            raise CheckpointError(f"{file}: size/crc32 {size}/{crc} on disk, {entry.get('size')}/{entry.get('crc32')} "
-                                  "in the manifest; the file is corrupted or was replaced")
+            raise CheckpointError(
+                f"{file}: size/crc32 {size}/{crc} on disk, {entry.get('size')}/{entry.get('crc32')} "
+                "in the manifest; the file is corrupted or was replaced"
+            )

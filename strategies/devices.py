@@ -8,6 +8,7 @@ none; the name of the accelerator torch reports (e.g. ``"tpu"``, ``"xpu"``) insi
 strategy given an explicit ``device`` keeps it. Nothing here names a plugin backend: a backend that
 registers with torch as an accelerator needs no code (and no strategy) of its own.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,14 @@ def normalize_accelerator(value: object) -> str:
         return "cuda" if key == "gpu" else key
     choices = accelerator_choices()  # asks torch only for a name outside the fixed ones
     if key not in choices:
-        raise invalid_choice("accelerator", value, choices, "'auto' picks the accelerator torch reports "
-                             "(torch.accelerator: CUDA, MPS, XPU, or a registered backend such as 'tpu'), else the "
-                             "CPU; for torch_xla use strategy='xla'")
+        raise invalid_choice(
+            "accelerator",
+            value,
+            choices,
+            "'auto' picks the accelerator torch reports "
+            "(torch.accelerator: CUDA, MPS, XPU, or a registered backend such as 'tpu'), else the "
+            "CPU; for torch_xla use strategy='xla'",
+        )
     return "cuda" if key == "gpu" else key
 
 
@@ -70,14 +76,17 @@ def default_device(accelerator: str = "auto", local_rank: int = 0) -> torch.devi
             raise ConfigurationError(
                 f"local rank {local_rank} has no {found.type.upper()} device: {count} visible"
                 + (f" (CUDA_VISIBLE_DEVICES={_visible()})" if found.type == "cuda" else "")
-                + "; launch at most that many processes per node, or pass accelerator='cpu'")
+                + "; launch at most that many processes per node, or pass accelerator='cpu'"
+            )
         return torch.device(found.type, local_rank)
     if kind == "auto":
         return torch.device("cpu")
-    raise ConfigurationError(f"accelerator={accelerator!r} but this process sees no {kind.upper()} device "
-                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
-                             f"{_visible()}, torch.accelerator: {found.type if found is not None else None}); pass "
-                             "accelerator='auto' or 'cpu'")
+    raise ConfigurationError(
+        f"accelerator={accelerator!r} but this process sees no {kind.upper()} device "
+        f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
+        f"{_visible()}, torch.accelerator: {found.type if found is not None else None}); pass "
+        "accelerator='auto' or 'cpu'"
+    )
 
 
 def _device_count(device_type: str) -> int:
@@ -104,8 +113,9 @@ def check_device_matches(accelerator: str, device: Optional[torch.device]) -> No
     """An explicit strategy device and an explicit accelerator must agree."""
     kind = normalize_accelerator(accelerator)
     if device is not None and kind != "auto" and torch.device(device).type != kind:
-        raise ConfigurationError(f"accelerator={accelerator!r} conflicts with the strategy's device={device}; "
-                                 "drop one of them")
+        raise ConfigurationError(
+            f"accelerator={accelerator!r} conflicts with the strategy's device={device}; drop one of them"
+        )
 
 
 def _visible() -> str:

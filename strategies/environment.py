@@ -25,6 +25,7 @@ the first source present wins:
    them with ``trainforge launch`` (torchrun reads the PET_* variables) - then source 1 applies.
 5. **single**: one process; MASTER_ADDR/MASTER_PORT from env, else 127.0.0.1 and a free port.
 """
+
 from __future__ import annotations
 
 import os
@@ -124,8 +125,9 @@ def slurm_first_host(nodelist: str) -> str:
             break
     first = text[:end]
     if not first or depth < 0 or first.count("[") != first.count("]"):
-        raise ConfigurationError(f"SLURM nodelist {nodelist!r} is not a valid hostlist; "
-                                 "set MASTER_ADDR to the host of rank 0 instead")
+        raise ConfigurationError(
+            f"SLURM nodelist {nodelist!r} is not a valid hostlist; set MASTER_ADDR to the host of rank 0 instead"
+        )
     # in each bracket group keep the start of its first range: "[001-004,007]" -> "001"
     return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first)
 
@@ -136,12 +138,15 @@ def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     for part in tasks_per_node.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not match:
-            raise ConfigurationError(f"SLURM_TASKS_PER_NODE={tasks_per_node!r} is not of the form "
-                                     "'4(x2),3'; set SLURM_NTASKS_PER_NODE or use torchrun")
+            raise ConfigurationError(
+                f"SLURM_TASKS_PER_NODE={tasks_per_node!r} is not of the form "
+                "'4(x2),3'; set SLURM_NTASKS_PER_NODE or use torchrun"
+            )
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     if not 0 <= node_id < len(counts):
-        raise ConfigurationError(f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE={tasks_per_node!r} "
-                                 f"lists only {len(counts)} nodes")
+        raise ConfigurationError(
+            f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE={tasks_per_node!r} lists only {len(counts)} nodes"
+        )
     return counts[node_id]
 
 
@@ -149,14 +154,16 @@ def _int(environ: Mapping[str, str], name: str, minimum: int = 0, source: str = 
     """``environ[name]`` as an int >= minimum; errors name the variable, its value and the fix."""
     where = f" ({source})" if source else ""
     if name not in environ:
-        raise ConfigurationError(f"{name} is not set{where}; export {name} in the job's environment "
-                                 "or launch with `trainforge launch`")
+        raise ConfigurationError(
+            f"{name} is not set{where}; export {name} in the job's environment or launch with `trainforge launch`"
+        )
     raw = environ[name]
     try:
         value = int(raw.strip())
     except ValueError:
-        raise ConfigurationError(f"{name}={raw!r} is not an integer{where}; fix the launcher "
-                                 "or job script that sets it") from None
+        raise ConfigurationError(
+            f"{name}={raw!r} is not an integer{where}; fix the launcher or job script that sets it"
+        ) from None
     if value < minimum:
         raise ConfigurationError(f"{name}={raw!r} must be >= {minimum}{where}")
     return value
@@ -171,8 +178,16 @@ def _torchrun(environ: Mapping[str, str]) -> Optional[ClusterEnvironment]:
     local_world = _int(environ, "LOCAL_WORLD_SIZE", 1, src)
     rank = _int(environ, "RANK", 0, src)
     node = _int(environ, "GROUP_RANK", 0, src) if "GROUP_RANK" in environ else rank // local_world
-    return ClusterEnvironment("torchrun", rank, world, _int(environ, "LOCAL_RANK", 0, src), local_world,
-                              node, _addr(environ, src), _int(environ, "MASTER_PORT", 1, src))
+    return ClusterEnvironment(
+        "torchrun",
+        rank,
+        world,
+        _int(environ, "LOCAL_RANK", 0, src),
+        local_world,
+        node,
+        _addr(environ, src),
+        _int(environ, "MASTER_PORT", 1, src),
+    )
 
 
 def _slurm(environ: Mapping[str, str]) -> Optional[ClusterEnvironment]:
@@ -187,15 +202,18 @@ def _slurm(environ: Mapping[str, str]) -> Optional[ClusterEnvironment]:
     elif "SLURM_TASKS_PER_NODE" in environ:
         local_world = slurm_tasks_on_node(environ["SLURM_TASKS_PER_NODE"], node)
     else:
-        raise ConfigurationError("SLURM_NTASKS > 1 but neither SLURM_NTASKS_PER_NODE nor "
-                                 "SLURM_TASKS_PER_NODE is set; run the job step with srun")
+        raise ConfigurationError(
+            "SLURM_NTASKS > 1 but neither SLURM_NTASKS_PER_NODE nor "
+            "SLURM_TASKS_PER_NODE is set; run the job step with srun"
+        )
     if "MASTER_ADDR" in environ:
         addr = environ["MASTER_ADDR"]
     else:
         nodelist = environ.get("SLURM_NODELIST") or environ.get("SLURM_JOB_NODELIST")
         if not nodelist:
-            raise ConfigurationError("SLURM job without SLURM_NODELIST/SLURM_JOB_NODELIST; export "
-                                     "MASTER_ADDR=<host of rank 0>")
+            raise ConfigurationError(
+                "SLURM job without SLURM_NODELIST/SLURM_JOB_NODELIST; export MASTER_ADDR=<host of rank 0>"
+            )
         addr = slurm_first_host(nodelist)
     if "MASTER_PORT" in environ:
         port = _int(environ, "MASTER_PORT", 1, "SLURM")
@@ -203,29 +221,47 @@ def _slurm(environ: Mapping[str, str]) -> Optional[ClusterEnvironment]:
         # Lightning derives the port from the job id so every task of a job agrees without
         # talking; we keep it inside 15000-19999: 15000 + job id mod 5000.
         port = 15000 + _int(environ, "SLURM_JOB_ID", 0, "SLURM, needed for MASTER_PORT") % 5000
-    return ClusterEnvironment("slurm", _int(environ, "SLURM_PROCID", 0, "SLURM"), world,
-                              _int(environ, "SLURM_LOCALID", 0, "SLURM"), local_world, node, addr, port)
+    return ClusterEnvironment(
+        "slurm",
+        _int(environ, "SLURM_PROCID", 0, "SLURM"),
+        world,
+        _int(environ, "SLURM_LOCALID", 0, "SLURM"),
+        local_world,
+        node,
+        addr,
+        port,
+    )
 
 
 def _mpi(environ: Mapping[str, str]) -> Optional[ClusterEnvironment]:
-    for names in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                   "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                  ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
+    for names in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ):
         rank_var, size_var, local_var, local_size_var = names
         if size_var not in environ:
             continue
         world = _int(environ, size_var, 1, "MPI")
         if world == 1:
             return None
-        hint = (f"MPI launch detected ({size_var}={world}) but MASTER_ADDR/MASTER_PORT come from "
-                "you: run e.g. `mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ...`")
+        hint = (
+            f"MPI launch detected ({size_var}={world}) but MASTER_ADDR/MASTER_PORT come from "
+            "you: run e.g. `mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ...`"
+        )
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if var not in environ:
                 raise ConfigurationError(f"{var} is not set. {hint}")
         rank, local_world = _int(environ, rank_var, 0, "MPI"), _int(environ, local_size_var, 1, "MPI")
-        return ClusterEnvironment("mpi", rank, world, _int(environ, local_var, 0, "MPI"), local_world,
-                                  rank // local_world, environ["MASTER_ADDR"],
-                                  _int(environ, "MASTER_PORT", 1, "MPI"))
+        return ClusterEnvironment(
+            "mpi",
+            rank,
+            world,
+            _int(environ, local_var, 0, "MPI"),
+            local_world,
+            rank // local_world,
+            environ["MASTER_ADDR"],
+            _int(environ, "MASTER_PORT", 1, "MPI"),
+        )
     return None
 
 
@@ -239,18 +275,27 @@ def _kubeflow(environ: Mapping[str, str]) -> Optional[ClusterEnvironment]:
     nproc = int(nproc_raw) if nproc_raw.isdigit() and int(nproc_raw) > 0 else 1  # as the operator
     local_rank = _int(environ, "LOCAL_RANK", 0, src) if "LOCAL_RANK" in environ else 0
     if nproc > 1 and "LOCAL_RANK" not in environ:
-        raise ConfigurationError(f"PET_NPROC_PER_NODE={nproc_raw} asks for {nproc} processes per pod "
-                                 "but this one has no LOCAL_RANK; start the pod's command with "
-                                 "`trainforge launch` (or torchrun), which starts them")
-    return ClusterEnvironment("kubeflow", node * nproc + local_rank, world, local_rank, nproc, node,
-                              environ["MASTER_ADDR"], _int(environ, "MASTER_PORT", 1, src))
+        raise ConfigurationError(
+            f"PET_NPROC_PER_NODE={nproc_raw} asks for {nproc} processes per pod "
+            "but this one has no LOCAL_RANK; start the pod's command with "
+            "`trainforge launch` (or torchrun), which starts them"
+        )
+    return ClusterEnvironment(
+        "kubeflow",
+        node * nproc + local_rank,
+        world,
+        local_rank,
+        nproc,
+        node,
+        environ["MASTER_ADDR"],
+        _int(environ, "MASTER_PORT", 1, src),
+    )
 
 
 def _addr(environ: Mapping[str, str], source: str) -> str:
     addr = environ.get("MASTER_ADDR", "").strip()
     if not addr:
-        raise ConfigurationError(f"MASTER_ADDR is not set or empty ({source}); export "
-                                 "MASTER_ADDR=<host of rank 0>")
+        raise ConfigurationError(f"MASTER_ADDR is not set or empty ({source}); export MASTER_ADDR=<host of rank 0>")
     return addr
 
 
@@ -261,19 +306,24 @@ def _validated(env: ClusterEnvironment, environ: Mapping[str, str]) -> ClusterEn
         "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
         "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_(N)TASKS_PER_NODE"),
         "mpi": tuple("OMPI_COMM_WORLD_" + n for n in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"))
-        if ompi else ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        if ompi
+        else ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
         "kubeflow": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PET_NPROC_PER_NODE"),
     }.get(env.kind, ("rank", "world size", "local rank", "local world size"))
     rank_n, world_n, local_n, local_world_n = names
     if env.rank >= env.world_size:
-        raise ConfigurationError(f"{rank_n}={env.rank} must be < {world_n}={env.world_size} "
-                                 f"({env.kind} environment); fix the launcher settings")
+        raise ConfigurationError(
+            f"{rank_n}={env.rank} must be < {world_n}={env.world_size} "
+            f"({env.kind} environment); fix the launcher settings"
+        )
     if env.local_rank >= env.local_world_size:
-        raise ConfigurationError(f"{local_n}={env.local_rank} must be < {local_world_n}="
-                                 f"{env.local_world_size} ({env.kind} environment)")
+        raise ConfigurationError(
+            f"{local_n}={env.local_rank} must be < {local_world_n}={env.local_world_size} ({env.kind} environment)"
+        )
     if env.local_world_size > env.world_size:
-        raise ConfigurationError(f"{local_world_n}={env.local_world_size} must be <= {world_n}="
-                                 f"{env.world_size} ({env.kind} environment)")
+        raise ConfigurationError(
+            f"{local_world_n}={env.local_world_size} must be <= {world_n}={env.world_size} ({env.kind} environment)"
+        )
     if not 0 < env.master_port < 65536:
         raise ConfigurationError(f"MASTER_PORT={env.master_port} is not a TCP port (1-65535)")
     return env

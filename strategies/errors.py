@@ -4,6 +4,7 @@ They live in the bottom layer (``strategies/``) so that every package can raise 
 breaking the one-way imports of docs/ARCHITECTURE.md; ``trainer`` re-exports them. Messages say what was
 given, what is valid and what to do.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

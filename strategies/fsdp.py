@@ -13,6 +13,7 @@ Checkpoints: ``state_dict_type="sharded"`` writes ``dcp/`` (torch.distributed.ch
 rank its shard; loadable on another number of processes, and by ``trainforge merge-weights``);
 ``"full"`` writes consolidated ``model.safetensors`` + ``optimizers.pt`` from rank 0.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,32 +77,53 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     name = "fsdp"
     redirect_forward = True  # FSDP's unshard hooks run in the root's forward
 
-    def __init__(self, device: Optional[Union[torch.device, str]] = None, *, sharding_strategy: str = "full_shard",
-                 auto_wrap_policy: Policy = None, cpu_offload: bool = False,
-                 activation_checkpointing: Policy = False, mixed_precision: Optional[MixedPrecisionPolicy] = None,
-                 state_dict_type: str = "sharded", reshard_after_forward: Optional[Union[bool, int]] = None,
-                 process_group_backend: Optional[str] = None, timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(
+        self,
+        device: Optional[Union[torch.device, str]] = None,
+        *,
+        sharding_strategy: str = "full_shard",
+        auto_wrap_policy: Policy = None,
+        cpu_offload: bool = False,
+        activation_checkpointing: Policy = False,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        state_dict_type: str = "sharded",
+        reshard_after_forward: Optional[Union[bool, int]] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
         super().__init__(device)
         key = str(sharding_strategy).lower()
         if key not in SHARDING_STRATEGIES:
-            raise invalid_choice("sharding_strategy", sharding_strategy, SHARDING_STRATEGIES,
-                                 "(case does not matter: FULL_SHARD is full_shard)")
+            raise invalid_choice(
+                "sharding_strategy",
+                sharding_strategy,
+                SHARDING_STRATEGIES,
+                "(case does not matter: FULL_SHARD is full_shard)",
+            )
         if state_dict_type not in STATE_DICT_TYPES:
-            raise invalid_choice("state_dict_type", state_dict_type, STATE_DICT_TYPES,
-                                 "'sharded' saves each rank's shard (fast, reshardable); 'full' one safetensors file")
+            raise invalid_choice(
+                "state_dict_type",
+                state_dict_type,
+                STATE_DICT_TYPES,
+                "'sharded' saves each rank's shard (fast, reshardable); 'full' one safetensors file",
+            )
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-            raise ConfigurationError(f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp."
-                                     "MixedPrecisionPolicy or None (derived from the Trainer's precision)")
+            raise ConfigurationError(
+                f"mixed_precision={mixed_precision!r} must be a torch.distributed.fsdp."
+                "MixedPrecisionPolicy or None (derived from the Trainer's precision)"
+            )
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
-            raise ConfigurationError(f"reshard_after_forward={reshard_after_forward!r} must be None (from "
-                                     "sharding_strategy), True, False or an int (a divisor of the shard size)")
+            raise ConfigurationError(
+                f"reshard_after_forward={reshard_after_forward!r} must be None (from "
+                "sharding_strategy), True, False or an int (a divisor of the shard size)"
+            )
         self.sharding_strategy, self.state_dict_type = key, state_dict_type
         self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
         self.cpu_offload, self.mixed_precision = bool(cpu_offload), mixed_precision
         self.reshard_after_forward = reshard_after_forward
         self.backend, self.timeout = process_group_backend, check_timeout(timeout, "FSDPStrategy")
         self.mesh: Optional[DeviceMesh] = None
-        self.wrapped_modules: List[str] = []       # names of the units sharded before the root
+        self.wrapped_modules: List[str] = []  # names of the units sharded before the root
         self.checkpointed_modules: List[str] = []  # names wrapped with activation checkpointing
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -117,9 +139,11 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         if self.sharding_strategy == "hybrid_shard":
             node = self.cluster.local_world_size
             if node < 1 or world % node:
-                raise ConfigurationError(f"sharding_strategy='hybrid_shard' shards within a node of LOCAL_WORLD_SIZE="
-                                         f"{node} ranks, which does not divide world_size={world}; launch the same "
-                                         "number of processes on every node, or use 'full_shard'")
+                raise ConfigurationError(
+                    f"sharding_strategy='hybrid_shard' shards within a node of LOCAL_WORLD_SIZE="
+                    f"{node} ranks, which does not divide world_size={world}; launch the same "
+                    "number of processes on every node, or use 'full_shard'"
+                )
             return init_device_mesh(device_type, (world // node, node), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 
@@ -138,8 +162,10 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         if isinstance(module, FSDPModule):
             return module  # prepared before (e.g. Trainer.validate after fit)
         if self.mesh is None:
-            raise ConfigurationError("FSDPStrategy.setup called before setup_environment(); use it through the "
-                                     "Trainer or Accelerator, or call strategy.setup_environment() first")
+            raise ConfigurationError(
+                "FSDPStrategy.setup called before setup_environment(); use it through the "
+                "Trainer or Accelerator, or call strategy.setup_environment() first"
+            )
         module = self.precision.convert_module(module)
         units = select_modules(module, self.auto_wrap_policy)
         ac_policy = self.activation_checkpointing
@@ -154,8 +180,13 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         fully_shard(module, **kwargs)
         self.wrapped_modules = [name for name, _ in units]
         if self.is_global_zero:
-            log.info("trainforge: fsdp %s over mesh %s, %d unit(s) + root, activation checkpointing on %d",
-                     self.sharding_strategy, tuple(self.mesh.shape), len(units), len(self.checkpointed_modules))
+            log.info(
+                "trainforge: fsdp %s over mesh %s, %d unit(s) + root, activation checkpointing on %d",
+                self.sharding_strategy,
+                tuple(self.mesh.shape),
+                len(units),
+                len(self.checkpointed_modules),
+            )
         return module
 
     def _fully_shard_kwargs(self) -> Dict[str, Any]:
@@ -165,8 +196,12 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         offload: OffloadPolicy = OffloadPolicy()
         if self.cpu_offload:
             offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
-        return {"mesh": self.mesh, "reshard_after_forward": reshard, "mp_policy": self.mixed_precision_policy(),
-                "offload_policy": offload}
+        return {
+            "mesh": self.mesh,
+            "reshard_after_forward": reshard,
+            "mp_policy": self.mixed_precision_policy(),
+            "offload_policy": offload,
+        }
 
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
         if self.mixed_precision is not None:
@@ -192,8 +227,14 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
             return contextlib.nullcontext()
         return no_gradient_sync(module)
 
-    def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
-                       clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+    def clip_gradients(
+        self,
+        parameters: Any,
+        *,
+        max_norm: Optional[float] = None,
+        clip_value: Optional[float] = None,
+        norm_type: float = 2.0,
+    ) -> Optional[torch.Tensor]:
         """The total norm over the *sharded* gradients equals the unsharded one: each rank's partial
         norm is a ``Partial`` DTensor that ``full_tensor`` reduces over the mesh."""
         params = [p for p in parameters if p.grad is not None]
@@ -213,25 +254,32 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     def module_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
         """The full state dict on CPU on rank 0; {} on the other ranks (every rank must call it:
         it all-gathers one tensor at a time, so no rank ever holds more than one full copy)."""
-        return cast(Dict[str, torch.Tensor],
-                    get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+        return cast(
+            Dict[str, torch.Tensor],
+            get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+        )
 
     def load_module_state_dict(self, module: nn.Module, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
         """``state`` is a full state dict present on every rank; each keeps its shard."""
         # torch types the argument dict[str, ValueType] (invariant): a dict of tensors is one
-        set_model_state_dict(module, cast(Dict[str, Any], state),
-                             options=StateDictOptions(full_state_dict=True, strict=strict))
+        set_model_state_dict(
+            module, cast(Dict[str, Any], state), options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
 
     def optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-        return get_optimizer_state_dict(module, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
-    def load_optimizer_state_dict(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                                  state: Dict[str, Any]) -> None:
+    def load_optimizer_state_dict(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any]
+    ) -> None:
         if any(isinstance(k, int) for k in state.get("state", {})):
-            raise CheckpointError("the optimizer state is keyed by parameter index (written by DDP or a single "
-                                  "device), FSDP needs it keyed by parameter name; load the weights only, or "
-                                  "resume with the strategy that wrote it")
+            raise CheckpointError(
+                "the optimizer state is keyed by parameter index (written by DDP or a single "
+                "device), FSDP needs it keyed by parameter name; load the weights only, or "
+                "resume with the strategy that wrote it"
+            )
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -249,21 +297,31 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         load_sharded(path, module, optimizers)
 
     def __repr__(self) -> str:
-        return (f"FSDPStrategy(sharding_strategy={self.sharding_strategy!r}, device={self.root_device}, "
-                f"world_size={self.world_size})")
+        return (
+            f"FSDPStrategy(sharding_strategy={self.sharding_strategy!r}, device={self.root_device}, "
+            f"world_size={self.world_size})"
+        )
 
 
 def local_state_bytes(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Dict[str, int]:
     """Bytes this rank holds for parameters, gradients and optimizer state, summed over the actual
     local tensors (a DTensor counts its local shard only)."""
+
     def nbytes(t: torch.Tensor) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
 
     params = list(module.parameters())
-    out = {"params": sum(nbytes(p) for p in params),
-           "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-           "optimizer": sum(nbytes(v) for opt in optimizers for st in opt.state.values() for v in st.values()
-                            if isinstance(v, torch.Tensor))}
+    out = {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            nbytes(v)
+            for opt in optimizers
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        ),
+    }
     out["total"] = sum(out.values())
     return out

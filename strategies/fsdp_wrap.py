@@ -10,6 +10,7 @@ Applied in torchtitan's order (``apply_ac`` -> ``apply_fsdp`` on blocks -> root)
 A policy is ``None`` (the repeated blocks, see ``repeated_blocks``), a set of classes or class names,
 or a callable ``(module, name) -> bool``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,10 @@ def _class_matcher(classes: Iterable[Any]) -> Callable[[nn.Module, str], bool]:
     names = {c for c in classes if isinstance(c, str)}
     bad = [c for c in classes if not isinstance(c, (type, str))]
     if bad:
-        raise ConfigurationError(f"wrap policy entry {bad[0]!r} is neither a module class nor a class name; give "
-                                 "a set such as {{GPT2Block}} or {{'GPT2Block'}}, or a callable (module, name) -> bool")
+        raise ConfigurationError(
+            f"wrap policy entry {bad[0]!r} is neither a module class nor a class name; give "
+            "a set such as {{GPT2Block}} or {{'GPT2Block'}}, or a callable (module, name) -> bool"
+        )
     return lambda module, name: isinstance(module, types) or type(module).__name__ in names
 
 
@@ -70,18 +73,24 @@ def select_modules(model: nn.Module, policy: Any) -> Named:
     if isinstance(policy, (set, frozenset, list, tuple)):
         match = _class_matcher(policy)
         if not policy:
-            raise ConfigurationError("wrap policy is an empty set; pass None for the automatic choice of repeated "
-                                     "blocks, or name at least one module class")
+            raise ConfigurationError(
+                "wrap policy is an empty set; pass None for the automatic choice of repeated "
+                "blocks, or name at least one module class"
+            )
     elif callable(policy):
         match = policy
     else:
-        raise ConfigurationError(f"wrap policy {policy!r} is not one of: None (repeated blocks), a set of module "
-                                 "classes or class names, or a callable (module, name) -> bool")
+        raise ConfigurationError(
+            f"wrap policy {policy!r} is not one of: None (repeated blocks), a set of module "
+            "classes or class names, or a callable (module, name) -> bool"
+        )
     chosen = [(name, m) for name, m in model.named_modules() if name and match(m, name)]
     if isinstance(policy, (set, frozenset, list, tuple)) and not chosen:
         present = sorted({type(m).__name__ for m in model.modules()})
-        raise ConfigurationError(f"wrap policy {sorted(map(_label, policy))} matches no module of "
-                                 f"{type(model).__name__}; its module classes are: {', '.join(present)}")
+        raise ConfigurationError(
+            f"wrap policy {sorted(map(_label, policy))} matches no module of "
+            f"{type(model).__name__}; its module classes are: {', '.join(present)}"
+        )
     return list(reversed(chosen))
 
 
@@ -124,25 +133,33 @@ def no_gradient_sync(module: Any) -> Iterator[None]:
         module.set_requires_gradient_sync(True)
 
 
-def remap_optimizers(before: List[Tuple[str, nn.Parameter]], module: nn.Module,
-                      optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def remap_optimizers(
+    before: List[Tuple[str, nn.Parameter]], module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
     """Point optimizers built on the original parameters at the sharded ones (matched by name),
     dropping any state they had (it described unsharded tensors)."""
     after = {clean_name(name): p for name, p in module.named_parameters()}
     new = {}
     for name, old in before:
         if name not in after:
-            raise ConfigurationError(f"parameter {name!r} disappeared while sharding; keep every parameter registered "
-                                     "on the module passed to prepare()")
+            raise ConfigurationError(
+                f"parameter {name!r} disappeared while sharding; keep every parameter registered "
+                "on the module passed to prepare()"
+            )
         new[id(old)] = after[name]
     for opt in optimizers:
         if opt.state:
-            log.warning("trainforge: %s had state before FSDP sharding; it is discarded (create or prepare the "
-                        "optimizer before its first step)", type(opt).__name__)
+            log.warning(
+                "trainforge: %s had state before FSDP sharding; it is discarded (create or prepare the "
+                "optimizer before its first step)",
+                type(opt).__name__,
+            )
         for group in opt.param_groups:
             missing = [tuple(p.shape) for p in group["params"] if id(p) not in new]
             if missing:
-                raise ConfigurationError(f"{type(opt).__name__} holds parameters of shapes {missing[:3]} that are not "
-                                         "in the prepared model; prepare the model together with its own optimizer")
+                raise ConfigurationError(
+                    f"{type(opt).__name__} holds parameters of shapes {missing[:3]} that are not "
+                    "in the prepared model; prepare the model together with its own optimizer"
+                )
             group["params"] = [new[id(p)] for p in group["params"]]
         opt.state.clear()

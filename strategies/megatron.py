@@ -61,6 +61,7 @@ computed under torch's ``loss_parallel()`` (entered around the root module's for
 
 Not built yet (clear errors): sequence/loss parallel with pipeline parallelism.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -101,6 +102,7 @@ from trainforge.strategies.parallel.sp import install_loss_parallel, loss_parall
 
 log = logging.getLogger("trainforge")
 
+
 class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     """``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan="auto")``;
     ``data_parallel_size="auto"`` takes the processes tp x pp leave; ``data_parallel``: "fsdp" (FSDP2,
@@ -115,33 +117,60 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     name = "megatron"
     redirect_forward = True  # training_step through the root's forward, so FSDP's root hooks run
 
-    def __init__(self, device: Optional[Union[torch.device, str]] = None, *, tensor_parallel_size: Any = 1,
-                 pipeline_parallel_size: Any = 1, data_parallel_size: Any = "auto", data_parallel: str = "fsdp",
-                 num_microbatches: Optional[int] = None, schedule: str = "1f1b", sequence_parallel: bool = False,
-                 loss_parallel: bool = False, tp_plan: Any = "auto", pp_split: Optional[List[str]] = None,
-                 activation_checkpointing: Any = False, seq_len: Optional[int] = None,
-                 device_memory: Optional[int] = None, model_shape: Optional[Dict[str, int]] = None,
-                 process_group_backend: Optional[str] = None, timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(
+        self,
+        device: Optional[Union[torch.device, str]] = None,
+        *,
+        tensor_parallel_size: Any = 1,
+        pipeline_parallel_size: Any = 1,
+        data_parallel_size: Any = "auto",
+        data_parallel: str = "fsdp",
+        num_microbatches: Optional[int] = None,
+        schedule: str = "1f1b",
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        tp_plan: Any = "auto",
+        pp_split: Optional[List[str]] = None,
+        activation_checkpointing: Any = False,
+        seq_len: Optional[int] = None,
+        device_memory: Optional[int] = None,
+        model_shape: Optional[Dict[str, int]] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = timedelta(minutes=30),
+    ) -> None:
         super().__init__(device)
         if data_parallel not in DATA_PARALLEL:
-            raise invalid_choice("data_parallel", data_parallel, DATA_PARALLEL,
-                                 "over the dp mesh dimension: FSDP2 (sharded) or DDP-style replication")
+            raise invalid_choice(
+                "data_parallel",
+                data_parallel,
+                DATA_PARALLEL,
+                "over the dp mesh dimension: FSDP2 (sharded) or DDP-style replication",
+            )
         self.data_parallel = data_parallel
         if schedule not in SCHEDULES:
             raise invalid_choice("schedule", schedule, SCHEDULES)
         check_positive("pipeline_parallel_size", pipeline_parallel_size, True)
         if num_microbatches is not None:
             check_positive("num_microbatches", num_microbatches, False)
-        if pp_split is not None and (isinstance(pp_split, str) or not isinstance(pp_split, (list, tuple))
-                                     or not all(isinstance(n, str) for n in pp_split)):
-            raise ConfigurationError(f"pp_split={pp_split!r} must be None (balanced by parameter count) or a list of "
-                                     "block names, each the first block of a new stage, e.g. ['net.blocks.4']")
+        if pp_split is not None and (
+            isinstance(pp_split, str)
+            or not isinstance(pp_split, (list, tuple))
+            or not all(isinstance(n, str) for n in pp_split)
+        ):
+            raise ConfigurationError(
+                f"pp_split={pp_split!r} must be None (balanced by parameter count) or a list of "
+                "block names, each the first block of a new stage, e.g. ['net.blocks.4']"
+            )
         if pipeline_parallel_size == "auto" and pp_split is not None:
-            raise ConfigurationError(f"pp_split={pp_split!r} with pipeline_parallel_size='auto': cut points fix the "
-                                     "number of stages; give pipeline_parallel_size as an int, or leave pp_split unset")
+            raise ConfigurationError(
+                f"pp_split={pp_split!r} with pipeline_parallel_size='auto': cut points fix the "
+                "number of stages; give pipeline_parallel_size as an int, or leave pp_split unset"
+            )
         if pipeline_parallel_size == 1 and (pp_split or num_microbatches is not None):
-            raise ConfigurationError(f"pp_split={pp_split!r} / num_microbatches={num_microbatches!r} need "
-                                     "pipeline_parallel_size > 1; set it, or leave them unset")
+            raise ConfigurationError(
+                f"pp_split={pp_split!r} / num_microbatches={num_microbatches!r} need "
+                "pipeline_parallel_size > 1; set it, or leave them unset"
+            )
         if pipeline_parallel_size != 1:
             schedule_class(schedule)
         if isinstance(pipeline_parallel_size, int) and pipeline_parallel_size > 1:
@@ -150,13 +179,17 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             if not isinstance(value, bool):
                 raise ConfigurationError(f"{flag}={value!r} must be True or False")
             if value and tensor_parallel_size == 1:
-                raise ConfigurationError(f"{flag}=True shards activations over the tensor-parallel ranks, but "
-                                         "tensor_parallel_size=1; set tensor_parallel_size > 1 (or 'auto') or "
-                                         f"{flag}=False")
+                raise ConfigurationError(
+                    f"{flag}=True shards activations over the tensor-parallel ranks, but "
+                    "tensor_parallel_size=1; set tensor_parallel_size > 1 (or 'auto') or "
+                    f"{flag}=False"
+                )
             if value and pipeline_parallel_size != 1:
-                raise ConfigurationError(f"{flag}=True with pipeline_parallel_size={pipeline_parallel_size!r} is not "
-                                         "built yet (stages would pass DTensors); use pipeline_parallel_size=1 or "
-                                         f"{flag}=False")
+                raise ConfigurationError(
+                    f"{flag}=True with pipeline_parallel_size={pipeline_parallel_size!r} is not "
+                    "built yet (stages would pass DTensors); use pipeline_parallel_size=1 or "
+                    f"{flag}=False"
+                )
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         # types checked now, before any process starts; against the world size in setup_environment
         check_positive("tensor_parallel_size", tensor_parallel_size, True)
@@ -172,7 +205,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         self.mesh: Any = None
         self.tp_coverage: Dict[str, Any] = {}
         self._params: Dict[str, nn.Parameter] = {}  # this rank's parameters by name (pipeline)
-        self._norm_excluded: set = set()             # tied copies counted in the grad norm on another rank
+        self._norm_excluded: set = set()  # tied copies counted in the grad norm on another rank
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def setup_environment(self, accelerator: str = "auto") -> None:
@@ -194,16 +227,30 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         if self.dims is not None or "auto" not in (self.sizes["tp"], self.sizes["pp"]):
             return
         if not torch.distributed.is_initialized():
-            raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
-                                     "Trainer or Accelerator, or call strategy.setup_environment() first")
+            raise ConfigurationError(
+                "MegatronStrategy.setup called before setup_environment(); use it through the "
+                "Trainer or Accelerator, or call strategy.setup_environment() first"
+            )
         batch, seq = loader_shape(loader) if loader is not None else (self.settings.micro_batch_size, None)
         ac = self.activation_checkpointing not in (False, None)
-        self._build(choose_auto_layout(
-            module, self.sizes, world_size=self.world_size, device=self.root_device,
-            precision=self.precision.name, seq_len=self.seq_len or seq,
-            micro_batch_size=batch or self.settings.micro_batch_size, device_memory=self.device_memory,
-            model_shape=self.model_shape, schedule=self.schedule, num_microbatches=self.num_microbatches,
-            activation_checkpointing=ac, sequence_parallel=self.sequence_parallel, log_table=self.is_global_zero))
+        self._build(
+            choose_auto_layout(
+                module,
+                self.sizes,
+                world_size=self.world_size,
+                device=self.root_device,
+                precision=self.precision.name,
+                seq_len=self.seq_len or seq,
+                micro_batch_size=batch or self.settings.micro_batch_size,
+                device_memory=self.device_memory,
+                model_shape=self.model_shape,
+                schedule=self.schedule,
+                num_microbatches=self.num_microbatches,
+                activation_checkpointing=ac,
+                sequence_parallel=self.sequence_parallel,
+                log_table=self.is_global_zero,
+            )
+        )
 
     @property
     def data_parallel_rank(self) -> int:
@@ -220,16 +267,21 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             raise ConfigurationError(
                 f"tensor_parallel_size={self.sizes['tp']!r}, pipeline_parallel_size={self.sizes['pp']!r}: each data-"
                 "parallel rank's shard depends on the layout, chosen from the model; prepare the model before (or "
-                "together with) its loaders: accelerator.prepare(model, optimizer, loader)")
-        n = self.num_microbatches or (num_stages_for(self.schedule, self.layout.pp, self.pp_split)
-                                      if self.pipelined else 1)
+                "together with) its loaders: accelerator.prepare(model, optimizer, loader)"
+            )
+        n = self.num_microbatches or (
+            num_stages_for(self.schedule, self.layout.pp, self.pp_split) if self.pipelined else 1
+        )
         size = getattr(dataloader, "batch_size", None)
         if self.pipelined and size is not None and size % n:
-            raise ConfigurationError(f"the loader's batch_size={size} does not split into num_microbatches={n} equal "
-                                     f"micro-batches; use a batch_size that is a multiple of {n} (or set "
-                                     "num_microbatches to a divisor of it)")
-        loader = prepare_dataloader(dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size,
-                                    seed=seed)
+            raise ConfigurationError(
+                f"the loader's batch_size={size} does not split into num_microbatches={n} equal "
+                f"micro-batches; use a batch_size that is a multiple of {n} (or set "
+                "num_microbatches to a divisor of it)"
+            )
+        loader = prepare_dataloader(
+            dataloader, rank=self.data_parallel_rank, world_size=self.data_parallel_size, seed=seed
+        )
         if self.pipelined and size and not loader.drop_last:
             try:
                 samples = len(loader.sampler)
@@ -239,16 +291,19 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
                 raise ConfigurationError(
                     f"each dp rank reads {samples} samples an epoch, so its last batch holds {samples % size} instead "
                     f"of batch_size={size}; pipeline stages keep the micro-batch shape of the first batch: pass "
-                    "drop_last=True to the DataLoader (or use a dataset that divides into whole batches)")
+                    "drop_last=True to the DataLoader (or use a dataset that divides into whole batches)"
+                )
         return loader
 
     @property
     def layout(self) -> ParallelDims:
         """The (pp, dp, tp) sizes: chosen by ``setup_environment``, or from the model (``"auto"`` sizes)."""
         if self.dims is None:
-            raise ConfigurationError("MegatronStrategy has no layout yet: it is chosen by setup_environment() (with "
-                                     "'auto' sizes, from the model when it is prepared); use the strategy through "
-                                     "the Trainer or Accelerator")
+            raise ConfigurationError(
+                "MegatronStrategy has no layout yet: it is chosen by setup_environment() (with "
+                "'auto' sizes, from the model when it is prepared); use the strategy through "
+                "the Trainer or Accelerator"
+            )
         return self.dims
 
     @property
@@ -275,16 +330,25 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             return module
         self.plan_layout(module)
         if self.mesh is None:
-            raise ConfigurationError("MegatronStrategy.setup called before setup_environment(); use it through the "
-                                     "Trainer or Accelerator, or call strategy.setup_environment() first")
+            raise ConfigurationError(
+                "MegatronStrategy.setup called before setup_environment(); use it through the "
+                "Trainer or Accelerator, or call strategy.setup_environment() first"
+            )
         if self.pipelined:
-            raise ConfigurationError(f"setup_module with pipeline_parallel_size={self.layout.pp}: the pipeline needs "
-                                     "setup(module, optimizer builder) (the Trainer's path), which builds the stages")
+            raise ConfigurationError(
+                f"setup_module with pipeline_parallel_size={self.layout.pp}: the pipeline needs "
+                "setup(module, optimizer builder) (the Trainer's path), which builds the stages"
+            )
         module = module.to(self.root_device)
         module = self.precision.convert_module(module)
         if self.layout.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
-            self.tp_coverage = apply_tp(module, self.mesh["tp"], self.tp_plan, sequence_parallel=self.sequence_parallel,
-                                        loss_parallel=self.loss_parallel)
+            self.tp_coverage = apply_tp(
+                module,
+                self.mesh["tp"],
+                self.tp_plan,
+                sequence_parallel=self.sequence_parallel,
+                loss_parallel=self.loss_parallel,
+            )
             self._log_coverage()
             if self.loss_parallel:
                 install_loss_parallel(module)
@@ -294,20 +358,31 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             ac = {type(m) for _, m in units} or None
         wrappers = apply_activation_checkpointing(module, select_modules(module, ac)) if ac not in (False, None) else {}
         if self.layout.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 / DDP on the dp dimension
-            apply_data_parallel(self.data_parallel, [wrappers.get(id(unit), unit) for _, unit in units], module,
-                                self.mesh["dp"], self._mp_policy())
+            apply_data_parallel(
+                self.data_parallel,
+                [wrappers.get(id(unit), unit) for _, unit in units],
+                module,
+                self.mesh["dp"],
+                self._mp_policy(),
+            )
         setattr(module, PARALLELIZED, True)
         return module
 
     def _log_coverage(self) -> None:
         if self.is_global_zero:  # under pipelining: the first stage's share
             c = self.tp_coverage
-            log.info("trainforge: tensor parallel plan shards %d module(s), %d of %d parameters (%.0f%%): %s",
-                     c["modules"], c["sharded_numel"], c["total_numel"], 100 * c["fraction"],
-                     ", ".join(c["sharded_params"][:8]) + (" ..." if len(c["sharded_params"]) > 8 else ""))
+            log.info(
+                "trainforge: tensor parallel plan shards %d module(s), %d of %d parameters (%.0f%%): %s",
+                c["modules"],
+                c["sharded_numel"],
+                c["total_numel"],
+                100 * c["fraction"],
+                ", ".join(c["sharded_params"][:8]) + (" ..." if len(c["sharded_params"]) > 8 else ""),
+            )
 
-    def forward_backward(self, module: nn.Module, step_fn: Any, batch: Any, batch_idx: int,
-                         backward: Any = None, loss_fn: Any = None) -> Any:
+    def forward_backward(
+        self, module: nn.Module, step_fn: Any, batch: Any, batch_idx: int, backward: Any = None, loss_fn: Any = None
+    ) -> Any:
         """Pipeline parallelism: the schedule runs forward, ``loss_fn(output, target)`` (default
         ``module.loss_fn``) and backward of every micro-batch; returns the batch's mean loss (the same
         on every rank). ``batch`` is ``(inputs, target)`` or what ``module.pipeline_batch(batch)`` makes of it."""
@@ -328,16 +403,21 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
 
     def backward(self, loss: torch.Tensor, module: Optional[nn.Module]) -> None:
         if self.pipeline is not None:
-            raise ConfigurationError("backward(loss) with pipeline parallelism: the loss exists on the last stage only "
-                                     "and the schedule runs the backward itself; call accelerator.forward_backward("
-                                     "model, batch, loss_fn) instead of computing the loss and calling backward")
+            raise ConfigurationError(
+                "backward(loss) with pipeline parallelism: the loss exists on the last stage only "
+                "and the schedule runs the backward itself; call accelerator.forward_backward("
+                "model, batch, loss_fn) instead of computing the loss and calling backward"
+            )
         with loss_parallel_context() if self.loss_parallel and self.layout.tp > 1 else contextlib.nullcontext():
             super().backward(loss, module)
 
     def _mp_policy(self) -> MixedPrecisionPolicy:
         dtype = self.precision.autocast_dtype
-        return MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(param_dtype=dtype,
-                                                                                 reduce_dtype=torch.float32)
+        return (
+            MixedPrecisionPolicy()
+            if dtype is None
+            else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        )
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module  # everything is applied in place
@@ -352,8 +432,14 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             return contextlib.nullcontext()
         return no_gradient_sync(module)
 
-    def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
-                       clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+    def clip_gradients(
+        self,
+        parameters: Any,
+        *,
+        max_norm: Optional[float] = None,
+        clip_value: Optional[float] = None,
+        norm_type: float = 2.0,
+    ) -> Optional[torch.Tensor]:
         """Gradients live on different meshes (tp+dp, dp only, none): the norm of each mesh's group is
         reduced over that mesh, then the groups combine into the norm of the unsharded model; under
         pipeline parallelism the stages' norms combine over the pipeline (tied copies counted once)."""
@@ -403,8 +489,10 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """A ``dcp/`` checkpoint from any (tp, dp) layout or from FSDPStrategy; DCP reshards on read."""
         if not has_sharded(path):
-            raise CheckpointError(f"{path}: no {DCP_DIR}/ folder; MegatronStrategy loads sharded checkpoints "
-                                  "(written by MegatronStrategy or FSDPStrategy(state_dict_type='sharded'))")
+            raise CheckpointError(
+                f"{path}: no {DCP_DIR}/ folder; MegatronStrategy loads sharded checkpoints "
+                "(written by MegatronStrategy or FSDPStrategy(state_dict_type='sharded'))"
+            )
         load_sharded(path, module, optimizers, nested_ok=not self.pipelined)
 
     def __repr__(self) -> str:

@@ -1,6 +1,7 @@
 """MegatronStrategy's pipeline parallelism (``pipeline_parallel_size > 1``), a mixin of
 ``MegatronStrategy``: the checks made before anything moves, the setup in its fixed order on this
 rank's stages, and one batch through the schedule (``parallel/pp.py``, ``parallel/pp_schedule.py``)."""
+
 from __future__ import annotations
 
 import logging
@@ -82,13 +83,20 @@ class PipelineSetup:
         plan = None
         if dims.tp > 1:  # resolved on the whole model, so a glob is checked against every stage
             from trainforge.strategies.parallel.tp import resolve_plan
+
             plan = resolve_plan(module, self.tp_plan, dims.tp)
         ac = self.activation_checkpointing
         if ac is True:  # the block classes, found on the whole model (a pruned block list mixes in identities)
             ac = {type(m) for _, m in select_modules(module, None)} or None
         if self.is_global_zero:
-            log.info("trainforge: pipeline %s, %d stage(s) on %d rank(s), %s micro-batches: %s", self.schedule,
-                     num_stages, dims.pp, self.num_microbatches or num_stages, split.describe())
+            log.info(
+                "trainforge: pipeline %s, %d stage(s) on %d rank(s), %s micro-batches: %s",
+                self.schedule,
+                num_stages,
+                dims.pp,
+                self.num_microbatches or num_stages,
+                split.describe(),
+            )
         prune(module, split, local)  # 1. pipeline split, before the move: only this rank's stages reach the device
         module = module.to(self.root_device)
         module = self.precision.convert_module(module)
@@ -102,11 +110,19 @@ class PipelineSetup:
         if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 / DDP per stage, its blocks then the stage
             for stage in stages.values():
                 blocks = stage_blocks(stage, split)
-                apply_data_parallel(self.data_parallel, blocks, stage, mesh["dp"], self._mp_policy(),
-                                    reshard_after_forward=False)
+                apply_data_parallel(
+                    self.data_parallel, blocks, stage, mesh["dp"], self._mp_policy(), reshard_after_forward=False
+                )
         guard_forward(module, split)
-        runner = PipelineRunner(stages, split, self.schedule, self.num_microbatches or num_stages,
-                                getattr(module, "loss_fn", None), mesh, self.root_device)
+        runner = PipelineRunner(
+            stages,
+            split,
+            self.schedule,
+            self.num_microbatches or num_stages,
+            getattr(module, "loss_fn", None),
+            mesh,
+            self.root_device,
+        )
         runner.setup_tied(split, local)
         self._params = {clean_name(n): p for n, p in module.named_parameters()}
         runner.check_tied_shapes(self._params)
@@ -121,25 +137,33 @@ class PipelineSetup:
         where = f"pipeline_parallel_size={self.layout.pp}"
         # the Trainer's module must define loss_fn; the Accelerator may pass it with each batch
         if callable(optimizers) and not callable(getattr(module, "loss_fn", None)):
-            raise ConfigurationError(f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
-                                     "loss: the pipeline computes the loss on its last stage from the model's output "
-                                     "and the batch's target (training_step is not called)")
+            raise ConfigurationError(
+                f"{where}: {type(module).__name__} must define loss_fn(self, output, target) -> "
+                "loss: the pipeline computes the loss on its last stage from the model's output "
+                "and the batch's target (training_step is not called)"
+            )
         if self.settings.accumulation_steps > 1:
-            raise ConfigurationError(f"{where} with accumulate_grad_batches={self.settings.accumulation_steps}: with pipeline "
-                                     "parallelism the micro-batches are the accumulation; use num_microbatches (and a "
-                                     "loader batch of num_microbatches x micro-batch size) and "
-                                     "accumulate_grad_batches=1")
+            raise ConfigurationError(
+                f"{where} with accumulate_grad_batches={self.settings.accumulation_steps}: with pipeline "
+                "parallelism the micro-batches are the accumulation; use num_microbatches (and a "
+                "loader batch of num_microbatches x micro-batch size) and "
+                "accumulate_grad_batches=1"
+            )
         if self.precision.scaler is not None:
-            raise ConfigurationError(f"{where} with precision={self.precision.name!r}: the fp16 grad scaler is not "
-                                     "built into the pipeline schedule yet; use 'bf16-mixed' or '32'")
+            raise ConfigurationError(
+                f"{where} with precision={self.precision.name!r}: the fp16 grad scaler is not "
+                "built into the pipeline schedule yet; use 'bf16-mixed' or '32'"
+            )
 
     def _run_pipeline(self, module: nn.Module, batch: Any, train: bool) -> torch.Tensor:
         split_batch = getattr(module, "pipeline_batch", None)
         parts = split_batch(batch) if callable(split_batch) else batch
         if not isinstance(parts, (tuple, list)) or len(parts) != 2:
-            raise ConfigurationError(f"pipeline parallelism needs each batch as (inputs, target), got "
-                                     f"{type(parts).__name__}; define {type(module).__name__}.pipeline_batch(batch) "
-                                     "-> (inputs, target)")
+            raise ConfigurationError(
+                f"pipeline parallelism needs each batch as (inputs, target), got "
+                f"{type(parts).__name__}; define {type(module).__name__}.pipeline_batch(batch) "
+                "-> (inputs, target)"
+            )
         inputs, target = parts
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         pipeline = self.pipeline
@@ -149,8 +173,9 @@ class PipelineSetup:
             return pipeline.step(inputs, target, train=train)
 
 
-def _keep_local_parameters(before: List[Tuple[str, nn.Parameter]], after: Dict[str, nn.Parameter],
-                           optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def _keep_local_parameters(
+    before: List[Tuple[str, nn.Parameter]], after: Dict[str, nn.Parameter], optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
     """Optimizers built on the whole model (Accelerate's order) keep this rank's parameters, now
     sharded (matched by name), and drop the other stages' (their state, if any, is discarded)."""
     names = {id(p): n for n, p in before}
@@ -158,7 +183,9 @@ def _keep_local_parameters(before: List[Tuple[str, nn.Parameter]], after: Dict[s
         for group in opt.param_groups:
             unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names]
             if unknown:
-                raise ConfigurationError(f"{type(opt).__name__} holds parameters of shapes {unknown[:3]} that are not "
-                                         "in the prepared model; prepare the model together with its own optimizer")
+                raise ConfigurationError(
+                    f"{type(opt).__name__} holds parameters of shapes {unknown[:3]} that are not "
+                    "in the prepared model; prepare the model together with its own optimizer"
+                )
             group["params"] = [after[names[id(p)]] for p in group["params"] if names[id(p)] in after]
         opt.state.clear()

@@ -24,6 +24,7 @@ context are not included: ``recommend`` keeps ``headroom`` of the device free fo
 ``estimate_memory`` is what ``DeepSpeedStrategy(stage="auto")`` and ``trainforge estimate-memory``
 both use.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,8 +41,17 @@ PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 1, "none": 0}
 #: Fastest first, after the Hugging Face DeepSpeed guide ("Speed-wise: 0 > 1 > 2 > 2+offload > 3 >
 #: 3+offload"); memory use falls along the same list. ``recommend`` takes the first that fits.
-SPEED_ORDER = ("ddp", "zero1", "zero2", "fsdp-grad-op", "zero2-offload", "zero3", "fsdp-full",
-               "zero3-offload", "zero3-offload-all")
+SPEED_ORDER = (
+    "ddp",
+    "zero1",
+    "zero2",
+    "fsdp-grad-op",
+    "zero2-offload",
+    "zero3",
+    "fsdp-full",
+    "zero3-offload",
+    "zero3-offload-all",
+)
 DEEPSPEED_ROWS = ("zero1", "zero2", "zero2-offload", "zero3", "zero3-offload", "zero3-offload-all")
 DEFAULT_HEADROOM = 0.25  # fraction of device memory left for activations and buffers
 
@@ -74,15 +84,17 @@ def count_parameters(model: nn.Module) -> int:
     return total
 
 
-def bytes_per_param(precision: str = "32", optimizer: str = "adam", master_weights: bool = False
-                    ) -> Tuple[int, int, int]:
+def bytes_per_param(
+    precision: str = "32", optimizer: str = "adam", master_weights: bool = False
+) -> Tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter for ``precision`` and ``optimizer``.
     ``master_weights``: an fp32 master copy is kept even in "32" (DeepSpeed's ZeRO optimizers do)."""
     if precision not in PRECISIONS:
         raise invalid_choice("precision", precision, PRECISIONS)
     if optimizer not in OPTIMIZER_STATES:
-        raise invalid_choice("optimizer", optimizer, OPTIMIZER_STATES,
-                             "'sgd' is SGD with momentum, 'none' an optimizer without state")
+        raise invalid_choice(
+            "optimizer", optimizer, OPTIMIZER_STATES, "'sgd' is SGD with momentum, 'none' an optimizer without state"
+        )
     states = OPTIMIZER_STATES[optimizer]
     if precision == "32":
         return 4, 4, 4 * states + (4 if master_weights else 0)
@@ -100,15 +112,22 @@ def optimizer_kind(optimizer: Any) -> str:
     return "adam"  # Adam, AdamW, Adafactor-like and unknown ones: two states is the safe guess
 
 
-def estimate_memory(model_or_param_count: Union[nn.Module, int], world_size: int, precision: str = "32",
-                    optimizer: str = "adam", *, rows: Optional[Iterable[str]] = None,
-                    master_weights: bool = False) -> List[MemoryRow]:
+def estimate_memory(
+    model_or_param_count: Union[nn.Module, int],
+    world_size: int,
+    precision: str = "32",
+    optimizer: str = "adam",
+    *,
+    rows: Optional[Iterable[str]] = None,
+    master_weights: bool = False,
+) -> List[MemoryRow]:
     """Per-rank model-state bytes of every row in ``SPEED_ORDER`` (or of ``rows``), in that order.
     ``master_weights``: see ``bytes_per_param`` (the paper's fp32 rows have no master copy)."""
     psi = model_or_param_count if isinstance(model_or_param_count, int) else count_parameters(model_or_param_count)
     if isinstance(psi, bool) or psi < 0:
-        raise ConfigurationError(f"model_or_param_count={model_or_param_count!r} must be an nn.Module or a "
-                                 "parameter count >= 0")
+        raise ConfigurationError(
+            f"model_or_param_count={model_or_param_count!r} must be an nn.Module or a parameter count >= 0"
+        )
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigurationError(f"world_size={world_size!r} must be an int >= 1 (the number of processes)")
     p, g, k = bytes_per_param(precision, optimizer, master_weights)
@@ -121,17 +140,36 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int], world_size: int
         "ddp": ("DDP", "ddp", {}, psi * p, psi * g, psi * k, 0),
         "zero1": ("ZeRO-1", "deepspeed", {"stage": 1}, psi * p, psi * g, part(k), 0),
         "zero2": ("ZeRO-2", "deepspeed", {"stage": 2}, psi * p, part(g), part(k), 0),
-        "fsdp-grad-op": ("FSDP grad-op", "fsdp", {"sharding_strategy": "shard_grad_op"},
-                         psi * p, part(g), part(k), 0),
-        "zero2-offload": ("ZeRO-2 + offload opt", "deepspeed", {"stage": 2, "offload_optimizer": True},
-                          psi * p, 0, 0, part(g) + part(k)),
+        "fsdp-grad-op": ("FSDP grad-op", "fsdp", {"sharding_strategy": "shard_grad_op"}, psi * p, part(g), part(k), 0),
+        "zero2-offload": (
+            "ZeRO-2 + offload opt",
+            "deepspeed",
+            {"stage": 2, "offload_optimizer": True},
+            psi * p,
+            0,
+            0,
+            part(g) + part(k),
+        ),
         "zero3": ("ZeRO-3", "deepspeed", {"stage": 3}, part(p), part(g), part(k), 0),
         "fsdp-full": ("FSDP full", "fsdp", {"sharding_strategy": "full_shard"}, part(p), part(g), part(k), 0),
-        "zero3-offload": ("ZeRO-3 + offload opt", "deepspeed", {"stage": 3, "offload_optimizer": True},
-                          part(p), 0, 0, part(g) + part(k)),
-        "zero3-offload-all": ("ZeRO-3 + offload opt+params", "deepspeed",
-                              {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-                              0, 0, 0, part(p) + part(g) + part(k)),
+        "zero3-offload": (
+            "ZeRO-3 + offload opt",
+            "deepspeed",
+            {"stage": 3, "offload_optimizer": True},
+            part(p),
+            0,
+            0,
+            part(g) + part(k),
+        ),
+        "zero3-offload-all": (
+            "ZeRO-3 + offload opt+params",
+            "deepspeed",
+            {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+            0,
+            0,
+            0,
+            part(p) + part(g) + part(k),
+        ),
     }
     wanted = list(rows) if rows is not None else list(SPEED_ORDER)
     unknown = [r for r in wanted if r not in table]
@@ -140,8 +178,13 @@ def estimate_memory(model_or_param_count: Union[nn.Module, int], world_size: int
     return [MemoryRow(*table[key]) for key in wanted]
 
 
-def fits(row: MemoryRow, device_memory: Optional[int], cpu_memory: Optional[int] = None, ranks_per_node: int = 1,
-         headroom: float = DEFAULT_HEADROOM) -> bool:
+def fits(
+    row: MemoryRow,
+    device_memory: Optional[int],
+    cpu_memory: Optional[int] = None,
+    ranks_per_node: int = 1,
+    headroom: float = DEFAULT_HEADROOM,
+) -> bool:
     """True when the row's device bytes leave ``headroom`` of ``device_memory`` free and its
     offloaded bytes (times the ranks sharing the host) fit in ``cpu_memory``. None = unknown = fits."""
     if device_memory is not None and row.device > device_memory * (1.0 - headroom):
@@ -151,8 +194,13 @@ def fits(row: MemoryRow, device_memory: Optional[int], cpu_memory: Optional[int]
     return True
 
 
-def recommend(rows: Sequence[MemoryRow], device_memory: Optional[int], cpu_memory: Optional[int] = None,
-              ranks_per_node: int = 1, headroom: float = DEFAULT_HEADROOM) -> Optional[MemoryRow]:
+def recommend(
+    rows: Sequence[MemoryRow],
+    device_memory: Optional[int],
+    cpu_memory: Optional[int] = None,
+    ranks_per_node: int = 1,
+    headroom: float = DEFAULT_HEADROOM,
+) -> Optional[MemoryRow]:
     """The first of ``rows`` (give them fastest first) that ``fits``; None when none does."""
     for row in rows:
         if fits(row, device_memory, cpu_memory, ranks_per_node, headroom):
@@ -184,9 +232,14 @@ def format_bytes(n: Optional[int]) -> str:
     return f"{n} B"
 
 
-def format_table(rows: Sequence[MemoryRow], device_memory: Optional[int] = None, cpu_memory: Optional[int] = None,
-                 ranks_per_node: int = 1, chosen: Optional[MemoryRow] = None,
-                 headroom: float = DEFAULT_HEADROOM) -> str:
+def format_table(
+    rows: Sequence[MemoryRow],
+    device_memory: Optional[int] = None,
+    cpu_memory: Optional[int] = None,
+    ranks_per_node: int = 1,
+    chosen: Optional[MemoryRow] = None,
+    headroom: float = DEFAULT_HEADROOM,
+) -> str:
     """The rows as a fixed-width text table (per rank), with a ``fits`` column when memory is given."""
     head = ["strategy", "params", "grads", "optimizer", "device total", "cpu offload"]
     if device_memory is not None or cpu_memory is not None:
@@ -204,9 +257,16 @@ def format_table(rows: Sequence[MemoryRow], device_memory: Optional[int] = None,
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*c) for c in lines)])
 
 
-def choose_deepspeed(param_count: int, world_size: int, precision: str, optimizer: str,
-                     device_memory: Optional[int], cpu_memory: Optional[int], ranks_per_node: int = 1,
-                     headroom: float = DEFAULT_HEADROOM) -> Tuple[MemoryRow, str]:
+def choose_deepspeed(
+    param_count: int,
+    world_size: int,
+    precision: str,
+    optimizer: str,
+    device_memory: Optional[int],
+    cpu_memory: Optional[int],
+    ranks_per_node: int = 1,
+    headroom: float = DEFAULT_HEADROOM,
+) -> Tuple[MemoryRow, str]:
     """``DeepSpeedStrategy(stage="auto")``: the fastest ZeRO row that fits, and the reasoning as
     one table. ``cpu_memory=None`` means training runs on the CPU itself, where offloading to
     the CPU gains nothing, so offload rows are not considered. With nothing fitting, the row
@@ -221,8 +281,10 @@ def choose_deepspeed(param_count: int, world_size: int, precision: str, optimize
     if row is None:
         row = min(rows, key=lambda r: (r.device, r.cpu))
         verdict = f"-> {row.name}: nothing fits, taking the option with the least device memory (expect OOM)"
-    head = (f"{param_count:,} parameters, {world_size} process(es), precision {precision}, optimizer {optimizer}; "
-            f"free device memory per rank {format_bytes(device_memory)}, host memory {format_bytes(cpu_memory)}; "
-            f"keeping {headroom:.0%} free for activations")
+    head = (
+        f"{param_count:,} parameters, {world_size} process(es), precision {precision}, optimizer {optimizer}; "
+        f"free device memory per rank {format_bytes(device_memory)}, host memory {format_bytes(cpu_memory)}; "
+        f"keeping {headroom:.0%} free for activations"
+    )
     table = format_table(rows, device_memory, cpu_memory, ranks_per_node, chosen=row, headroom=headroom)
     return row, f"{head}\n{table}\n{verdict}"

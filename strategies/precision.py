@@ -3,6 +3,7 @@
 Names are Lightning's (``"32" "16-mixed" "bf16-mixed" "bf16-true" "fp8"``) with HF Accelerate's
 aliases (``"no"``/``"fp32"``, ``"fp16"``, ``"bf16"``), since those are what users already type.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,9 +17,19 @@ from trainforge.strategies.errors import ConfigurationError
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
 _NO_AUTOCAST = contextlib.nullcontext()
 AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16, "fp8": torch.bfloat16}
-ALIASES = {"no": "32", "fp32": "32", "32-true": "32", "32": "32", "fp16": "16-mixed", "16": "16-mixed",
-           "16-mixed": "16-mixed", "bf16": "bf16-mixed", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true",
-           "fp8": "fp8"}
+ALIASES = {
+    "no": "32",
+    "fp32": "32",
+    "32-true": "32",
+    "32": "32",
+    "fp16": "16-mixed",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16-true": "bf16-true",
+    "fp8": "fp8",
+}
 
 
 def normalize_precision(value: Any) -> str:
@@ -26,7 +37,8 @@ def normalize_precision(value: Any) -> str:
     if key not in ALIASES:
         raise ConfigurationError(
             f"precision={value!r} is not one of: {', '.join(PRECISIONS)} "
-            f"(aliases: 'no'/'fp32' -> '32', 'fp16' -> '16-mixed', 'bf16' -> 'bf16-mixed')")
+            f"(aliases: 'no'/'fp32' -> '32', 'fp16' -> '16-mixed', 'bf16' -> 'bf16-mixed')"
+        )
     return ALIASES[key]
 
 
@@ -45,7 +57,8 @@ class Precision:
             if self.device.type == "cpu":
                 raise ConfigurationError(
                     "precision='16-mixed' needs a GPU: float16 autocast with gradient scaling is not supported "
-                    "on CPU. Use precision='bf16-mixed' on CPU (same memory savings, no loss scaling needed).")
+                    "on CPU. Use precision='bf16-mixed' on CPU (same memory savings, no loss scaling needed)."
+                )
             self.scaler = torch.amp.GradScaler(self.device.type)
         if self.name == "fp8":
             self._check_fp8()
@@ -114,7 +127,8 @@ class Precision:
         if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (8, 9):
             raise ConfigurationError(
                 f"precision='fp8' needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper); this process "
-                f"runs on {self.device}. Use precision='bf16-mixed' instead.")
+                f"runs on {self.device}. Use precision='bf16-mixed' instead."
+            )
         try:
             import torchao.float8  # noqa: F401
         except ImportError as exc:

@@ -1,4 +1,5 @@
 """One process, one device: the CPU, CUDA, MPS, or any accelerator torch reports (torch.accelerator)."""
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,11 @@ class SingleDeviceStrategy(Strategy):
         self.accelerator = accelerator
         world = os.environ.get("WORLD_SIZE", "1")
         if world.isdigit() and int(world) > 1:  # each process would train alone and write the same files
-            raise ConfigurationError(f"strategy='single' runs one process, but this one was launched as one of "
-                                     f"WORLD_SIZE={world} processes (rank {os.environ.get('RANK', '?')}); use "
-                                     "strategy='ddp' (or 'auto', 'fsdp', 'deepspeed'), or launch one process")
+            raise ConfigurationError(
+                f"strategy='single' runs one process, but this one was launched as one of "
+                f"WORLD_SIZE={world} processes (rank {os.environ.get('RANK', '?')}); use "
+                "strategy='ddp' (or 'auto', 'fsdp', 'deepspeed'), or launch one process"
+            )
         if self._device is None:  # chosen now, of the type asked for
             self._device = default_device(self.accelerator)
         if self.root_device.type != "cpu":

@@ -22,6 +22,7 @@ Where XLA differs, this strategy answers through the Strategy interface; the loo
 Several XLA:CPU devices (``PJRT_DEVICE=CPU`` with ``CPU_NUM_DEVICES`` > 1) are refused: their
 collectives hang upstream (pytorch/xla#5005, #9089).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,13 +70,15 @@ def check_torch_xla_versions(torch_version: str, xla_version: Optional[str]) -> 
             f"torch_xla pairs with the torch of the same minor version; its last release is torch_xla "
             f"{LAST_TORCH_XLA} for torch {LAST_TORCH_XLA}: `{pair}` (scripts/xla-env.sh builds such an "
             "environment). On newer torch, TPUs come through the torch-tpu plugin: keep strategy='single' or "
-            "'ddp' (the 'tpu' accelerator is picked from torch.accelerator)")
+            "'ddp' (the 'tpu' accelerator is picked from torch.accelerator)"
+        )
     if _minor(torch_version) != _minor(xla_version):
         want = ".".join(map(str, _minor(xla_version)))
         raise ConfigurationError(
             f"torch_xla {xla_version} is built for torch {want}.x but this process has torch {torch_version}; "
             f"install the matching pair, e.g. `pip install torch=={want}.* torch_xla=={xla_version}` "
-            f"(last release: `{pair}`), or uninstall torch_xla and use another strategy")
+            f"(last release: `{pair}`), or uninstall torch_xla and use another strategy"
+        )
 
 
 def check_xla_cpu_devices(device_type: str, world_size: int) -> None:
@@ -85,7 +88,8 @@ def check_xla_cpu_devices(device_type: str, world_size: int) -> None:
             f"strategy='xla' on {world_size} XLA:CPU devices (PJRT_DEVICE=CPU, CPU_NUM_DEVICES="
             f"{os.environ.get('CPU_NUM_DEVICES', '<unset>')}): collectives between XLA:CPU devices hang in torch_xla "
             f"(upstream limitation, {MULTI_CPU_ISSUES}). Use one XLA:CPU device (CPU_NUM_DEVICES=1), strategy='ddp' "
-            "with accelerator='cpu' for several CPU processes, or run on TPUs (PJRT_DEVICE=TPU)")
+            "with accelerator='cpu' for several CPU processes, or run on TPUs (PJRT_DEVICE=TPU)"
+        )
 
 
 def import_torch_xla() -> Any:
@@ -94,9 +98,11 @@ def import_torch_xla() -> Any:
     try:
         return importlib.import_module("torch_xla")
     except (ImportError, OSError) as error:  # a broken install: undefined symbols, missing libtpu...
-        raise ConfigurationError(f"torch_xla {_installed_version('torch_xla')} is installed but does not import with "
-                                 f"torch {torch.__version__}: {error}. Reinstall the pair, e.g. `pip install "
-                                 f"torch=={LAST_TORCH_XLA} torch_xla=={LAST_TORCH_XLA}`") from error
+        raise ConfigurationError(
+            f"torch_xla {_installed_version('torch_xla')} is installed but does not import with "
+            f"torch {torch.__version__}: {error}. Reinstall the pair, e.g. `pip install "
+            f"torch=={LAST_TORCH_XLA} torch_xla=={LAST_TORCH_XLA}`"
+        ) from error
 
 
 def _reduce_type(xm: Any, op: str) -> str:
@@ -138,9 +144,11 @@ class XLAStrategy(Strategy):
     def setup_environment(self, accelerator: str = "auto") -> None:
         self.accelerator = accelerator
         if self.accelerator not in ("auto", None):
-            raise ConfigurationError(f"strategy='xla' places everything on the XLA device that PJRT_DEVICE selects; "
-                                     f"accelerator={self.accelerator!r} conflicts with it. Leave accelerator='auto' "
-                                     "(or choose strategy='single'/'ddp' for that accelerator)")
+            raise ConfigurationError(
+                f"strategy='xla' places everything on the XLA device that PJRT_DEVICE selects; "
+                f"accelerator={self.accelerator!r} conflicts with it. Leave accelerator='auto' "
+                "(or choose strategy='single'/'ddp' for that accelerator)"
+            )
         torch_xla = import_torch_xla()
         import torch_xla.core.xla_model as xm
         import torch_xla.runtime as xr
@@ -166,8 +174,10 @@ class XLAStrategy(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         name = self.precision.name
         if name not in XLA_PRECISIONS:
-            raise ConfigurationError(f"precision={name!r} is not supported with strategy='xla'; choose one of: "
-                                     f"{', '.join(XLA_PRECISIONS)} (bf16 is native on TPUs: 'bf16-mixed' or 'bf16-true')")
+            raise ConfigurationError(
+                f"precision={name!r} is not supported with strategy='xla'; choose one of: "
+                f"{', '.join(XLA_PRECISIONS)} (bf16 is native on TPUs: 'bf16-mixed' or 'bf16-true')"
+            )
         module = super().setup_module(module)
         if self.sync_module_states and self.world_size > 1:
             for tensor in list(module.parameters()) + list(module.buffers()):
@@ -189,8 +199,14 @@ class XLAStrategy(Strategy):
         if self.world_size > 1 and grads:
             self._xm.all_reduce(self._xm.REDUCE_SUM, grads, scale=1.0 / self.world_size)
 
-    def clip_gradients(self, parameters: Any, *, max_norm: Optional[float] = None,
-                       clip_value: Optional[float] = None, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+    def clip_gradients(
+        self,
+        parameters: Any,
+        *,
+        max_norm: Optional[float] = None,
+        clip_value: Optional[float] = None,
+        norm_type: float = 2.0,
+    ) -> Optional[torch.Tensor]:
         params = [p for p in parameters if p.grad is not None]
         if self.world_size > 1:  # clip the averaged gradients; optimizer_step then does not reduce them again
             self._all_reduce_gradients([p.grad for p in params if id(p) not in self._reduced])

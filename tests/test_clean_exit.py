@@ -2,6 +2,7 @@
 
 Short 2-process runs of each kind, each required to exit 0; scripts/exit_stress.py repeats them many
 times. The raw DDP reproducer aborted at exit in about 3 of 10 runs on torch 2.13.0 before the fix."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,11 @@ def test_raw_ddp_reproducer_exits_zero_every_time(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["trainer-ddp", "fsdp", "megatron-pp", "deepspeed", "accelerator"])
 def test_each_kind_of_run_exits_zero(kind, tmp_path):
-    out = procs.run(procs.torchrun(SCRIPTS / "exit_kinds.py", kind, tmp_path), timeout=240, check=False,
-                    env=procs.test_env(DS_ACCELERATOR="cpu"))
+    out = procs.run(
+        procs.torchrun(SCRIPTS / "exit_kinds.py", kind, tmp_path),
+        timeout=240,
+        check=False,
+        env=procs.test_env(DS_ACCELERATOR="cpu"),
+    )
     assert out.returncode == 0, f"{kind}: exit {out.returncode}\n{out.stdout[-3000:]}"
     assert "terminate called" not in out.stdout and "Fatal Python error" not in out.stdout

@@ -1,5 +1,6 @@
 """The examples train for real (a tiny model for a few steps, on one process and on two: DDP over
 gloo started by `trainforge launch`), and the benchmarks run end to end, as subprocesses."""
+
 import csv
 import re
 import sys
@@ -12,8 +13,24 @@ from tests.helpers import procs
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "char_gpt.py"
 # A model small enough for a few seconds of CPU: one block, width 32, 16 windows of 64 characters.
-TINY = ["--max-steps", "30", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--batch-size", "16",
-        "--tracker", "csv", "--sample-chars", "40", "--log-every", "10"]
+TINY = [
+    "--max-steps",
+    "30",
+    "--eval-every",
+    "10",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--batch-size",
+    "16",
+    "--tracker",
+    "csv",
+    "--sample-chars",
+    "40",
+    "--log-every",
+    "10",
+]
 
 
 def run(args, cwd, timeout):
@@ -55,8 +72,11 @@ def test_char_gpt_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_char_gpt_two_processes_through_trainforge_launch(tmp_path):
-    out = run(["-m", "trainforge", "launch", "--nproc-per-node", "2", EXAMPLE, *TINY, "--root-dir", tmp_path / "run"],
-              tmp_path, timeout=180)
+    out = run(
+        ["-m", "trainforge", "launch", "--nproc-per-node", "2", EXAMPLE, *TINY, "--root-dir", tmp_path / "run"],
+        tmp_path,
+        timeout=180,
+    )
     check_run(tmp_path / "run", out, world_size=2)
 
 
@@ -80,8 +100,23 @@ def test_raw_loop_converted_to_accelerator_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_raw_loop_converted_to_accelerator_two_processes_with_accumulation(tmp_path):
-    out = run(["-m", "trainforge", "launch", "--nproc-per-node", "2", CONVERTED, *CONVERTED_TINY, "--grad-accum", "2",
-               "--save-dir", tmp_path / "state"], tmp_path, timeout=180)
+    out = run(
+        [
+            "-m",
+            "trainforge",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            CONVERTED,
+            *CONVERTED_TINY,
+            "--grad-accum",
+            "2",
+            "--save-dir",
+            tmp_path / "state",
+        ],
+        tmp_path,
+        timeout=180,
+    )
     check_converted(out, tmp_path / "state", world_size=2)
 
 
@@ -91,8 +126,9 @@ def table_rows(output, first_column):
     for line in output.splitlines():
         parts = line.split()
         if parts and parts[0] in first_column:
-            rows.setdefault(parts[0], []).append([float(p.replace(",", "")) for p in parts[1:] if
-                                                  re.fullmatch(r"-?[0-9][0-9,]*\.?[0-9]*", p)])
+            rows.setdefault(parts[0], []).append(
+                [float(p.replace(",", "")) for p in parts[1:] if re.fullmatch(r"-?[0-9][0-9,]*\.?[0-9]*", p)]
+            )
     return rows
 
 
@@ -100,14 +136,30 @@ def table_rows(output, first_column):
 def test_benchmarks_run_and_report_every_loop(tmp_path):
     """Smoke: both benchmarks run end to end on CPU (timings are printed, never asserted)."""
     loops = ("raw", "accelerator", "trainer")
-    out = run([ROOT / "benchmarks" / "overhead.py", "--repeats", "1", "--warmup-repeats", "0", "--steps", "5",
-               "--warmup", "2"], tmp_path, timeout=120)
+    out = run(
+        [
+            ROOT / "benchmarks" / "overhead.py",
+            "--repeats",
+            "1",
+            "--warmup-repeats",
+            "0",
+            "--steps",
+            "5",
+            "--warmup",
+            "2",
+        ],
+        tmp_path,
+        timeout=120,
+    )
     rows = table_rows(out, loops)
     assert set(rows) == set(loops), out
     for loop in loops:  # a wall-time and a CPU-time row, each with a positive median step time
         assert len(rows[loop]) == 2 and all(r[0] > 0 for r in rows[loop]), out
-    out = run([ROOT / "benchmarks" / "throughput.py", "--small", "--modes", "eager", "--steps", "2", "--warmup", "1"],
-              tmp_path, timeout=180)
+    out = run(
+        [ROOT / "benchmarks" / "throughput.py", "--small", "--modes", "eager", "--steps", "2", "--warmup", "1"],
+        tmp_path,
+        timeout=180,
+    )
     rows = table_rows(out, loops + ("trainer-defaults",))
     assert set(rows) == set(loops + ("trainer-defaults",)), out
     assert all(r[0][0] > 0 and r[0][1] > 0 for r in rows.values()), out  # ms/step and tokens/s

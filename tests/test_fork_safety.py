@@ -6,6 +6,7 @@ install a before-fork hook (``clean_exit.register``) that waits until no gloo wo
 natural hang is rare (1 child in ~32,000 forks in scripts/fork_stress.py's loaded runs), so these tests check
 that the hook is there, runs on every fork and sees the real gloo workers; scripts/fork_stress.py
 counts hangs."""
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,9 @@ def test_register_installs_the_before_fork_hook_once(fresh_registration):
     clean_exit.register()
     clean_exit.register(lambda: None)
     clean_exit.register()
-    assert fresh_registration["fork"] == [{"before": clean_exit._before_fork,
-                                           "after_in_child": clean_exit._after_fork_in_child}]
+    assert fresh_registration["fork"] == [
+        {"before": clean_exit._before_fork, "after_in_child": clean_exit._after_fork_in_child}
+    ]
     assert fresh_registration["atexit"] == [clean_exit._exit_handler]
 
 

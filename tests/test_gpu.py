@@ -1,6 +1,7 @@
 """GPU paths, on one CUDA GPU (`pytest -m gpu`; skipped without one). Each check trains for real in a
 child process that sees the GPU (tests/scripts/gpu_checks.py), since the test process itself keeps
 CUDA hidden for the CPU tests (tests/conftest.py)."""
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ def test_fp16_mixed_scaler_skips_the_inf_step_and_counts_it(tmp_path):
 def test_fp8_through_torchao_filters_trains_and_round_trips(tmp_path):
     needs("torchao")
     res = gpu_check(tmp_path, "fp8")
-    assert res["float8"] == ["body.0", "body.2"], res   # 64->128 and 128->128
+    assert res["float8"] == ["body.0", "body.2"], res  # 64->128 and 128->128
     assert "lm_head" in res["plain_linear"] and "out" in res["plain_linear"]  # head and a 16->1 layer stay
     assert res["roundtrip_equal"] is True
     assert_trained(res, "fp8")
@@ -116,8 +117,19 @@ def test_exact_resume_after_sigkill_on_cuda_is_bit_identical(tmp_path):
     script = ROOT / "tests" / "scripts" / "resume_run.py"
 
     def run(name, *args, killed=False):
-        cmd = [sys.executable, str(script), "--root", str(tmp_path / name), "--record", str(tmp_path / f"{name}.rec"),
-               "--precision", "bf16-mixed", "--workers", "0", *args]
+        cmd = [
+            sys.executable,
+            str(script),
+            "--root",
+            str(tmp_path / name),
+            "--record",
+            str(tmp_path / f"{name}.rec"),
+            "--precision",
+            "bf16-mixed",
+            "--workers",
+            "0",
+            *args,
+        ]
         proc = procs.run(cmd, timeout=300, env=procs.gpu_env(), check=not killed)
         assert not killed or proc.returncode != 0
         return proc.stdout

@@ -1,5 +1,6 @@
 """One top-level package: a user's own trainer.py / callbacks.py / strategies.py never shadow ours,
 and the install puts nothing but ``trainforge`` into site-packages."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ import pytest
 from tests.helpers import procs
 
 USER_FILE = 'raise ImportError("the user\'s own {name}.py was imported by trainforge")\n'
-TRAIN = '''
+TRAIN = """
 import sys
 
 import torch
@@ -43,7 +44,7 @@ trainer = Trainer(max_steps=3, enable_progress_bar=False, default_root_dir="run"
 trainer.fit(Net(), DataLoader(data, batch_size=4))
 assert isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy))
 sys.stdout.write(f"TRAINED {trainer.global_step} {type(trainer.strategy).__name__}\\n")  # one write: ranks interleave
-'''
+"""
 
 
 def user_folder(tmp_path: Path) -> Path:
@@ -65,8 +66,12 @@ def test_users_own_trainer_callbacks_strategies_files_do_not_shadow_trainforge(t
     folder = user_folder(tmp_path)
     one = procs.run([sys.executable, "train.py"], cwd=folder, env=installed_env(), timeout=120)
     assert "TRAINED 3 SingleDeviceStrategy" in one.stdout
-    two = procs.run([sys.executable, "-m", "trainforge", "launch", "--nproc-per-node", "2", "train.py"], cwd=folder,
-                    env=installed_env(), timeout=180)
+    two = procs.run(
+        [sys.executable, "-m", "trainforge", "launch", "--nproc-per-node", "2", "train.py"],
+        cwd=folder,
+        env=installed_env(),
+        timeout=180,
+    )
     assert two.stdout.count("TRAINED 3 DDPStrategy") == 2, two.stdout[-3000:]
     assert (folder / "run").is_dir()
 
@@ -87,29 +92,64 @@ def test_the_public_names_live_under_trainforge():
 def test_pip_install_target_holds_only_trainforge(tmp_path):
     target, source = tmp_path / "site", tmp_path / "source"
     # from a copy without build outputs: a stale build/ would hide a package the build no longer finds
-    shutil.copytree(procs.REPO, source, ignore=shutil.ignore_patterns(
-        ".git", "build", "*.egg-info", "__pycache__", ".mypy_cache", ".pytest_cache", "*.so"))
-    build = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                            "--no-index", "--target", str(target), str(source)],
-                           capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_ROOT_USER_ACTION="ignore"))
+    shutil.copytree(
+        procs.REPO,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", "build", "*.egg-info", "__pycache__", ".mypy_cache", ".pytest_cache", "*.so"
+        ),
+    )
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_ROOT_USER_ACTION="ignore"),
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     top = sorted(p.name for p in target.iterdir())
     assert [n for n in top if not n.endswith(".dist-info")] in (["trainforge"], ["bin", "trainforge"]), top
     pkg = target / "trainforge"
     # every folder of the repository's packages that holds modules is a package of the wheel (a folder
     # without __init__.py would be left out by find_packages and work only from the repository)
-    folders = sorted({str(f.parent.relative_to(procs.REPO)) for top in ("trainer", "callbacks", "strategies")
-                      for f in (procs.REPO / top).rglob("*.py") if "__pycache__" not in f.parts})
+    folders = sorted(
+        {
+            str(f.parent.relative_to(procs.REPO))
+            for top in ("trainer", "callbacks", "strategies")
+            for f in (procs.REPO / top).rglob("*.py")
+            if "__pycache__" not in f.parts
+        }
+    )
     assert len(folders) >= 8, folders
     for sub in folders:
         assert (pkg / sub / "__init__.py").is_file(), sub
     assert not (pkg / "tests").exists() and not (pkg / "benchmarks").exists()
     # the installed copy imports on its own (the repository kept off the path)
-    probe = subprocess.run([sys.executable, "-c", "import trainforge, trainforge.strategies.fsdp, "
-                            "trainforge.strategies.checkpoint.io as io, trainforge.strategies.data.loader as dl; "
-                            "print(trainforge.__file__, io.__file__, dl.__file__)"], capture_output=True, text=True,
-                           timeout=120,
-                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(target)))
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import trainforge, trainforge.strategies.fsdp, "
+            "trainforge.strategies.checkpoint.io as io, trainforge.strategies.data.loader as dl; "
+            "print(trainforge.__file__, io.__file__, dl.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(target)),
+    )
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert all(path.startswith(str(pkg)) for path in probe.stdout.split()), probe.stdout

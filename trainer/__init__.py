@@ -1,5 +1,6 @@
 """The loop floor: Trainer, TrainingModule, Accelerator and what they need (``trainforge.trainer``).
 Users import these names from ``trainforge`` itself."""
+
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
 from trainforge.strategies.precision import PRECISIONS, Precision
 from trainforge.trainer.accelerator import Accelerator
@@ -16,5 +17,18 @@ def notebook_launcher(*args, **kwargs):  # noqa: D103 - documented in trainforge
     return launch(*args, **kwargs)
 
 
-__all__ = ["Trainer", "TrainingModule", "DataModule", "Accelerator", "Event", "Precision", "PRECISIONS", "seed_everything",
-           "notebook_launcher", "TrainforgeError", "ConfigurationError", "CheckpointError", "LaunchError"]
+__all__ = [
+    "Trainer",
+    "TrainingModule",
+    "DataModule",
+    "Accelerator",
+    "Event",
+    "Precision",
+    "PRECISIONS",
+    "seed_everything",
+    "notebook_launcher",
+    "TrainforgeError",
+    "ConfigurationError",
+    "CheckpointError",
+    "LaunchError",
+]

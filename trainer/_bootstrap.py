@@ -6,6 +6,7 @@ and shown in the launcher's failure summary (rank, host, traceback). To the scri
 like ``python script.py args``: ``sys.argv``, ``__name__ == "__main__"`` and ``sys.path[0]`` (the
 script's folder).
 """
+
 from __future__ import annotations
 
 import os

@@ -13,6 +13,7 @@ Converting a raw loop takes about five lines::
 The Trainer runs on this same object, so placement, precision, accumulation and checkpointing
 have one code path.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,24 +50,40 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
     share (an IterableDataset's stream is split by ``strategies/data/iterable.py``). These three
     also come in ``dataloader_config`` (Accelerate's ``DataLoaderConfiguration``, duck-typed)."""
 
-    def __init__(self, strategy: Union[str, Strategy, None] = None, precision: Optional[str] = None,
-                 gradient_accumulation_steps: Optional[int] = None, seed: int = 0, *,
-                 accelerator: Optional[str] = None, even_batches: bool = True,
-                 split_batches: bool = False, dispatch_batches: Optional[bool] = None, dataloader_config: Any = None,
-                 project_dir: Optional[str] = None, project_config: Any = None,
-                 automatic_checkpoint_naming: bool = False, total_limit: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        strategy: Union[str, Strategy, None] = None,
+        precision: Optional[str] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        seed: int = 0,
+        *,
+        accelerator: Optional[str] = None,
+        even_batches: bool = True,
+        split_batches: bool = False,
+        dispatch_batches: Optional[bool] = None,
+        dataloader_config: Any = None,
+        project_dir: Optional[str] = None,
+        project_config: Any = None,
+        automatic_checkpoint_naming: bool = False,
+        total_limit: Optional[int] = None,
+    ) -> None:
         from trainforge.trainer.launch_config import launch_defaults, strategy_kwargs
 
         even_batches, split_batches, dispatch_batches = data_options(
-            even_batches, split_batches, dispatch_batches, dataloader_config)
+            even_batches, split_batches, dispatch_batches, dataloader_config
+        )
         defaults = launch_defaults()  # what `trainforge launch` was told; explicit arguments win
         strategy = strategy if strategy is not None else defaults.get("strategy", "auto")
         precision = precision if precision is not None else defaults.get("precision", "32")
-        accum = gradient_accumulation_steps if gradient_accumulation_steps is not None else \
-            defaults.get("gradient_accumulation_steps", 1)
+        accum = (
+            gradient_accumulation_steps
+            if gradient_accumulation_steps is not None
+            else defaults.get("gradient_accumulation_steps", 1)
+        )
         if not isinstance(accum, int) or isinstance(accum, bool) or accum < 1:
-            raise ConfigurationError(f"gradient_accumulation_steps={accum!r} must be an int >= 1 "
-                                     "(1 means no accumulation)")
+            raise ConfigurationError(
+                f"gradient_accumulation_steps={accum!r} must be an int >= 1 (1 means no accumulation)"
+            )
         kwargs = strategy_kwargs(strategy, defaults) if isinstance(strategy, str) else {}
         self.strategy = resolve_strategy(strategy, **kwargs)
         accelerator = accelerator if accelerator is not None else defaults.get("accelerator", "auto")
@@ -89,12 +106,15 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self.even_batches, self.split_batches, self.dispatch_batches = even_batches, split_batches, dispatch_batches
         if project_config is not None:  # Accelerate's ProjectConfiguration, duck-typed
             project_dir = project_dir or getattr(project_config, "project_dir", None)
-            automatic_checkpoint_naming = getattr(project_config, "automatic_checkpoint_naming",
-                                                  automatic_checkpoint_naming)
+            automatic_checkpoint_naming = getattr(
+                project_config, "automatic_checkpoint_naming", automatic_checkpoint_naming
+            )
             total_limit = getattr(project_config, "total_limit", total_limit)
         if automatic_checkpoint_naming and project_dir is None:
-            raise ConfigurationError("automatic_checkpoint_naming=True needs project_dir=<directory> (checkpoints "
-                                     "go to <project_dir>/checkpoints/checkpoint_<i>)")
+            raise ConfigurationError(
+                "automatic_checkpoint_naming=True needs project_dir=<directory> (checkpoints "
+                "go to <project_dir>/checkpoints/checkpoint_<i>)"
+            )
         if total_limit is not None and (not isinstance(total_limit, int) or total_limit < 1):
             raise ConfigurationError(f"total_limit={total_limit!r} must be an int >= 1 or None (keep all)")
         self.project_dir, self.total_limit = project_dir, total_limit
@@ -134,8 +154,10 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         if models:  # a layout chosen from the model ("auto" sizes) decides the loaders' shards
             self.strategy.plan_layout(models[0], loaders[0] if loaders else None)
         if len(models) > 1 and self.strategy.world_size > 1 and optimizers:
-            raise ConfigurationError("prepare() got several models with optimizers; prepare one trained model per "
-                                     "call (frozen models can be prepared in a separate call)")
+            raise ConfigurationError(
+                "prepare() got several models with optimizers; prepare one trained model per "
+                "call (frozen models can be prepared in a separate call)"
+            )
         result: Dict[int, Any] = {}
         optimizers_out = optimizers
         for model in models:
@@ -154,8 +176,9 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
                 out.append(obj)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model_with_optimizers(self, model: nn.Module, build: Callable[[], Any]
-                                      ) -> "tuple[nn.Module, List[PreparedOptimizer]]":
+    def prepare_model_with_optimizers(
+        self, model: nn.Module, build: Callable[[], Any]
+    ) -> "tuple[nn.Module, List[PreparedOptimizer]]":
         """The Trainer's order: place and wrap ``model``, then call ``build()`` for its optimizers,
         so they see the final device and parameters (fused AdamW on CUDA, FSDP's DTensors)."""
         wrapped, built = self._setup_model(model, build)
@@ -188,8 +211,9 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
             loss = loss / self.gradient_accumulation_steps
         self.strategy.backward(loss, model if model is not None else (self._models[0] if self._models else None))
 
-    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], Any]] = None
-                         ) -> torch.Tensor:
+    def forward_backward(
+        self, model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], Any]] = None
+    ) -> torch.Tensor:
         """Forward, loss and backward of one batch ``(inputs, target)``: ``loss_fn(model(*inputs),
         target)`` (default ``model.loss_fn``) under autocast, then ``backward``; returns the loss. With
         pipeline parallelism the strategy's schedule runs it over micro-batches, stage by stage, and
@@ -198,11 +222,13 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         if self.strategy.pipelined:
             return self.strategy.forward_backward(model, None, batch, 0, loss_fn=loss_fn)
         if not callable(loss_fn):
-            raise ConfigurationError("forward_backward(model, batch) needs loss_fn(output, target): pass loss_fn= or "
-                                     "define model.loss_fn")
+            raise ConfigurationError(
+                "forward_backward(model, batch) needs loss_fn(output, target): pass loss_fn= or define model.loss_fn"
+            )
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ConfigurationError(f"forward_backward needs each batch as (inputs, target), got "
-                                     f"{type(batch).__name__}")
+            raise ConfigurationError(
+                f"forward_backward needs each batch as (inputs, target), got {type(batch).__name__}"
+            )
         inputs, target = batch
         with self.autocast():
             loss = loss_fn(model(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,))), target)
@@ -244,8 +270,10 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
     def register_for_checkpointing(self, *objects: Any) -> None:
         bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
         if bad:
-            raise ConfigurationError(f"register_for_checkpointing got {bad[0]!r}, which has no "
-                                     "state_dict()/load_state_dict(); register objects that have both")
+            raise ConfigurationError(
+                f"register_for_checkpointing got {bad[0]!r}, which has no "
+                "state_dict()/load_state_dict(); register objects that have both"
+            )
         self._custom_objects.extend(objects)
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
@@ -256,8 +284,12 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         from trainforge.trainer.checkpointing import save_accelerator_state, save_project_checkpoint
 
         if not safe_serialization:
-            warnings.warn("save_state(safe_serialization=False): trainforge always writes weights as safetensors "
-                          "(and the rest with torch.save, loaded weights_only)", UserWarning, stacklevel=2)
+            warnings.warn(
+                "save_state(safe_serialization=False): trainforge always writes weights as safetensors "
+                "(and the rest with torch.save, loaded weights_only)",
+                UserWarning,
+                stacklevel=2,
+            )
         if output_dir is None:
             return save_project_checkpoint(self, **kwargs)
         return save_accelerator_state(self, output_dir, **kwargs)
@@ -277,8 +309,9 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         """With no ``input_dir`` (automatic_checkpoint_naming): the newest project checkpoint."""
         from trainforge.trainer.checkpointing import load_accelerator_state, newest_project_checkpoint
 
-        return load_accelerator_state(self, input_dir if input_dir is not None else newest_project_checkpoint(self),
-                                      **kwargs)
+        return load_accelerator_state(
+            self, input_dir if input_dir is not None else newest_project_checkpoint(self), **kwargs
+        )
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """The loader whose next pass starts ``num_batches`` into the epoch, without loading them

@@ -1,6 +1,7 @@
 """How the Accelerator prepares a DataLoader (a mixin of ``Accelerator``): sharded and resumable
 (``strategies/data/``), or dispatched from rank 0 (``trainer/dispatch.py``), with Accelerate's
 ``even_batches``/``split_batches``/``dispatch_batches`` options."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, List, Optional
@@ -62,13 +63,18 @@ class DataPreparation:
         sharded.generator = torch.Generator()
         sampler = loader.sampler if loader.batch_size is not None else getattr(loader.batch_sampler, "sampler", None)
         world = self.num_processes
-        prepared = PreparedDataLoader(sharded, self.device, self.gradient_state, self.precision,
-                                      base_generator=loader.generator,
-                                      order_generator=getattr(sampler, "generator", None),
-                                      broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
-                                      dispatcher=self._dispatcher(sharded) if dispatch else None,
-                                      gather_object=self.strategy.all_gather_object if world > 1 else None,
-                                      device_batches=self.strategy.device_batches)
+        prepared = PreparedDataLoader(
+            sharded,
+            self.device,
+            self.gradient_state,
+            self.precision,
+            base_generator=loader.generator,
+            order_generator=getattr(sampler, "generator", None),
+            broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
+            dispatcher=self._dispatcher(sharded) if dispatch else None,
+            gather_object=self.strategy.all_gather_object if world > 1 else None,
+            device_batches=self.strategy.device_batches,
+        )
         self._dataloaders.append(prepared)
         return prepared
 
@@ -84,16 +90,24 @@ class DataPreparation:
             raise ConfigurationError(
                 f"dispatch_batches=True is not built for {type(self.strategy).__name__} with data-parallel size "
                 f"{self.strategy.data_parallel_size} of {self.num_processes} processes (it dispatches over all of "
-                "them): pass dispatch_batches=False")
+                "them): pass dispatch_batches=False"
+            )
         return dispatch
 
     def _dispatcher(self, loader: Any) -> Any:
         from trainforge.strategies.data.loader import loader_state_dict
         from trainforge.trainer.dispatch import BatchDispatcher
 
-        return BatchDispatcher(loader, rank=self.process_index, world_size=self.num_processes, device=self.device,
-                               broadcast=lambda obj: self.strategy.broadcast(obj, 0), split_batches=self.split_batches,
-                               even_batches=self.even_batches, state_of=lambda: loader_state_dict(loader))
+        return BatchDispatcher(
+            loader,
+            rank=self.process_index,
+            world_size=self.num_processes,
+            device=self.device,
+            broadcast=lambda obj: self.strategy.broadcast(obj, 0),
+            split_batches=self.split_batches,
+            even_batches=self.even_batches,
+            state_of=lambda: loader_state_dict(loader),
+        )
 
 
 def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> torch.utils.data.DataLoader:
@@ -101,15 +115,21 @@ def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> to
     if not split:
         return loader
     if loader.batch_size is None or loader.batch_size % world:
-        raise ConfigurationError(f"split_batches=True needs a batch_size divisible by the {world} processes "
-                                 f"(got batch_size={loader.batch_size}); use a multiple of {world} or "
-                                 "split_batches=False")
+        raise ConfigurationError(
+            f"split_batches=True needs a batch_size divisible by the {world} processes "
+            f"(got batch_size={loader.batch_size}); use a multiple of {world} or "
+            "split_batches=False"
+        )
     from trainforge.strategies.data.loader import loader_kwargs
 
     iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)  # takes no sampler
-    return torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size // world,
-                                       sampler=None if iterable else loader.sampler, drop_last=loader.drop_last,
-                                       **loader_kwargs(loader))
+    return torch.utils.data.DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size // world,
+        sampler=None if iterable else loader.sampler,
+        drop_last=loader.drop_last,
+        **loader_kwargs(loader),
+    )
 
 
 def data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, config: Any) -> "tuple[Any, ...]":
@@ -118,15 +138,22 @@ def data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, c
     if config is not None:
         names = ("even_batches", "split_batches", "dispatch_batches")
         if not any(hasattr(config, name) for name in names):
-            raise ConfigurationError(f"dataloader_config={config!r} has none of {', '.join(names)}: pass "
-                                     "accelerate's DataLoaderConfiguration or an object with those attributes")
+            raise ConfigurationError(
+                f"dataloader_config={config!r} has none of {', '.join(names)}: pass "
+                "accelerate's DataLoaderConfiguration or an object with those attributes"
+            )
         even_batches = getattr(config, "even_batches", even_batches)
         split_batches = getattr(config, "split_batches", split_batches)
         dispatch_batches = getattr(config, "dispatch_batches", dispatch_batches)
-    for name, value, allowed in (("even_batches", even_batches, "True or False"),
-                                 ("split_batches", split_batches, "True or False"),
-                                 ("dispatch_batches", dispatch_batches, "None (Accelerate's default: True for an "
-                                  "IterableDataset), True or False")):
+    for name, value, allowed in (
+        ("even_batches", even_batches, "True or False"),
+        ("split_batches", split_batches, "True or False"),
+        (
+            "dispatch_batches",
+            dispatch_batches,
+            "None (Accelerate's default: True for an IterableDataset), True or False",
+        ),
+    ):
         if not (isinstance(value, bool) or (name == "dispatch_batches" and value is None)):
             raise ConfigurationError(f"{name}={value!r} must be {allowed}")
     return even_batches, split_batches, dispatch_batches

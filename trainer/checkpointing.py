@@ -16,6 +16,7 @@ Layout of one checkpoint directory::
 RNG states are restored last, just before the loop continues, so nothing between loading and the
 next batch can shift the random streams (that is what makes resume bit-identical).
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,10 +71,15 @@ def start_run(trainer: "Trainer", ckpt_path: Optional[str], required: bool) -> O
         root = checkpoint_root(trainer)
         earlier = list_checkpoints(root)
         if earlier:
-            log.warning("trainforge: %s already holds %d checkpoint(s) of an earlier run (newest: %s). This run "
-                        "starts fresh and writes beside them; a name that is taken gets a -v1, -v2... suffix, so "
-                        "nothing is overwritten. To continue that run instead, pass Trainer(resume='auto') or "
-                        "fit(ckpt_path='last')", root, len(earlier), earlier[-1].name)
+            log.warning(
+                "trainforge: %s already holds %d checkpoint(s) of an earlier run (newest: %s). This run "
+                "starts fresh and writes beside them; a name that is taken gets a -v1, -v2... suffix, so "
+                "nothing is overwritten. To continue that run instead, pass Trainer(resume='auto') or "
+                "fit(ckpt_path='last')",
+                root,
+                len(earlier),
+                earlier[-1].name,
+            )
     return path
 
 
@@ -85,14 +91,14 @@ class CheckpointParts:
     ``progress``: the Trainer's ``Progress``; an Accelerator records the same fields it can know
     (optimizer steps, its first loader's epoch and batch) so that a Trainer resumes its checkpoint."""
 
-    kind: str                                   # who writes: "trainer" | "accelerator" (metadata "kind")
+    kind: str  # who writes: "trainer" | "accelerator" (metadata "kind")
     model: Optional[nn.Module]
-    optimizers: List[Any]                       # prepared optimizers (trainer.wrappers.PreparedOptimizer)
-    schedulers: List[Any]                       # objects with state_dict / load_state_dict
-    loaders: List[Any]                          # prepared loaders whose position is saved, the training one first
-    custom: List[Any] = field(default_factory=list)      # Accelerator.register_for_checkpointing
-    callbacks: List[Any] = field(default_factory=list)   # Trainer callbacks (state_key -> state)
-    progress: Any = None                                 # trainer.config.Progress (Trainer only)
+    optimizers: List[Any]  # prepared optimizers (trainer.wrappers.PreparedOptimizer)
+    schedulers: List[Any]  # objects with state_dict / load_state_dict
+    loaders: List[Any]  # prepared loaders whose position is saved, the training one first
+    custom: List[Any] = field(default_factory=list)  # Accelerator.register_for_checkpointing
+    callbacks: List[Any] = field(default_factory=list)  # Trainer callbacks (state_key -> state)
+    progress: Any = None  # trainer.config.Progress (Trainer only)
     datamodule: Any = None
     extra: Dict[str, Any] = field(default_factory=dict)  # what SAVE_CHECKPOINT handlers added
 
@@ -101,13 +107,21 @@ def _progress_of(parts: CheckpointParts) -> Dict[str, int]:
     if parts.progress is not None:
         return parts.progress.state_dict()
     first = parts.loaders[0] if parts.loaders else None
-    return {"global_step": max((o.step_count for o in parts.optimizers), default=0),
-            "epoch": first.epoch if first is not None else 0,
-            "batch_idx": first.batch_in_epoch if first is not None else 0}
+    return {
+        "global_step": max((o.step_count for o in parts.optimizers), default=0),
+        "epoch": first.epoch if first is not None else 0,
+        "batch_idx": first.batch_in_epoch if first is not None else 0,
+    }
 
 
-def save_state(acc: "Accelerator", path: os.PathLike | str, parts: CheckpointParts, async_save: bool = False,
-               before_write: Optional[Callable[[Dict[str, Any]], None]] = None, update_latest: bool = True) -> Path:
+def save_state(
+    acc: "Accelerator",
+    path: os.PathLike | str,
+    parts: CheckpointParts,
+    async_save: bool = False,
+    before_write: Optional[Callable[[Dict[str, Any]], None]] = None,
+    update_latest: bool = True,
+) -> Path:
     """The one writer of a resumable checkpoint (layout in this module's docstring)."""
     strategy = acc.strategy
     writer = _open_writer(acc, path, async_save, kind=parts.kind)
@@ -117,25 +131,35 @@ def save_state(acc: "Accelerator", path: os.PathLike | str, parts: CheckpointPar
     if parts.model is not None:
         strategy.save_checkpoint(writer, parts.model, [o.optimizer for o in parts.optimizers])
     progress = _progress_of(parts)
-    state.update({
-        "progress": progress,
-        "schedulers": [s.state_dict() for s in parts.schedulers],
-        "precision": acc.precision.state_dict(),
-        "accumulation_step": acc.step,
-        "callbacks": {cb.state_key: cb.state_dict() for cb in parts.callbacks},
-        "custom": [o.state_dict() for o in parts.custom],
-        "loaders": len(parts.loaders),
-    })
+    state.update(
+        {
+            "progress": progress,
+            "schedulers": [s.state_dict() for s in parts.schedulers],
+            "precision": acc.precision.state_dict(),
+            "accumulation_step": acc.step,
+            "callbacks": {cb.state_key: cb.state_dict() for cb in parts.callbacks},
+            "custom": [o.state_dict() for o in parts.custom],
+            "loaders": len(parts.loaders),
+        }
+    )
     if parts.datamodule is not None:
         state["datamodule"] = parts.datamodule.state_dict()
     if strategy.is_global_zero:
         writer.save_object("trainer_state", state)
     writer.save_object(f"rng_rank{strategy.global_rank}", rng_state())
     writer.save_object(f"dataloader_rank{strategy.global_rank}", [dl.state_dict() for dl in parts.loaders])
-    return writer.finalize({"step": progress["global_step"], "epoch": progress["epoch"],
-                            "batch_idx": progress["batch_idx"], "strategy": strategy.name,
-                            "precision": acc.precision.name, "kind": parts.kind,
-                            "run_id": parts.extra.get("run_id")}, update_latest=update_latest)
+    return writer.finalize(
+        {
+            "step": progress["global_step"],
+            "epoch": progress["epoch"],
+            "batch_idx": progress["batch_idx"],
+            "strategy": strategy.name,
+            "precision": acc.precision.name,
+            "kind": parts.kind,
+            "run_id": parts.extra.get("run_id"),
+        },
+        update_latest=update_latest,
+    )
 
 
 def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple[Dict[str, Any], Dict[str, Any]]":
@@ -163,17 +187,25 @@ def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple
             cb.load_state_dict(saved_callbacks[cb.state_key])
     fresh = [cb.state_key for cb in parts.callbacks if cb.state_key not in saved_callbacks and cb.state_dict()]
     if fresh and strategy.is_global_zero:
-        log.warning("trainforge: %s holds no state for callback(s) %s (written by %s); they start fresh", path,
-                    ", ".join(fresh), _writer_name(meta))
+        log.warning(
+            "trainforge: %s holds no state for callback(s) %s (written by %s); they start fresh",
+            path,
+            ", ".join(fresh),
+            _writer_name(meta),
+        )
     if parts.datamodule is not None and "datamodule" in state:
         parts.datamodule.load_state_dict(state["datamodule"])
     rng, loader_states = _read_rank_state(path, meta, strategy)
     for dl, sd in zip(parts.loaders, loader_states):
         dl.load_state_dict(sd, world_size=strategy.data_parallel_size, rank=strategy.data_parallel_rank)
     if len(loader_states) < len(parts.loaders) and strategy.is_global_zero:
-        log.warning("trainforge: %s holds the position of %d data loader(s) and %d are prepared now; the other(s) "
-                    "start at their beginning (prepare the loaders in the order they were saved in)", path,
-                    len(loader_states), len(parts.loaders))
+        log.warning(
+            "trainforge: %s holds the position of %d data loader(s) and %d are prepared now; the other(s) "
+            "start at their beginning (prepare the loaders in the order they were saved in)",
+            path,
+            len(loader_states),
+            len(parts.loaders),
+        )
     return state, rng
 
 
@@ -187,23 +219,31 @@ def _check_parts(path: Path, meta: Dict[str, Any], state: Dict[str, Any], parts:
     who = _writer_name(meta)
     saved = len(state.get("schedulers", []))
     if saved != len(parts.schedulers):
-        raise CheckpointError(f"{path} (written by {who}) holds {saved} learning-rate scheduler state(s) and "
-                              f"{len(parts.schedulers)} scheduler(s) are prepared now: the schedule cannot continue "
-                              "where it stopped. Resume with the same schedulers (Trainer: configure_optimizers; "
-                              "Accelerator: prepare() each scheduler that was saved)")
+        raise CheckpointError(
+            f"{path} (written by {who}) holds {saved} learning-rate scheduler state(s) and "
+            f"{len(parts.schedulers)} scheduler(s) are prepared now: the schedule cannot continue "
+            "where it stopped. Resume with the same schedulers (Trainer: configure_optimizers; "
+            "Accelerator: prepare() each scheduler that was saved)"
+        )
     saved = len(state.get("custom", []))
     if saved != len(parts.custom):
-        raise CheckpointError(f"{path} (written by {who}) holds {saved} registered object(s) but "
-                              f"{len(parts.custom)} are registered now; register the same objects in the same "
-                              "order (Accelerator.register_for_checkpointing) before load_state")
+        raise CheckpointError(
+            f"{path} (written by {who}) holds {saved} registered object(s) but "
+            f"{len(parts.custom)} are registered now; register the same objects in the same "
+            "order (Accelerator.register_for_checkpointing) before load_state"
+        )
     if parts.progress is not None and "progress" not in state:
-        raise CheckpointError(f"{path} (written by {who}, an older format) records no training progress (epoch, "
-                              "step); the Trainer cannot resume it exactly. Load it with Accelerator.load_state, "
-                              "or start the Trainer from its weights")
+        raise CheckpointError(
+            f"{path} (written by {who}, an older format) records no training progress (epoch, "
+            "step); the Trainer cannot resume it exactly. Load it with Accelerator.load_state, "
+            "or start the Trainer from its weights"
+        )
     if parts.loaders and state.get("loaders", 1) == 0:
-        raise CheckpointError(f"{path} (written by {who}) holds no data position (no DataLoader was prepared when "
-                              f"it was saved) and {len(parts.loaders)} loader(s) would continue from it; prepare the "
-                              "training DataLoader before save_state, or leave it out of this run")
+        raise CheckpointError(
+            f"{path} (written by {who}) holds no data position (no DataLoader was prepared when "
+            f"it was saved) and {len(parts.loaders)} loader(s) would continue from it; prepare the "
+            "training DataLoader before save_state, or leave it out of this run"
+        )
 
 
 def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
@@ -214,11 +254,17 @@ def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
     rank = strategy.global_rank
     source = rank if old_world == strategy.world_size else rank % old_world
     if old_world != strategy.world_size and strategy.is_global_zero:
-        log.warning("trainforge: resuming a checkpoint written by %d process(es) on %d; the data position "
-                    "continues from the same global sample, but the random streams (dropout, later epochs' "
-                    "shuffle order) continue from rank 0's and differ from an uninterrupted run on %d",
-                    old_world, strategy.world_size, strategy.world_size)
-    return load_object(path, f"rng_rank{source}"), load_object(path, f"dataloader_rank{0 if old_world != strategy.world_size else source}")
+        log.warning(
+            "trainforge: resuming a checkpoint written by %d process(es) on %d; the data position "
+            "continues from the same global sample, but the random streams (dropout, later epochs' "
+            "shuffle order) continue from rank 0's and differ from an uninterrupted run on %d",
+            old_world,
+            strategy.world_size,
+            strategy.world_size,
+        )
+    return load_object(path, f"rng_rank{source}"), load_object(
+        path, f"dataloader_rank{0 if old_world != strategy.world_size else source}"
+    )
 
 
 # ---- asynchronous saves (strategies/checkpoint/async_save.py) ---------------------------------------
@@ -229,29 +275,44 @@ def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, 
         return acc.async_checkpointer.open(path, kind=kind)
     acc.wait_for_checkpoint()
     strategy = acc.strategy
-    return CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier,
-                            kind=kind)
+    return CheckpointWriter(
+        path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier, kind=kind
+    )
 
 
 # ---- the Trainer's side ------------------------------------------------------------------------------
 def trainer_parts(trainer: "Trainer") -> CheckpointParts:
-    return CheckpointParts("trainer", trainer.model, list(trainer._prepared_optimizers),
-                           [cfg["scheduler"] for cfg in trainer.lr_scheduler_configs], [trainer.train_dataloader],
-                           callbacks=list(trainer.callbacks), progress=trainer.progress,
-                           datamodule=trainer.datamodule, extra={"run_id": trainer.run_id})
+    return CheckpointParts(
+        "trainer",
+        trainer.model,
+        list(trainer._prepared_optimizers),
+        [cfg["scheduler"] for cfg in trainer.lr_scheduler_configs],
+        [trainer.train_dataloader],
+        callbacks=list(trainer.callbacks),
+        progress=trainer.progress,
+        datamodule=trainer.datamodule,
+        extra={"run_id": trainer.run_id},
+    )
 
 
 def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str, async_save: bool = False) -> Path:
-    return save_state(trainer.accelerator, path, trainer_parts(trainer), async_save,
-                      before_write=lambda state: trainer._fire(Event.SAVE_CHECKPOINT, state))
+    return save_state(
+        trainer.accelerator,
+        path,
+        trainer_parts(trainer),
+        async_save,
+        before_write=lambda state: trainer._fire(Event.SAVE_CHECKPOINT, state),
+    )
 
 
 def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool = True) -> Optional[Path]:
     """Restore everything but RNG now; RNG is restored by the loop just before the next batch."""
     root = checkpoint_root(trainer)
     if required and str(ckpt_path) == "last" and not list_checkpoints(root):
-        raise CheckpointError(f"fit(ckpt_path='last'): there is no checkpoint under {root} yet. To resume when one "
-                              "exists and start fresh otherwise, use Trainer(resume='auto') and leave ckpt_path out")
+        raise CheckpointError(
+            f"fit(ckpt_path='last'): there is no checkpoint under {root} yet. To resume when one "
+            "exists and start fresh otherwise, use Trainer(resume='auto') and leave ckpt_path out"
+        )
     path = resolve_checkpoint(root, ckpt_path, missing_ok=not required)
     if path is None:
         if trainer.is_global_zero:
@@ -260,8 +321,12 @@ def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool =
     state, trainer._pending_rng = load_state(trainer.accelerator, path, trainer_parts(trainer))
     trainer._fire(Event.LOAD_CHECKPOINT, state)
     if trainer.is_global_zero:
-        log.info("trainforge: resumed from %s (epoch %d, step %d)", path, trainer.progress.epoch,
-                 trainer.progress.global_step)
+        log.info(
+            "trainforge: resumed from %s (epoch %d, step %d)",
+            path,
+            trainer.progress.epoch,
+            trainer.progress.global_step,
+        )
     return path
 
 
@@ -274,15 +339,28 @@ def restore_pending_rng(trainer: "Trainer") -> None:
 # ---- the Accelerator's side -------------------------------------------------------------------------
 def accelerator_parts(acc: "Accelerator") -> CheckpointParts:
     if len(acc._models) > 1:
-        raise ConfigurationError(f"save_state got {len(acc._models)} prepared models; it saves one trained model "
-                                 "(save others with save_model)")
-    return CheckpointParts("accelerator", acc._models[0] if acc._models else None, list(acc._optimizers),
-                           list(acc._schedulers), list(acc._dataloaders), custom=list(acc._custom_objects))
+        raise ConfigurationError(
+            f"save_state got {len(acc._models)} prepared models; it saves one trained model "
+            "(save others with save_model)"
+        )
+    return CheckpointParts(
+        "accelerator",
+        acc._models[0] if acc._models else None,
+        list(acc._optimizers),
+        list(acc._schedulers),
+        list(acc._dataloaders),
+        custom=list(acc._custom_objects),
+    )
 
 
 def save_accelerator_state(acc: "Accelerator", output_dir: os.PathLike | str, async_save: bool = False) -> Path:
-    return save_state(acc, output_dir, accelerator_parts(acc), resolve_async_save(async_save, acc.strategy.root_device),
-                      update_latest=False)
+    return save_state(
+        acc,
+        output_dir,
+        accelerator_parts(acc),
+        resolve_async_save(async_save, acc.strategy.root_device),
+        update_latest=False,
+    )
 
 
 def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> Path:
@@ -295,8 +373,10 @@ def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> 
 def _project_root(acc: "Accelerator") -> Path:
     project_dir = acc.project_dir  # set whenever automatic_checkpoint_naming is (the Accelerator checks)
     if not acc.automatic_checkpoint_naming or project_dir is None:
-        raise ConfigurationError("save_state()/load_state() without a directory need Accelerator(project_dir=..., "
-                                 "automatic_checkpoint_naming=True); or pass the directory")
+        raise ConfigurationError(
+            "save_state()/load_state() without a directory need Accelerator(project_dir=..., "
+            "automatic_checkpoint_naming=True); or pass the directory"
+        )
     return Path(project_dir) / "checkpoints"
 
 
@@ -312,7 +392,7 @@ def save_project_checkpoint(acc: "Accelerator", async_save: bool = False) -> Pat
     if acc.total_limit is not None and acc.is_main_process:
         # the new directory may not be committed yet: keep total_limit - 1 committed ones beside it
         old = [p for _, p in _numbered(root) if p != path]
-        for stale in old[:max(0, len(old) - (acc.total_limit - 1))]:
+        for stale in old[: max(0, len(old) - (acc.total_limit - 1))]:
             if is_async:
                 acc.async_checkpointer.after_commit(functools.partial(delete_checkpoint, stale))
             else:
@@ -333,7 +413,7 @@ def newest_project_checkpoint(acc: "Accelerator") -> Path:
 def _numbered(root: Path) -> List[tuple]:
     out = []
     for p in list_checkpoints(root) if root.exists() else []:
-        suffix = p.name[len("checkpoint_"):]
+        suffix = p.name[len("checkpoint_") :]
         if p.name.startswith("checkpoint_") and suffix.isdigit():
             out.append((int(suffix), p))
     return sorted(out)
@@ -343,8 +423,9 @@ def _numbered(root: Path) -> List[tuple]:
 def save_weights(strategy: Any, model: Any, path: os.PathLike | str, max_shard_size: Optional[int] = None) -> Path:
     """One safetensors file (or shards + HF index) of the full model, plus ``config.json`` when the
     model carries a Hugging Face config, so ``transformers`` can load the directory."""
-    writer = CheckpointWriter(path, rank=strategy.global_rank, world_size=strategy.world_size,
-                              barrier=strategy.barrier, kind="weights")
+    writer = CheckpointWriter(
+        path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier, kind="weights"
+    )
     weights = strategy.module_state_dict(model)
     if strategy.is_global_zero:
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
@@ -352,5 +433,4 @@ def save_weights(strategy: Any, model: Any, path: os.PathLike | str, max_shard_s
         config: Any = getattr(strategy.unwrap(model), "config", None)
         if hasattr(config, "to_json_string"):
             (writer.tmp_dir / "config.json").write_text(config.to_json_string())
-    return writer.finalize({"strategy": strategy.name, "kind": "weights"},
-                           update_latest=False)
+    return writer.finalize({"strategy": strategy.name, "kind": "weights"}, update_latest=False)

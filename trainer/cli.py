@@ -5,6 +5,7 @@ To add a subcommand, add one line to ``COMMANDS``: its module defines ``HELP`` (
 (``TrainforgeError``) raised by ``run`` are bad input found before any work started: they are
 printed without a traceback and exit with code 2, as argparse's own usage errors do.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=module.HELP, description=module.__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = commands.add_parser(
+            name, help=module.HELP, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     return parser

@@ -1,6 +1,7 @@
 """Accelerate's collectives on the Accelerator (a mixin of ``Accelerator``): gather (with
 ``gather_for_metrics`` dropping the duplicates even sharding added), reduce, broadcast, padding,
 splitting inputs between processes. Each is one call to the strategy's collectives."""
+
 from __future__ import annotations
 
 import contextlib
@@ -45,9 +46,9 @@ class Collectives:
             return apply_to_tensors(data, lambda tensor: self._gather_one(tensor)[:keep_until])
 
         def gather_last(tensor: torch.Tensor) -> torch.Tensor:
-            stacked = self.strategy.all_gather(tensor)        # [W, b, ...]; sample j of rank r is global
+            stacked = self.strategy.all_gather(tensor)  # [W, b, ...]; sample j of rank r is global
             ordered = stacked.transpose(0, 1).reshape(-1, *tensor.shape[1:])  # position j*W + r
-            return ordered[:keep_until]                       # the padding is the tail of global order
+            return ordered[:keep_until]  # the padding is the tail of global order
 
         return apply_to_tensors(data, gather_last)
 

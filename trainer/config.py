@@ -1,4 +1,5 @@
 """The Trainer's settings (validated up front, before any work) and its explicit progress counters."""
+
 from __future__ import annotations
 
 import math
@@ -29,37 +30,58 @@ class LoopConfig:
     nonfinite_loss: str = "raise"
 
     def validate(self) -> None:
-        for name in ("max_epochs", "max_steps", "check_val_every_n_epoch", "log_every_n_steps",
-                     "gradient_clip_val", "val_check_interval", "limit_train_batches", "limit_val_batches"):
+        for name in (
+            "max_epochs",
+            "max_steps",
+            "check_val_every_n_epoch",
+            "log_every_n_steps",
+            "gradient_clip_val",
+            "val_check_interval",
+            "limit_train_batches",
+            "limit_val_batches",
+        ):
             _check_number(name, getattr(self, name))
         if self.max_epochs is None and self.max_steps in (-1, None):
-            raise ConfigurationError("neither max_epochs nor max_steps is set, so the run would never end; "
-                                     "pass max_epochs=N or max_steps=N (with both, training stops at the first "
-                                     "one reached)")
+            raise ConfigurationError(
+                "neither max_epochs nor max_steps is set, so the run would never end; "
+                "pass max_epochs=N or max_steps=N (with both, training stops at the first "
+                "one reached)"
+            )
         if self.max_epochs is not None and (not isinstance(self.max_epochs, int) or self.max_epochs < 0):
             raise ConfigurationError(f"max_epochs={self.max_epochs!r} must be an int >= 0 or None")
         if not isinstance(self.max_steps, int) or self.max_steps < -1:
             raise ConfigurationError(f"max_steps={self.max_steps!r} must be an int >= 0 (or -1 for no limit)")
-        if not isinstance(self.accumulate_grad_batches, int) or isinstance(self.accumulate_grad_batches, bool) \
-                or self.accumulate_grad_batches < 1:
-            raise ConfigurationError(f"accumulate_grad_batches={self.accumulate_grad_batches!r} must be an int >= 1 "
-                                     "(1 means an optimizer step after every batch)")
+        if (
+            not isinstance(self.accumulate_grad_batches, int)
+            or isinstance(self.accumulate_grad_batches, bool)
+            or self.accumulate_grad_batches < 1
+        ):
+            raise ConfigurationError(
+                f"accumulate_grad_batches={self.accumulate_grad_batches!r} must be an int >= 1 "
+                "(1 means an optimizer step after every batch)"
+            )
         if self.gradient_clip_algorithm not in CLIP_ALGORITHMS:
             raise invalid_choice("gradient_clip_algorithm", self.gradient_clip_algorithm, CLIP_ALGORITHMS)
-        if self.gradient_clip_val is not None and not (self.gradient_clip_val > 0 and math.isfinite(self.gradient_clip_val)):
+        if self.gradient_clip_val is not None and not (
+            self.gradient_clip_val > 0 and math.isfinite(self.gradient_clip_val)
+        ):
             raise ConfigurationError(f"gradient_clip_val={self.gradient_clip_val!r} must be a positive number or None")
         if self.nonfinite_loss not in NONFINITE_POLICIES:
             raise invalid_choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
         for name in ("limit_train_batches", "limit_val_batches", "val_check_interval"):
             _check_fraction_or_count(name, getattr(self, name))
         if self.val_check_interval == 0:
-            raise ConfigurationError("val_check_interval=0 would validate after every 0 batches; pass an int >= 1 "
-                                     "(batches) or a fraction in (0, 1] of the epoch (1.0: at its end), and "
-                                     "check_val_every_n_epoch=None with limit_val_batches=0 to turn validation off")
+            raise ConfigurationError(
+                "val_check_interval=0 would validate after every 0 batches; pass an int >= 1 "
+                "(batches) or a fraction in (0, 1] of the epoch (1.0: at its end), and "
+                "check_val_every_n_epoch=None with limit_val_batches=0 to turn validation off"
+            )
         every = self.check_val_every_n_epoch
         if every is not None and (not isinstance(every, int) or every < 1):
-            raise ConfigurationError(f"check_val_every_n_epoch={every!r} must be an int >= 1 (validate every N "
-                                     "epochs) or None (validate only by val_check_interval)")
+            raise ConfigurationError(
+                f"check_val_every_n_epoch={every!r} must be an int >= 1 (validate every N "
+                "epochs) or None (validate only by val_check_interval)"
+            )
         if not isinstance(self.log_every_n_steps, int) or self.log_every_n_steps < 1:
             raise ConfigurationError(f"log_every_n_steps={self.log_every_n_steps!r} must be an int >= 1")
 
@@ -72,16 +94,20 @@ def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool):
         raise ConfigurationError(f"{name}={value!r} is a bool; pass a number (e.g. {name}=1)")
     if isinstance(value, str):
-        raise ConfigurationError(f"{name}={value!r} is a string; pass a number: {name}={value.strip()} (convert "
-                                 "values read from a config file or the command line with int() or float())")
+        raise ConfigurationError(
+            f"{name}={value!r} is a string; pass a number: {name}={value.strip()} (convert "
+            "values read from a config file or the command line with int() or float())"
+        )
 
 
 def _check_fraction_or_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigurationError(f"{name}={value!r} must be a fraction in (0, 1] or a batch count >= 1")
     if isinstance(value, float) and not 0.0 < value <= 1.0:
-        raise ConfigurationError(f"{name}={value!r}: a float is a fraction of the epoch and must be in (0, 1]; "
-                                 "pass an int for a number of batches")
+        raise ConfigurationError(
+            f"{name}={value!r}: a float is a fraction of the epoch and must be in (0, 1]; "
+            "pass an int for a number of batches"
+        )
     if isinstance(value, int) and value < 0:
         raise ConfigurationError(f"{name}={value!r} must be >= 0")
 
@@ -94,9 +120,11 @@ def limited(count: Optional[int], limit: Union[int, float], name: str = "limit_t
         if isinstance(limit, float):
             if limit == 1.0:
                 return float("inf")
-            raise ConfigurationError(f"{name}={limit!r} is a fraction of the epoch, but the loader has no length "
-                                     "(an IterableDataset without __len__): give a number of batches (int) or "
-                                     "define __len__")
+            raise ConfigurationError(
+                f"{name}={limit!r} is a fraction of the epoch, but the loader has no length "
+                "(an IterableDataset without __len__): give a number of batches (int) or "
+                "define __len__"
+            )
         return limit
     if isinstance(limit, float):
         return count if limit == 1.0 else max(1, int(count * limit))
@@ -109,10 +137,10 @@ class Progress:
 
     epoch: int = 0
     global_step: int = 0
-    batch_idx: int = 0           # micro-batches of this epoch already consumed
-    accumulation_step: int = 0   # micro-batches into the current accumulation window
+    batch_idx: int = 0  # micro-batches of this epoch already consumed
+    accumulation_step: int = 0  # micro-batches into the current accumulation window
     skipped_nonfinite: int = 0
-    epoch_end_pending: int = 0   # 1 between the epoch's last batch and its end (scheduler step, EPOCH_END)
+    epoch_end_pending: int = 0  # 1 between the epoch's last batch and its end (scheduler step, EPOCH_END)
 
     def state_dict(self) -> Dict[str, int]:
         return asdict(self)
@@ -142,10 +170,13 @@ def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> Opt
         several = _several(result)
         if several is not None:
             parsed = [parse_optimizers(one, module_name) for one in several]
-            return OptimizerConfig(parsed[0].optimizer, [s for p in parsed for s in p.schedulers],
-                                   [p.optimizer for p in parsed])
-    hint = ("return an optimizer, (optimizer, scheduler), or {'optimizer': opt, 'lr_scheduler': "
-            "{'scheduler': sched, 'interval': 'step', 'frequency': 1}}")
+            return OptimizerConfig(
+                parsed[0].optimizer, [s for p in parsed for s in p.schedulers], [p.optimizer for p in parsed]
+            )
+    hint = (
+        "return an optimizer, (optimizer, scheduler), or {'optimizer': opt, 'lr_scheduler': "
+        "{'scheduler': sched, 'interval': 'step', 'frequency': 1}}"
+    )
     optimizer, scheduler = None, None
     if isinstance(result, torch.optim.Optimizer):
         optimizer = result
@@ -155,49 +186,61 @@ def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> Opt
         optimizer, scheduler = result
         if isinstance(optimizer, (list, tuple)):
             if len(optimizer) != 1:
-                raise ConfigurationError(f"{module_name}.configure_optimizers returned {len(optimizer)} optimizers; "
-                                         "with automatic optimization the Trainer steps one. Set "
-                                         "self.automatic_optimization = False in __init__ and step them in "
-                                         "training_step (self.optimizers(), self.manual_backward(loss)), as in "
-                                         "Lightning")
+                raise ConfigurationError(
+                    f"{module_name}.configure_optimizers returned {len(optimizer)} optimizers; "
+                    "with automatic optimization the Trainer steps one. Set "
+                    "self.automatic_optimization = False in __init__ and step them in "
+                    "training_step (self.optimizers(), self.manual_backward(loss)), as in "
+                    "Lightning"
+                )
             optimizer = optimizer[0]
         if isinstance(scheduler, (list, tuple)):
             scheduler = scheduler[0] if scheduler else None
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigurationError(f"{module_name}.configure_optimizers returned {result!r}, which holds no "
-                                 f"torch.optim.Optimizer; {hint}")
+        raise ConfigurationError(
+            f"{module_name}.configure_optimizers returned {result!r}, which holds no torch.optim.Optimizer; {hint}"
+        )
     several = _several(result)
     if several is not None and len(several) > 1:
-        raise ConfigurationError(f"{module_name}.configure_optimizers returned {len(several)} optimizers; with "
-                                 "automatic optimization the Trainer steps one. Set self.automatic_optimization = "
-                                 "False in __init__ and step them in training_step (self.optimizers(), "
-                                 "self.manual_backward(loss)), as in Lightning")
+        raise ConfigurationError(
+            f"{module_name}.configure_optimizers returned {len(several)} optimizers; with "
+            "automatic optimization the Trainer steps one. Set self.automatic_optimization = "
+            "False in __init__ and step them in training_step (self.optimizers(), "
+            "self.manual_backward(loss)), as in Lightning"
+        )
     schedulers = []
     if scheduler is not None:
         entry = dict(scheduler) if isinstance(scheduler, dict) else {"scheduler": scheduler}
         unknown = sorted(set(entry) - set(SCHEDULER_KEYS), key=str)
         if unknown:
-            raise ConfigurationError(f"{module_name}.configure_optimizers: lr_scheduler dict has unknown key(s) "
-                                     f"{unknown}; valid keys: {', '.join(SCHEDULER_KEYS)}")
+            raise ConfigurationError(
+                f"{module_name}.configure_optimizers: lr_scheduler dict has unknown key(s) "
+                f"{unknown}; valid keys: {', '.join(SCHEDULER_KEYS)}"
+            )
         entry.setdefault("interval", "epoch")
         entry.setdefault("frequency", 1)
         entry.setdefault("name", None)
         entry.setdefault("monitor", None)
         entry.setdefault("strict", True)
         if isinstance(entry.get("scheduler"), torch.optim.lr_scheduler.ReduceLROnPlateau) and entry["monitor"] is None:
-            raise ConfigurationError(f"{module_name}.configure_optimizers: a ReduceLROnPlateau steps on a metric; "
-                                     "name it: {'scheduler': sched, 'monitor': 'val/loss'} (a key you self.log)")
+            raise ConfigurationError(
+                f"{module_name}.configure_optimizers: a ReduceLROnPlateau steps on a metric; "
+                "name it: {'scheduler': sched, 'monitor': 'val/loss'} (a key you self.log)"
+            )
         if entry["interval"] not in SCHEDULER_INTERVALS:
             raise invalid_choice("lr_scheduler interval", entry["interval"], SCHEDULER_INTERVALS)
         if not hasattr(entry.get("scheduler"), "step"):
-            raise ConfigurationError(f"{module_name}.configure_optimizers: lr_scheduler {entry.get('scheduler')!r} "
-                                     f"has no step(); {hint}")
+            raise ConfigurationError(
+                f"{module_name}.configure_optimizers: lr_scheduler {entry.get('scheduler')!r} has no step(); {hint}"
+            )
         owner = getattr(entry["scheduler"], "optimizer", None)
         if isinstance(owner, torch.optim.Optimizer) and owner is not optimizer:
-            raise ConfigurationError(f"{module_name}.configure_optimizers: the lr_scheduler "
-                                     f"{type(entry['scheduler']).__name__} was built on another optimizer than the one "
-                                     f"returned ({type(owner).__name__} vs {type(optimizer).__name__}), so it would "
-                                     "never change the learning rate used; build it on the returned optimizer")
+            raise ConfigurationError(
+                f"{module_name}.configure_optimizers: the lr_scheduler "
+                f"{type(entry['scheduler']).__name__} was built on another optimizer than the one "
+                f"returned ({type(owner).__name__} vs {type(optimizer).__name__}), so it would "
+                "never change the learning rate used; build it on the returned optimizer"
+            )
         if isinstance(entry["frequency"], bool) or not isinstance(entry["frequency"], int) or entry["frequency"] < 1:
             raise ConfigurationError(f"lr_scheduler frequency={entry['frequency']!r} must be an int >= 1")
         schedulers.append(entry)
@@ -227,8 +270,10 @@ def resolve_root_dir(path: Optional[str]) -> str:
     root = os.path.abspath(path if path is not None else os.path.join(os.getcwd(), "runs"))
     existing = next((p for p in _parents(root) if os.path.exists(p)), None)
     if existing is not None and not os.path.isdir(existing):
-        raise ConfigurationError(f"default_root_dir={str(path if path is not None else root)!r}: {existing} is a file, "
-                                 "not a directory; give a directory path (checkpoints and logs go under it)")
+        raise ConfigurationError(
+            f"default_root_dir={str(path if path is not None else root)!r}: {existing} is a file, "
+            "not a directory; give a directory path (checkpoints and logs go under it)"
+        )
     os.makedirs(root, exist_ok=True)
     return root
 
@@ -247,13 +292,19 @@ def check_callbacks(callbacks: Any, base: type) -> List[Any]:
         return []
     if isinstance(callbacks, base) or isinstance(callbacks, type) or not isinstance(callbacks, (list, tuple)):
         shown = callbacks.__name__ if isinstance(callbacks, type) else type(callbacks).__name__
-        raise ConfigurationError(f"callbacks={shown}{'' if isinstance(callbacks, type) else '(...)'} is not a list; "
-                                 f"pass a list: callbacks=[{shown}(...)]")
+        raise ConfigurationError(
+            f"callbacks={shown}{'' if isinstance(callbacks, type) else '(...)'} is not a list; "
+            f"pass a list: callbacks=[{shown}(...)]"
+        )
     for i, cb in enumerate(callbacks):
         if isinstance(cb, type):
-            raise ConfigurationError(f"callbacks[{i}] is the class {cb.__name__}, not an instance; write "
-                                     f"{cb.__name__}(...) (with its arguments)")
+            raise ConfigurationError(
+                f"callbacks[{i}] is the class {cb.__name__}, not an instance; write "
+                f"{cb.__name__}(...) (with its arguments)"
+            )
         if not isinstance(cb, base):
-            raise ConfigurationError(f"callbacks[{i}]={cb!r} is a {type(cb).__name__}, not a Callback; subclass "
-                                     "trainforge.callbacks.Callback")
+            raise ConfigurationError(
+                f"callbacks[{i}]={cb!r} is a {type(cb).__name__}, not a Callback; subclass "
+                "trainforge.callbacks.Callback"
+            )
     return list(callbacks)

@@ -4,6 +4,7 @@
 node (local rank 0; the others wait), then ``setup(stage)``, then the stage's ``*_dataloader()``.
 ``state_dict``/``load_state_dict`` are saved in Trainer checkpoints and restored on resume.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict

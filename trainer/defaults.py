@@ -1,4 +1,5 @@
 """The callbacks a Trainer installs unless the user gave their own of the same kind."""
+
 from __future__ import annotations
 
 from typing import List

@@ -13,6 +13,7 @@ repeats the epoch's first rows); the duplicates are counted so ``gather_for_metr
 ``drop_last=True`` an incomplete last group is dropped. Batches hold tensors, possibly nested in
 dicts, lists and tuples; anything else is refused (it cannot be split by rows).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ class _Leaf:
 def _layout(data: Any, tensors: List[torch.Tensor], where: str = "batch") -> Any:
     if isinstance(data, torch.Tensor):
         if data.dim() == 0:
-            raise ConfigurationError(f"dispatch_batches=True cannot split the 0-d tensor at {where} between processes "
-                                     "by rows: give it a batch dimension, or use dispatch_batches=False")
+            raise ConfigurationError(
+                f"dispatch_batches=True cannot split the 0-d tensor at {where} between processes "
+                "by rows: give it a batch dimension, or use dispatch_batches=False"
+            )
         tensors.append(data)
         return _Leaf(len(tensors) - 1, tuple(data.shape), str(data.dtype).replace("torch.", ""))
     if isinstance(data, dict):
@@ -46,7 +49,8 @@ def _layout(data: Any, tensors: List[torch.Tensor], where: str = "batch") -> Any
     raise ConfigurationError(
         f"dispatch_batches=True sends tensors (nested in dicts, lists, tuples), but {where} is a "
         f"{type(data).__name__}: turn it into a tensor in the dataset or collate_fn, or use "
-        "dispatch_batches=False (every process then reads its own share)")
+        "dispatch_batches=False (every process then reads its own share)"
+    )
 
 
 def _rebuild(layout: Any, tensors: List[torch.Tensor]) -> Any:
@@ -68,7 +72,8 @@ def _concatenate(batches: List[Any]) -> Any:
             raise ConfigurationError(
                 "dispatch_batches=True concatenates the processes' batches, but their shapes differ "
                 f"({[tuple(b.shape) for b in batches]}): pad batches to one shape, use split_batches=True (rank 0 "
-                "splits one batch), or dispatch_batches=False") from e
+                "splits one batch), or dispatch_batches=False"
+            ) from e
     if isinstance(first, dict):
         return {k: _concatenate([b[k] for b in batches]) for k in first}
     if isinstance(first, (list, tuple)):
@@ -83,9 +88,18 @@ class BatchDispatcher:
     pickled between our own processes). Yields ``(batch, padding, loader_state)``; the state is
     rank 0's loader position after the group this batch came from (None on other ranks)."""
 
-    def __init__(self, loader: Any, *, rank: int, world_size: int, device: torch.device,
-                 broadcast: Callable[[Any], Any], split_batches: bool = False, even_batches: bool = True,
-                 state_of: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        broadcast: Callable[[Any], Any],
+        split_batches: bool = False,
+        even_batches: bool = True,
+        state_of: Optional[Callable[[], Dict[str, Any]]] = None,
+    ) -> None:
         self.loader, self.rank, self.world_size, self.device = loader, rank, world_size, device
         self.broadcast, self.split_batches, self.even_batches = broadcast, split_batches, even_batches
         self.drop_last = bool(getattr(loader, "drop_last", False))
@@ -135,7 +149,8 @@ class BatchDispatcher:
                         raise ConfigurationError(
                             "dispatch_batches=True splits a batch by rows, but its tensors have different first "
                             f"dimensions {sorted(rows)}: give every tensor the batch dimension first, or use "
-                            "dispatch_batches=False")
+                            "dispatch_batches=False"
+                        )
                 except ConfigurationError as e:
                     header = ("error", str(e))
                 state = self.state_of() if self.state_of is not None else None
@@ -150,8 +165,10 @@ class BatchDispatcher:
         else:
             leaves: List[_Leaf] = []
             _collect(header, leaves)
-            tensors = [torch.empty(leaf.shape, dtype=getattr(torch, leaf.dtype), device=self.device)
-                       for leaf in sorted(leaves, key=lambda leaf: leaf.index)]
+            tensors = [
+                torch.empty(leaf.shape, dtype=getattr(torch, leaf.dtype), device=self.device)
+                for leaf in sorted(leaves, key=lambda leaf: leaf.index)
+            ]
         tensors = [self.broadcast(t) for t in tensors]
         return _rebuild(header, tensors), state
 
@@ -160,14 +177,14 @@ def _collect(layout: Any, leaves: List[_Leaf]) -> None:
     if isinstance(layout, _Leaf):
         leaves.append(layout)
         return
-    for value in (layout.values() if isinstance(layout, dict) else layout):
+    for value in layout.values() if isinstance(layout, dict) else layout:
         _collect(value, leaves)
 
 
 def _rows_of(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
-    for value in (batch.values() if isinstance(batch, dict) else batch):
+    for value in batch.values() if isinstance(batch, dict) else batch:
         rows = _rows_of(value)
         if rows >= 0:
             return rows

@@ -18,6 +18,7 @@ so a strategy "fits" when its model states leave 25% of the device free.
 (measured on the meta device for a language model, else Megatron's formula from --layers/--hidden/
 --heads; see strategies/parallel/layout.py), and names the one "auto" sizes would pick.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,11 @@ KNOWN_MODELS: Dict[str, Tuple[str, Dict[str, Any], str]] = {
     "gpt2-large": ("gpt2", {"n_layer": 36, "n_embd": 1280, "n_head": 20}, "causal-lm"),
     "gpt2-xl": ("gpt2", {"n_layer": 48, "n_embd": 1600, "n_head": 25}, "causal-lm"),
     "bert-base-uncased": ("bert", {}, "base"),
-    "bert-large-uncased": ("bert", {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
-                                    "intermediate_size": 4096}, "base"),
+    "bert-large-uncased": (
+        "bert",
+        {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096},
+        "base",
+    ),
 }
 _CLASS_NAMES = {"ddp": "DDPStrategy", "deepspeed": "DeepSpeedStrategy", "fsdp": "FSDPStrategy"}
 
@@ -67,14 +71,18 @@ def _from_factory(spec: str) -> nn.Module:
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ConfigurationError(f"MODEL={spec!r}: cannot import {attr!r} from {module_name!r} ({e}); give "
-                                 "'package.module:factory' importable from the current directory") from None
+        raise ConfigurationError(
+            f"MODEL={spec!r}: cannot import {attr!r} from {module_name!r} ({e}); give "
+            "'package.module:factory' importable from the current directory"
+        ) from None
     try:
         with torch.device("meta"):
             model = factory()
     except Exception as e:  # a factory doing data-dependent work: build it for real
-        print(f"note: {spec} could not be built on the meta device ({type(e).__name__}); building it on the CPU",
-              file=sys.stderr)
+        print(
+            f"note: {spec} could not be built on the meta device ({type(e).__name__}); building it on the CPU",
+            file=sys.stderr,
+        )
         model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigurationError(f"MODEL={spec!r} returned {type(model).__name__}, not a torch.nn.Module")
@@ -86,14 +94,18 @@ def _from_transformers(name: str) -> nn.Module:
         import transformers
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
-        raise ConfigurationError(f"MODEL={name!r} is a Hugging Face name, which needs transformers "
-                                 "(pip install transformers); or give 'package.module:factory'") from None
+        raise ConfigurationError(
+            f"MODEL={name!r} is a Hugging Face name, which needs transformers "
+            "(pip install transformers); or give 'package.module:factory'"
+        ) from None
     model_type, overrides, head = KNOWN_MODELS.get(name, (name, {}, ""))
     try:
         config = transformers.AutoConfig.for_model(model_type, **overrides)
     except ValueError:
-        raise ConfigurationError(f"MODEL={name!r} is not one of: {', '.join(KNOWN_MODELS)}, nor a transformers "
-                                 "model type (llama, mistral, t5, ...), nor 'package.module:factory'") from None
+        raise ConfigurationError(
+            f"MODEL={name!r} is not one of: {', '.join(KNOWN_MODELS)}, nor a transformers "
+            "model type (llama, mistral, t5, ...), nor 'package.module:factory'"
+        ) from None
     if not head:
         head = "causal-lm" if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "base"
     auto = transformers.AutoModelForCausalLM if head == "causal-lm" else transformers.AutoModel
@@ -119,21 +131,42 @@ def default_memory() -> Tuple[int, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="package.module:factory, or a Hugging Face name / model type")
-    parser.add_argument("--num-processes", type=int, nargs="+", default=[1, 2, 4, 8], metavar="N",
-                        help="data-parallel process counts to tabulate (default: 1 2 4 8)")
-    parser.add_argument("--precision", default="bf16-mixed", help="32, 16-mixed, bf16-mixed, bf16-true (default: "
-                        "bf16-mixed)")
+    parser.add_argument(
+        "--num-processes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        metavar="N",
+        help="data-parallel process counts to tabulate (default: 1 2 4 8)",
+    )
+    parser.add_argument(
+        "--precision", default="bf16-mixed", help="32, 16-mixed, bf16-mixed, bf16-true (default: bf16-mixed)"
+    )
     parser.add_argument("--optimizer", default="adam", help=f"one of: {', '.join(OPTIMIZER_STATES)} (default: adam)")
-    parser.add_argument("--device-memory", default=None, metavar="SIZE",
-                        help="memory of one accelerator, e.g. 80GB or 80GiB (default: GPU 0, else host RAM)")
-    parser.add_argument("--cpu-memory", default=None, metavar="SIZE",
-                        help="host memory per node for offload (default: this machine's RAM)")
-    parser.add_argument("--processes-per-node", type=int, default=None, metavar="N",
-                        help="processes sharing one host's memory (default: all of them, up to 8)")
+    parser.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory of one accelerator, e.g. 80GB or 80GiB (default: GPU 0, else host RAM)",
+    )
+    parser.add_argument(
+        "--cpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="host memory per node for offload (default: this machine's RAM)",
+    )
+    parser.add_argument(
+        "--processes-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes sharing one host's memory (default: all of them, up to 8)",
+    )
     lay = parser.add_argument_group("model-parallel layouts (MegatronStrategy), activations included")
     lay.add_argument("--layouts", action="store_true", help="tabulate every (pp, dp, tp) layout instead")
-    lay.add_argument("--seq-len", type=int, default=None, metavar="S", help="tokens per sequence (needed with "
-                     "--layouts)")
+    lay.add_argument(
+        "--seq-len", type=int, default=None, metavar="S", help="tokens per sequence (needed with --layouts)"
+    )
     lay.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="sequences per micro-batch")
     lay.add_argument("--num-microbatches", type=int, default=None, metavar="M", help="micro-batches per step (GPipe)")
     lay.add_argument("--schedule", default="1f1b", help="pipeline schedule (1f1b, gpipe, ...)")
@@ -152,8 +185,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--num-processes {bad[0]} must be >= 1")
     if args.optimizer not in OPTIMIZER_STATES:
         raise ConfigurationError(f"--optimizer {args.optimizer!r} is not one of: {', '.join(OPTIMIZER_STATES)}")
-    device_memory, source = ((parse_size(args.device_memory, "--device-memory"), "--device-memory")
-                             if args.device_memory else default_memory())
+    device_memory, source = (
+        (parse_size(args.device_memory, "--device-memory"), "--device-memory")
+        if args.device_memory
+        else default_memory()
+    )
     if args.cpu_memory:
         cpu_memory = parse_size(args.cpu_memory, "--cpu-memory")
     else:
@@ -164,22 +200,31 @@ def run(args: argparse.Namespace) -> int:
     param_count = count_parameters(model)
     if args.layouts:
         return _run_layouts(args, model, param_count, precision, device_memory, source)
-    print(f"{args.model}: {param_count:,} parameters; precision {precision}, optimizer {args.optimizer}; "
-          f"device memory {format_bytes(device_memory)} ({source}), host memory {format_bytes(cpu_memory)}; "
-          "bytes per rank, model states only (activations need the 25% kept free)")
+    print(
+        f"{args.model}: {param_count:,} parameters; precision {precision}, optimizer {args.optimizer}; "
+        f"device memory {format_bytes(device_memory)} ({source}), host memory {format_bytes(cpu_memory)}; "
+        "bytes per rank, model states only (activations need the 25% kept free)"
+    )
     for n in args.num_processes:
         per_node = args.processes_per_node or min(n, 8)
         rows = estimate_memory(param_count, n, precision, args.optimizer)
         chosen = recommend(rows, device_memory, cpu_memory, per_node)
         print(f"\n== {n} process{'es' if n > 1 else ''} ==")
         print(format_table(rows, device_memory, cpu_memory, per_node, chosen=chosen))
-        print("recommendation: " + (describe(chosen, n) if chosen is not None else
-                                    "nothing fits; use more processes, a lower precision, or a smaller model"))
+        print(
+            "recommendation: "
+            + (
+                describe(chosen, n)
+                if chosen is not None
+                else "nothing fits; use more processes, a lower precision, or a smaller model"
+            )
+        )
     return 0
 
 
-def _run_layouts(args: argparse.Namespace, model: nn.Module, param_count: int, precision: str,
-                 device_memory: int, source: str) -> int:
+def _run_layouts(
+    args: argparse.Namespace, model: nn.Module, param_count: int, precision: str, device_memory: int, source: str
+) -> int:
     from trainforge.strategies.parallel.layout import (
         ModelShape,
         choose_layout,
@@ -194,31 +239,52 @@ def _run_layouts(args: argparse.Namespace, model: nn.Module, param_count: int, p
     if all(v is not None for v in given):
         shape = ModelShape(param_count, *given)  # the formula (a model that is not a language model)
     elif any(v is not None for v in given):
-        raise ConfigurationError("--layers, --hidden and --heads go together (give all three, or none for a "
-                                 "transformers model, whose config has them)")
+        raise ConfigurationError(
+            "--layers, --hidden and --heads go together (give all three, or none for a "
+            "transformers model, whose config has them)"
+        )
     else:
         shape = ModelShape.of(model, param_count)
-        measured = measure_activation_bytes(model, args.seq_len, args.micro_batch_size, precision,
-                                            args.eager_attention)
-    print(f"{args.model}: {param_count:,} parameters, {shape.layers} layers, hidden {shape.hidden}, {shape.heads} "
-          f"heads; precision {precision}, optimizer {args.optimizer}; micro-batch {args.micro_batch_size} x "
-          f"{args.seq_len} tokens, schedule {args.schedule}; device memory {format_bytes(device_memory)} ({source}); "
-          + (f"activations of one micro-batch measured on the meta device: {format_bytes(measured)}" if measured
-             else "activations from Megatron's formula"))
+        measured = measure_activation_bytes(model, args.seq_len, args.micro_batch_size, precision, args.eager_attention)
+    print(
+        f"{args.model}: {param_count:,} parameters, {shape.layers} layers, hidden {shape.hidden}, {shape.heads} "
+        f"heads; precision {precision}, optimizer {args.optimizer}; micro-batch {args.micro_batch_size} x "
+        f"{args.seq_len} tokens, schedule {args.schedule}; device memory {format_bytes(device_memory)} ({source}); "
+        + (
+            f"activations of one micro-batch measured on the meta device: {format_bytes(measured)}"
+            if measured
+            else "activations from Megatron's formula"
+        )
+    )
     for n in args.num_processes:
-        rows = estimate_layouts(shape, n, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                                num_microbatches=args.num_microbatches, precision=precision,
-                                optimizer=args.optimizer, ranks_per_node=args.processes_per_node,
-                                schedule=args.schedule, sequence_parallel=args.sequence_parallel,
-                                activation_checkpointing=args.activation_checkpointing,
-                                eager_attention=args.eager_attention, measured_activations=measured)
+        rows = estimate_layouts(
+            shape,
+            n,
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size,
+            num_microbatches=args.num_microbatches,
+            precision=precision,
+            optimizer=args.optimizer,
+            ranks_per_node=args.processes_per_node,
+            schedule=args.schedule,
+            sequence_parallel=args.sequence_parallel,
+            activation_checkpointing=args.activation_checkpointing,
+            eager_attention=args.eager_attention,
+            measured_activations=measured,
+        )
         try:
             chosen: Any = choose_layout(rows, device_memory)
         except ConfigurationError:
             chosen = None
         print(f"\n== {n} process{'es' if n > 1 else ''} ==")
         print(format_layouts(rows, device_memory, chosen))
-        print("choice: " + (f"MegatronStrategy(tensor_parallel_size={chosen.tp}, pipeline_parallel_size={chosen.pp})"
-                            if chosen is not None else "nothing fits; use more processes, activation "
-                            "checkpointing, a shorter sequence or a smaller micro-batch"))
+        print(
+            "choice: "
+            + (
+                f"MegatronStrategy(tensor_parallel_size={chosen.tp}, pipeline_parallel_size={chosen.pp})"
+                if chosen is not None
+                else "nothing fits; use more processes, activation "
+                "checkpointing, a shorter sequence or a smaller micro-batch"
+            )
+        )
     return 0

@@ -4,6 +4,7 @@ and ``predict`` (Lightning's hooks: ``on_<stage>_start``, ``_epoch_start``, ``_b
 
 Train/eval modes are restored per submodule after each loop, so a submodule the user put in eval
 mode (a frozen encoder, batch-norm statistics) stays there (Lightning 2.2+)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -111,14 +112,17 @@ class Evaluation:
     def sanity_checking(self) -> bool:
         return self.stage == "sanity_check"
 
-    def validate(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> Dict[str, float]:
+    def validate(
+        self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None
+    ) -> Dict[str, float]:
         return self._evaluate(module, dataloaders, "validate", "validation_step", datamodule)
 
     def test(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> Dict[str, float]:
         return self._evaluate(module, dataloaders, "test", "test_step", datamodule)
 
-    def _evaluate(self, module: "TrainingModule", dataloaders: Any, stage: str, step_name: str,
-                  datamodule: Any) -> Dict[str, float]:
+    def _evaluate(
+        self, module: "TrainingModule", dataloaders: Any, stage: str, step_name: str, datamodule: Any
+    ) -> Dict[str, float]:
         self._attach(module, stage)
         loaders = self._loaders_for(stage, dataloaders, datamodule)
         for i, dl in enumerate(loaders):

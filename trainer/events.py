@@ -54,6 +54,7 @@ The module's hooks are Lightning's: the same names with Lightning's signatures (
 module`` arguments; SETUP and TEARDOWN are ``setup(stage)``/``teardown(stage)``), see
 ``trainer/hooks.py``; callbacks take ``(trainer, module, ...)``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -105,10 +106,28 @@ class Event(str, enum.Enum):
 #: The events of one evaluation loop, per step method: start, epoch start, batch start, batch end,
 #: epoch end, end (Lightning's on_validation_*/on_test_*/on_predict_* hooks).
 EVAL_EVENTS = {
-    "validation_step": (Event.VALIDATION_START, Event.VALIDATION_EPOCH_START, Event.VALIDATION_BATCH_START,
-                        Event.VALIDATION_BATCH_END, Event.VALIDATION_EPOCH_END, Event.VALIDATION_END),
-    "test_step": (Event.TEST_START, Event.TEST_EPOCH_START, Event.TEST_BATCH_START, Event.TEST_BATCH_END,
-                  Event.TEST_EPOCH_END, Event.TEST_END),
-    "predict_step": (Event.PREDICT_START, Event.PREDICT_EPOCH_START, Event.PREDICT_BATCH_START,
-                     Event.PREDICT_BATCH_END, Event.PREDICT_EPOCH_END, Event.PREDICT_END),
+    "validation_step": (
+        Event.VALIDATION_START,
+        Event.VALIDATION_EPOCH_START,
+        Event.VALIDATION_BATCH_START,
+        Event.VALIDATION_BATCH_END,
+        Event.VALIDATION_EPOCH_END,
+        Event.VALIDATION_END,
+    ),
+    "test_step": (
+        Event.TEST_START,
+        Event.TEST_EPOCH_START,
+        Event.TEST_BATCH_START,
+        Event.TEST_BATCH_END,
+        Event.TEST_EPOCH_END,
+        Event.TEST_END,
+    ),
+    "predict_step": (
+        Event.PREDICT_START,
+        Event.PREDICT_EPOCH_START,
+        Event.PREDICT_BATCH_START,
+        Event.PREDICT_BATCH_END,
+        Event.PREDICT_EPOCH_END,
+        Event.PREDICT_END,
+    ),
 }

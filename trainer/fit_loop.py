@@ -1,6 +1,7 @@
 """The training loop of ``Trainer`` (a mixin, as ``Evaluation`` is): epochs, the one step path
 through ``Strategy.forward_backward``, loss checks, optimizer and scheduler steps, when to validate.
 The order of events is in ``trainer/events.py``'s docstring."""
+
 from __future__ import annotations
 
 import logging
@@ -103,9 +104,11 @@ class FitLoop:
                 if self._finished() or p.epoch_end_pending:
                     break
             if p.batch_idx == first_batch == 0:  # a stream that yields nothing (audit N-IT3): say so, save nothing
-                raise ConfigurationError(f"train_dataloaders yielded no batch in epoch {p.epoch} on this process: "
-                                         "nothing can be trained; give it data (an IterableDataset whose stream is "
-                                         "empty, or a filter that drops everything?)")
+                raise ConfigurationError(
+                    f"train_dataloaders yielded no batch in epoch {p.epoch} on this process: "
+                    "nothing can be trained; give it data (an IterableDataset whose stream is "
+                    "empty, or a filter that drops everything?)"
+                )
             self._warn_none_epoch(p.batch_idx - first_batch)
             if p.epoch_end_pending:  # a complete epoch (not a max_steps/should_stop cut)
                 self._end_epoch()
@@ -132,21 +135,32 @@ class FitLoop:
         at_epochs = cfg.max_epochs is not None and epoch >= cfg.max_epochs
         if (at_epochs or self._finished()) and self.is_global_zero:
             limit = f"max_epochs={cfg.max_epochs}" if at_epochs else f"max_steps={cfg.max_steps}"
-            log.warning("trainforge: fit has nothing to train: the run has done %d epoch(s) and %d step(s) (from "
-                        "the checkpoint or an earlier fit) and %s is reached; raise %s to train more", epoch,
-                        p.global_step, limit, limit.split("=")[0])
+            log.warning(
+                "trainforge: fit has nothing to train: the run has done %d epoch(s) and %d step(s) (from "
+                "the checkpoint or an earlier fit) and %s is reached; raise %s to train more",
+                epoch,
+                p.global_step,
+                limit,
+                limit.split("=")[0],
+            )
 
     def _refuse_endless(self, first_step: int) -> None:
         """With max_epochs=None only max_steps ends the run: an epoch that took no optimizer step would
         repeat forever (audit N-MO3: manual optimization that never calls ``opt.step()``)."""
         p = self.progress
         if self.config.max_epochs is None and p.global_step == first_step:
-            manual = "" if self._fit_module.automatic_optimization else (
-                "; under manual optimization global_step counts optimizer steps: call opt.step() in training_step")
+            manual = (
+                ""
+                if self._fit_module.automatic_optimization
+                else (
+                    "; under manual optimization global_step counts optimizer steps: call opt.step() in training_step"
+                )
+            )
             raise TrainforgeError(
                 f"epoch {p.epoch - 1} ran its batches without an optimizer step (global_step stays at "
                 f"{p.global_step}); with max_epochs=None the run ends only at max_steps={self.config.max_steps}, "
-                f"so it would never end{manual}, or set max_epochs")
+                f"so it would never end{manual}, or set max_epochs"
+            )
 
     def _finished(self) -> bool:
         max_steps = self.config.max_steps
@@ -164,8 +178,9 @@ class FitLoop:
         if not self._fit_module.automatic_optimization:
             return run_manual_step(cast("Trainer", self), batch, batch_idx)
         with acc.accumulate(self.model):  # the one step path: the strategy's forward_backward
-            output = self.strategy.forward_backward(self.model, self._training_step, batch, batch_idx,
-                                                    backward=lambda out: self._backward(out, batch_idx))
+            output = self.strategy.forward_backward(
+                self.model, self._training_step, batch, batch_idx, backward=lambda out: self._backward(out, batch_idx)
+            )
             if self._pipelined:
                 self._after_pipeline_step(output, batch_idx)
             if acc.sync_gradients:
@@ -199,8 +214,10 @@ class FitLoop:
         mean over the epoch and the data-parallel ranks."""
         name = {"validation_step": "val/loss", "test_step": "test/loss"}.get(step_name)
         if name is None:
-            raise ConfigurationError(f"{step_name} with pipeline parallelism is not built yet (the stages compute "
-                                     "the loss only); predict on one process from the merged weights")
+            raise ConfigurationError(
+                f"{step_name} with pipeline parallelism is not built yet (the stages compute "
+                "the loss only); predict on one process from the merged weights"
+            )
         return name
 
     def _loss_of(self, output: Any, batch_idx: int) -> Optional[torch.Tensor]:
@@ -210,31 +227,43 @@ class FitLoop:
         where = f"{type(self._fit_module).__name__}.training_step (batch {batch_idx})"
         if isinstance(output, dict):
             if "loss" not in output:
-                raise ConfigurationError(f"{where} returned a dict without a 'loss' key (keys: {sorted(output)[:10]}); "
-                                         "return {'loss': loss, ...} or the loss tensor itself")
+                raise ConfigurationError(
+                    f"{where} returned a dict without a 'loss' key (keys: {sorted(output)[:10]}); "
+                    "return {'loss': loss, ...} or the loss tensor itself"
+                )
             output = output["loss"]
         if output is None:  # a documented way to skip a batch; a whole epoch of them is reported
             self._none_steps += 1
             return None
         if not isinstance(output, torch.Tensor):
-            raise ConfigurationError(f"{where} returned a {type(output).__name__} ({output!r:.80}); return the loss "
-                                     "as a tensor (not loss.item()), a dict with 'loss', or None to skip the batch")
+            raise ConfigurationError(
+                f"{where} returned a {type(output).__name__} ({output!r:.80}); return the loss "
+                "as a tensor (not loss.item()), a dict with 'loss', or None to skip the batch"
+            )
         if output.numel() != 1:
-            raise ConfigurationError(f"{where} returned a loss of shape {tuple(output.shape)}; reduce it to one "
-                                     "value (e.g. loss.mean()) before returning it")
+            raise ConfigurationError(
+                f"{where} returned a loss of shape {tuple(output.shape)}; reduce it to one "
+                "value (e.g. loss.mean()) before returning it"
+            )
         if not output.requires_grad and self._fit_module.automatic_optimization and torch.is_grad_enabled():
-            raise ConfigurationError(f"{where} returned a loss that does not require grad (detached, computed under "
-                                     "torch.no_grad(), or from parameters with requires_grad=False): nothing would be "
-                                     "trained; return the loss tensor the model computed")
+            raise ConfigurationError(
+                f"{where} returned a loss that does not require grad (detached, computed under "
+                "torch.no_grad(), or from parameters with requires_grad=False): nothing would be "
+                "trained; return the loss tensor the model computed"
+            )
         return output
 
     def _warn_none_epoch(self, batches: int) -> None:
         """Once per fit: a whole epoch of training_step returning None trained nothing."""
         if batches and self._none_steps >= batches and not self._warned_none and self.is_global_zero:
             self._warned_none = True
-            log.warning("trainforge: %s.training_step returned None for all %d batches of epoch %d, so nothing was "
-                        "trained (None skips a batch); return the loss", type(self._fit_module).__name__, batches,
-                        self.progress.epoch)
+            log.warning(
+                "trainforge: %s.training_step returned None for all %d batches of epoch %d, so nothing was "
+                "trained (None skips a batch); return the loss",
+                type(self._fit_module).__name__,
+                batches,
+                self.progress.epoch,
+            )
         self._none_steps = 0
 
     def _optimizer_step(self) -> None:
@@ -269,9 +298,11 @@ class FitLoop:
         if policy == "skip":
             self.progress.skipped_nonfinite += 1
             return False
-        raise TrainforgeError(f"non-finite loss ({float(loss.detach())}) at epoch {self.current_epoch}, batch {batch_idx}, "
-                              f"global step {self.global_step}; pass nonfinite_loss='skip' to skip such batches "
-                              "(they are counted), or lower the learning rate")
+        raise TrainforgeError(
+            f"non-finite loss ({float(loss.detach())}) at epoch {self.current_epoch}, batch {batch_idx}, "
+            f"global step {self.global_step}; pass nonfinite_loss='skip' to skip such batches "
+            "(they are counted), or lower the learning rate"
+        )
 
     def _check_loss_async(self, loss: torch.Tensor) -> bool:
         """On an accelerator, reading the loss every step would stall the device: non-finite losses
@@ -285,9 +316,11 @@ class FitLoop:
         flag, self._nonfinite_flag = self._nonfinite_flag, None
         if flag is not None and bool(flag):
             first = self._last_flag_check + 1
-            raise TrainforgeError(f"non-finite loss in global steps {first}..{self.global_step} (epoch "
-                                  f"{self.current_epoch}); pass nonfinite_loss='skip' to skip such batches (checked "
-                                  "every step), or lower the learning rate")
+            raise TrainforgeError(
+                f"non-finite loss in global steps {first}..{self.global_step} (epoch "
+                f"{self.current_epoch}); pass nonfinite_loss='skip' to skip such batches (checked "
+                "every step), or lower the learning rate"
+            )
         self._last_flag_check = self.global_step
 
     def _step_schedulers(self, interval: str) -> None:
@@ -298,8 +331,10 @@ class FitLoop:
                 if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                     key = cfg.get("monitor")
                     if key not in self.callback_metrics:
-                        message = (f"ReduceLROnPlateau monitors {key!r}, not among the logged metrics "
-                                   f"{sorted(self.callback_metrics)}; log it, or set 'monitor' in its config")
+                        message = (
+                            f"ReduceLROnPlateau monitors {key!r}, not among the logged metrics "
+                            f"{sorted(self.callback_metrics)}; log it, or set 'monitor' in its config"
+                        )
                         if cfg.get("strict", True):
                             raise ConfigurationError(message + " ('strict': False skips such steps with a warning)")
                         warnings.warn(message + "; this scheduler step is skipped ('strict': False)", UserWarning)
@@ -317,8 +352,11 @@ class FitLoop:
         interval = self.config.val_check_interval
         n = self.num_training_batches
         if n == float("inf"):  # a loader without length: 1.0 means the epoch's end; int counts within the epoch
-            return bool(self.progress.epoch_end_pending) if isinstance(interval, float) else \
-                self.progress.batch_idx % interval == 0
+            return (
+                bool(self.progress.epoch_end_pending)
+                if isinstance(interval, float)
+                else self.progress.batch_idx % interval == 0
+            )
         every = max(1, int(n * interval)) if isinstance(interval, float) else interval
         # Lightning: every `every` batches of the epoch (of the run when check_val_every_n_epoch=None),
         # and no extra run at the epoch end when it is not due

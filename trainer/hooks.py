@@ -5,6 +5,7 @@ as a LightningModule's do (``on_train_epoch_end(self)``, ``on_train_batch_end(se
 batch_idx)``, ``setup(self, stage)``). The Trainer binds each target once per fit
 (:func:`bind_module_hook`), so there is still one dispatch point and no per-call branching.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -73,10 +74,13 @@ def bind_module_hook(module: Any, event: Event) -> Optional[Callable[..., Any]]:
         return None
     bound = getattr(module, name)
     if _takes_trainer_first(bound):  # the pre-Lightning-signature form: still honoured, loudly
-        warnings.warn(f"{type(module).__name__}.{name}(trainer, module, ...) uses the callback signature; module "
-                      f"hooks take Lightning's ({name}{_lightning_signature(name)}). Drop the trainer and module "
-                      "arguments (self.trainer is available); this form will stop working", FutureWarning,
-                      stacklevel=4)
+        warnings.warn(
+            f"{type(module).__name__}.{name}(trainer, module, ...) uses the callback signature; module "
+            f"hooks take Lightning's ({name}{_lightning_signature(name)}). Drop the trainer and module "
+            "arguments (self.trainer is available); this form will stop working",
+            FutureWarning,
+            stacklevel=4,
+        )
         return bound
     return lambda trainer, module, *args: bound(*args)
 
@@ -94,8 +98,12 @@ def _lightning_signature(name: str) -> str:
 
 
 # Lightning 1.x epoch-end hooks, removed in Lightning 2.0 (which refuses them): their replacements.
-REMOVED_HOOKS = {"training_epoch_end": "on_train_epoch_end", "validation_epoch_end": "on_validation_epoch_end",
-                 "test_epoch_end": "on_test_epoch_end", "predict_epoch_end": "on_predict_epoch_end"}
+REMOVED_HOOKS = {
+    "training_epoch_end": "on_train_epoch_end",
+    "validation_epoch_end": "on_validation_epoch_end",
+    "test_epoch_end": "on_test_epoch_end",
+    "predict_epoch_end": "on_predict_epoch_end",
+}
 
 
 def warn_unknown_hooks(module: Any) -> None:
@@ -108,20 +116,35 @@ def warn_unknown_hooks(module: Any) -> None:
         raise ConfigurationError(
             f"{type(module).__name__} defines {', '.join(removed)}, which Lightning 2.0 removed and the Trainer "
             f"never calls; move the code to {', '.join(REMOVED_HOOKS[n] for n in removed)}(self) and keep the "
-            "step outputs you need in a list on the module (clear it there)")
-    unknown = sorted(name for name in dir(type(module))
-                     if name.startswith("on_") and name not in MODULE_HOOKS and callable(getattr(type(module), name)))
+            "step outputs you need in a list on the module (clear it there)"
+        )
+    unknown = sorted(
+        name
+        for name in dir(type(module))
+        if name.startswith("on_") and name not in MODULE_HOOKS and callable(getattr(type(module), name))
+    )
     if unknown:
-        warnings.warn(f"{type(module).__name__} defines {', '.join(unknown)}, which the Trainer never calls (its "
-                      f"module hooks: {', '.join(sorted(MODULE_HOOKS))}); rename or remove "
-                      f"{'it' if len(unknown) == 1 else 'them'}", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{type(module).__name__} defines {', '.join(unknown)}, which the Trainer never calls (its "
+            f"module hooks: {', '.join(sorted(MODULE_HOOKS))}); rename or remove "
+            f"{'it' if len(unknown) == 1 else 'them'}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def warn_unknown_callback_hooks(callback: Any, base: type) -> None:
     """A callback's ``on_*`` method that is not a hook of ``base`` (a typo, audit N-HK5) never runs."""
-    unknown = sorted(name for name in dir(type(callback))
-                     if name.startswith("on_") and not hasattr(base, name) and callable(getattr(type(callback), name)))
+    unknown = sorted(
+        name
+        for name in dir(type(callback))
+        if name.startswith("on_") and not hasattr(base, name) and callable(getattr(type(callback), name))
+    )
     if unknown:
-        warnings.warn(f"{type(callback).__name__} defines {', '.join(unknown)}, which is not a Callback hook and "
-                      f"never runs (the hooks are the on_* methods of trainforge.callbacks.Callback); rename or "
-                      f"remove {'it' if len(unknown) == 1 else 'them'}", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{type(callback).__name__} defines {', '.join(unknown)}, which is not a Callback hook and "
+            f"never runs (the hooks are the on_* methods of trainforge.callbacks.Callback); rename or "
+            f"remove {'it' if len(unknown) == 1 else 'them'}",
+            UserWarning,
+            stacklevel=3,
+        )

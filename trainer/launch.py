@@ -17,6 +17,7 @@ we add:
 
 Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,22 +39,31 @@ from trainforge.trainer.launch_xla import run_xla
 
 HELP = "run a training script on N processes per node (torchrun underneath)"
 TORCHRUN_DEFAULT_PORT = 29500
-_TORCHRUN_FLAGS = (("nproc_per_node", "--nproc-per-node"), ("nnodes", "--nnodes"),
-                   ("node_rank", "--node-rank"), ("master_addr", "--master-addr"),
-                   ("master_port", "--master-port"), ("rdzv_backend", "--rdzv-backend"),
-                   ("rdzv_endpoint", "--rdzv-endpoint"), ("max_restarts", "--max-restarts"),
-                   ("monitor_interval", "--monitor-interval"))
+_TORCHRUN_FLAGS = (
+    ("nproc_per_node", "--nproc-per-node"),
+    ("nnodes", "--nnodes"),
+    ("node_rank", "--node-rank"),
+    ("master_addr", "--master-addr"),
+    ("master_port", "--master-port"),
+    ("rdzv_backend", "--rdzv-backend"),
+    ("rdzv_endpoint", "--rdzv-endpoint"),
+    ("max_restarts", "--max-restarts"),
+    ("monitor_interval", "--monitor-interval"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config-file", default=None,
-                        help=f"settings file (default: {default_config_path()} when it exists)")
+    parser.add_argument(
+        "--config-file", default=None, help=f"settings file (default: {default_config_path()} when it exists)"
+    )
     add_setting_arguments(parser)
-    parser.add_argument("--xla", action="store_true",
-                        help="run on XLA devices (TPU; XLA:CPU with PJRT_DEVICE=CPU) with torch_xla's launcher (PJRT), "
-                        "one process per local device, strategy 'xla'; needs torch_xla")
-    parser.add_argument("script", nargs="?", help="the training script, run as `python script.py args` "
-                        "on every rank")
+    parser.add_argument(
+        "--xla",
+        action="store_true",
+        help="run on XLA devices (TPU; XLA:CPU with PJRT_DEVICE=CPU) with torch_xla's launcher (PJRT), "
+        "one process per local device, strategy 'xla'; needs torch_xla",
+    )
+    parser.add_argument("script", nargs="?", help="the training script, run as `python script.py args` on every rank")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
@@ -76,9 +86,12 @@ def _effective(settings: Mapping[str, Any], key: str, environ: Mapping[str, str]
 def uses_standalone(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> bool:
     """One node and no rendezvous address given: let torchrun pick a free port."""
     nnodes = str(_effective(settings, "nnodes", environ) or 1)
-    return (nnodes in ("1", "1:1") and _effective(settings, "master_port", environ) is None
-            and not _effective(settings, "rdzv_endpoint", environ)
-            and _effective(settings, "rdzv_backend", environ) in (None, "static"))
+    return (
+        nnodes in ("1", "1:1")
+        and _effective(settings, "master_port", environ) is None
+        and not _effective(settings, "rdzv_endpoint", environ)
+        and _effective(settings, "rdzv_backend", environ) in (None, "static")
+    )
 
 
 def torchrun_argv(settings: Mapping[str, Any], script: str, script_args: Sequence[str]) -> List[str]:
@@ -100,9 +113,11 @@ def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = 
         return
     port = int(_effective(settings, "master_port", environ) or TORCHRUN_DEFAULT_PORT)
     if not port_is_free(port):
-        raise LaunchError(f"master port {port} is already in use on this machine (another job or "
-                          f"process listens on it). Fix: pass a different --master-port, or on a "
-                          f"single node leave --master-port out to pick a free port automatically")
+        raise LaunchError(
+            f"master port {port} is already in use on this machine (another job or "
+            f"process listens on it). Fix: pass a different --master-port, or on a "
+            f"single node leave --master-port out to pick a free port automatically"
+        )
 
 
 def waiting_message(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Optional[str]:
@@ -113,32 +128,41 @@ def waiting_message(settings: Mapping[str, Any], environ: Mapping[str, str] = os
         return None
     backend = _effective(settings, "rdzv_backend", environ) or "static"
     if backend == "static":
-        where = (f"{_effective(settings, 'master_addr', environ) or '127.0.0.1'}:"
-                 f"{_effective(settings, 'master_port', environ) or TORCHRUN_DEFAULT_PORT}")
+        where = (
+            f"{_effective(settings, 'master_addr', environ) or '127.0.0.1'}:"
+            f"{_effective(settings, 'master_port', environ) or TORCHRUN_DEFAULT_PORT}"
+        )
         how_long = "up to 600 s (torch's static rendezvous timeout)"
         rank = f"node {_effective(settings, 'node_rank', environ) or 0} of {nnodes}"
     else:
         where = f"{_effective(settings, 'rdzv_endpoint', environ) or '(no --rdzv-endpoint)'} ({backend} rendezvous)"
         how_long = "until the rendezvous times out (--rdzv-conf timeout=...)"
         rank = f"a node of {nnodes}"
-    return (f"trainforge launch: {rank}: waiting for all {nnodes} nodes to join at {where}, {how_long}. "
-            "Start the same command on every other node (its own --node-rank, the same --master-addr and "
-            "--master-port); Ctrl-C stops the wait.")
+    return (
+        f"trainforge launch: {rank}: waiting for all {nnodes} nodes to join at {where}, {how_long}. "
+        "Start the same command on every other node (its own --node-rank, the same --master-addr and "
+        "--master-port); Ctrl-C stops the wait."
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     if args.script is None:
-        raise ConfigurationError("no training script given; usage: trainforge launch [options] "
-                                 "script.py [script args...]")
+        raise ConfigurationError(
+            "no training script given; usage: trainforge launch [options] script.py [script args...]"
+        )
     if not os.path.isfile(args.script):
-        raise ConfigurationError(f"script {args.script!r} does not exist (working directory "
-                                 f"{os.getcwd()}); give the path of your training script")
+        raise ConfigurationError(
+            f"script {args.script!r} does not exist (working directory "
+            f"{os.getcwd()}); give the path of your training script"
+        )
     if getattr(args, "xla", False):
         return run_xla(settings, flags_given(args), args.script, args.script_args)
     if settings.get("strategy") == "xla":
-        raise ConfigurationError("strategy 'xla' runs one process per XLA device started by torch_xla's launcher: "
-                                 "use `trainforge launch --xla script.py` (torchrun does not start XLA processes)")
+        raise ConfigurationError(
+            "strategy 'xla' runs one process per XLA device started by torch_xla's launcher: "
+            "use `trainforge launch --xla script.py` (torchrun does not start XLA processes)"
+        )
     check_master_port(settings)
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -154,8 +178,11 @@ def run(args: argparse.Namespace) -> int:
         except ChildFailedError as error:
             rank, failure = error.get_first_failure()
             print(error.format_msg(), file=sys.stderr)
-            print(f"trainforge launch: rank {rank} (local rank {failure.local_rank}) failed with exit code "
-                  f"{failure.exitcode}; the other ranks were stopped. Its traceback is above.", file=sys.stderr)
+            print(
+                f"trainforge launch: rank {rank} (local rank {failure.local_rank}) failed with exit code "
+                f"{failure.exitcode}; the other ranks were stopped. Its traceback is above.",
+                file=sys.stderr,
+            )
             return failure.exitcode if 0 < failure.exitcode < 256 else 1
         except SignalException as error:  # the launcher got SIGTERM/SIGINT/...; torchrun stopped the workers
             print(f"trainforge launch: stopped by {error.sigval.name}; the workers were stopped", file=sys.stderr)

@@ -23,6 +23,7 @@ File layout (every key optional)::
     fsdp: {sharding_strategy: FULL_SHARD}
     megatron: {tensor_parallel_size: 2, data_parallel_size: auto}   # MegatronStrategy's own argument names
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,11 +44,23 @@ from trainforge.strategies.precision import PRECISIONS
 
 HELP = "answer a few questions and write the launch config file"
 LAUNCH_CONFIG_ENV = "TRAINFORGE_LAUNCH_CONFIG"
-TRAINING_KEYS = ("accelerator", "strategy", "precision", "gradient_accumulation_steps", "deepspeed", "fsdp",
-                 "megatron")
-MEGATRON_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "data_parallel",
-                 "num_microbatches", "schedule", "sequence_parallel", "loss_parallel", "tp_plan", "pp_split",
-                 "activation_checkpointing", "seq_len", "device_memory", "model_shape")
+TRAINING_KEYS = ("accelerator", "strategy", "precision", "gradient_accumulation_steps", "deepspeed", "fsdp", "megatron")
+MEGATRON_KEYS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "data_parallel",
+    "num_microbatches",
+    "schedule",
+    "sequence_parallel",
+    "loss_parallel",
+    "tp_plan",
+    "pp_split",
+    "activation_checkpointing",
+    "seq_len",
+    "device_memory",
+    "model_shape",
+)
 MAX_ATTEMPTS = 3  # re-asks of one question before `config` gives up
 
 Parser = Callable[[str, Any], Any]
@@ -121,9 +134,9 @@ class Setting:
     flag: str
     question: str
     parse: Parser
-    default: Any = None              # a value or a function of the answers so far
+    default: Any = None  # a value or a function of the answers so far
     ask_if: Callable[[Mapping[str, Any]], bool] = lambda answers: True
-    asked: bool = True               # False: flag/file only, never asked nor defaulted
+    asked: bool = True  # False: flag/file only, never asked nor defaulted
 
     @property
     def dest(self) -> str:
@@ -139,34 +152,62 @@ def _ds(a: Mapping[str, Any]) -> bool:
 
 
 SETTINGS = (
-    Setting("compute_environment", "--compute-environment", "Where will you train?",
-            _choice("this_machine", "multi_node"), "this_machine"),
+    Setting(
+        "compute_environment",
+        "--compute-environment",
+        "Where will you train?",
+        _choice("this_machine", "multi_node"),
+        "this_machine",
+    ),
     Setting("nnodes", "--nnodes", "How many machines (nodes)?", _nnodes, 2, _multi),
     Setting("node_rank", "--node-rank", "Rank of this machine (0 for the main one)?", _integer(0), 0, _multi),
     Setting("master_addr", "--master-addr", "Address of the rank-0 machine?", _text, "127.0.0.1", _multi),
     Setting("master_port", "--master-port", "Port on the rank-0 machine?", _integer(1, 65535), 29500, _multi),
-    Setting("rdzv_backend", "--rdzv-backend", "Rendezvous backend?",
-            _choice("static", "c10d", "etcd", "etcd-v2"), "static", _multi),
+    Setting(
+        "rdzv_backend",
+        "--rdzv-backend",
+        "Rendezvous backend?",
+        _choice("static", "c10d", "etcd", "etcd-v2"),
+        "static",
+        _multi,
+    ),
     Setting("rdzv_endpoint", "--rdzv-endpoint", "Rendezvous endpoint host:port", _text, asked=False),
-    Setting("max_restarts", "--max-restarts", "Restarts of the whole group on a failure", _integer(0),
-            asked=False),
-    Setting("monitor_interval", "--monitor-interval", "Seconds between worker health checks",
-            _positive_float, asked=False),
+    Setting("max_restarts", "--max-restarts", "Restarts of the whole group on a failure", _integer(0), asked=False),
+    Setting(
+        "monitor_interval", "--monitor-interval", "Seconds between worker health checks", _positive_float, asked=False
+    ),
     Setting("accelerator", "--accelerator", "Which device type?", _choice("auto", "cpu", "gpu"), "auto"),
-    Setting("nproc_per_node", "--nproc-per-node", "How many processes per machine?", _integer(1),
-            _default_nproc),
+    Setting("nproc_per_node", "--nproc-per-node", "How many processes per machine?", _integer(1), _default_nproc),
     Setting("strategy", "--strategy", "Which strategy?", _choice(*STRATEGY_NAMES), "auto"),
     Setting("deepspeed.zero_stage", "--zero-stage", "DeepSpeed ZeRO stage?", _integer(0, 3), 2, _ds),
-    Setting("deepspeed.offload_optimizer_device", "--offload-optimizer-device",
-            "Offload optimizer state to?", _choice("none", "cpu", "nvme"), "none", _ds),
-    Setting("deepspeed.offload_param_device", "--offload-param-device", "Offload parameters to?",
-            _choice("none", "cpu", "nvme"), "none", lambda a: _ds(a) and a.get("deepspeed.zero_stage") == 3),
-    Setting("fsdp.sharding_strategy", "--fsdp-sharding-strategy", "FSDP sharding strategy?",
-            _choice("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"), "FULL_SHARD",
-            lambda a: a.get("strategy") == "fsdp"),
+    Setting(
+        "deepspeed.offload_optimizer_device",
+        "--offload-optimizer-device",
+        "Offload optimizer state to?",
+        _choice("none", "cpu", "nvme"),
+        "none",
+        _ds,
+    ),
+    Setting(
+        "deepspeed.offload_param_device",
+        "--offload-param-device",
+        "Offload parameters to?",
+        _choice("none", "cpu", "nvme"),
+        "none",
+        lambda a: _ds(a) and a.get("deepspeed.zero_stage") == 3,
+    ),
+    Setting(
+        "fsdp.sharding_strategy",
+        "--fsdp-sharding-strategy",
+        "FSDP sharding strategy?",
+        _choice("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
+        "FULL_SHARD",
+        lambda a: a.get("strategy") == "fsdp",
+    ),
     Setting("precision", "--precision", "Which precision?", _choice(*PRECISIONS, aliases=PRECISION_ALIASES), "32"),
-    Setting("gradient_accumulation_steps", "--gradient-accumulation-steps",
-            "Gradient accumulation steps?", _integer(1), 1),
+    Setting(
+        "gradient_accumulation_steps", "--gradient-accumulation-steps", "Gradient accumulation steps?", _integer(1), 1
+    ),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}
 
@@ -181,47 +222,60 @@ def validate(settings: Mapping[str, Any], source: str = "") -> Dict[str, Any]:
     where = f" ({source})" if source else ""
     nnodes, node_rank = settings.get("nnodes"), settings.get("node_rank")
     if isinstance(nnodes, int) and node_rank is not None and node_rank >= nnodes:
-        raise ConfigurationError(f"node_rank={node_rank} must be < nnodes={nnodes}{where}; "
-                                 "number the machines 0 .. nnodes-1")
+        raise ConfigurationError(
+            f"node_rank={node_rank} must be < nnodes={nnodes}{where}; number the machines 0 .. nnodes-1"
+        )
     if settings.get("megatron") and settings.get("strategy") != "megatron":
-        raise ConfigurationError(f"a megatron section (MegatronStrategy arguments) needs strategy megatron, but "
-                                 f"strategy={settings.get('strategy')!r}{where}: set strategy: megatron, or remove it")
+        raise ConfigurationError(
+            f"a megatron section (MegatronStrategy arguments) needs strategy megatron, but "
+            f"strategy={settings.get('strategy')!r}{where}: set strategy: megatron, or remove it"
+        )
     deepspeed = sorted(k for k in settings if k.startswith("deepspeed.") and settings[k] is not None)
     if deepspeed and settings.get("strategy") != "deepspeed":  # audit N-LC2: ignored without a word
         flags = ", ".join("--" + k.split(".", 1)[1].replace("_", "-") for k in deepspeed)
-        raise ConfigurationError(f"{flags} {'is a DeepSpeed setting' if len(deepspeed) == 1 else 'are DeepSpeed settings'}"
-                                 f", but strategy={settings.get('strategy')!r}{where}: add --strategy deepspeed, or "
-                                 "leave them out")
+        raise ConfigurationError(
+            f"{flags} {'is a DeepSpeed setting' if len(deepspeed) == 1 else 'are DeepSpeed settings'}"
+            f", but strategy={settings.get('strategy')!r}{where}: add --strategy deepspeed, or "
+            "leave them out"
+        )
     offload_param = settings.get("deepspeed.offload_param_device", "none")
     if offload_param != "none" and settings.get("deepspeed.zero_stage") != 3:
-        raise ConfigurationError(f"deepspeed offload_param_device={offload_param!r} needs zero_stage=3, "
-                                 f"got zero_stage={settings.get('deepspeed.zero_stage')!r}{where}")
+        raise ConfigurationError(
+            f"deepspeed offload_param_device={offload_param!r} needs zero_stage=3, "
+            f"got zero_stage={settings.get('deepspeed.zero_stage')!r}{where}"
+        )
     # What the workers would refuse at start, refused here: `config` never writes what `launch` rejects.
     nproc = settings.get("nproc_per_node")
-    if settings.get("strategy") == "single" and ((isinstance(nproc, int) and nproc > 1) or
-                                                 str(nnodes or 1) not in ("1", "1:1")):
-        raise ConfigurationError(f"strategy='single' runs one process, but nproc_per_node={nproc!r}, "
-                                 f"nnodes={nnodes or 1!r}{where}; choose strategy ddp (or auto, fsdp, deepspeed), "
-                                 "or one process")
+    if settings.get("strategy") == "single" and (
+        (isinstance(nproc, int) and nproc > 1) or str(nnodes or 1) not in ("1", "1:1")
+    ):
+        raise ConfigurationError(
+            f"strategy='single' runs one process, but nproc_per_node={nproc!r}, "
+            f"nnodes={nnodes or 1!r}{where}; choose strategy ddp (or auto, fsdp, deepspeed), "
+            "or one process"
+        )
     precision = settings.get("precision")
     if settings.get("accelerator") == "cpu" and precision in ("16-mixed", "fp8"):
-        raise ConfigurationError(f"precision={precision!r} needs a GPU, but accelerator='cpu'{where}; "
-                                 "use precision bf16-mixed (or 32) on CPU")
+        raise ConfigurationError(
+            f"precision={precision!r} needs a GPU, but accelerator='cpu'{where}; "
+            "use precision bf16-mixed (or 32) on CPU"
+        )
     return dict(settings)
 
 
 def flags_given(args: argparse.Namespace) -> Dict[str, Any]:
     """The settings given as flags on the command line, parsed (errors name the flag)."""
-    return {s.key: s.parse(s.flag, getattr(args, s.dest)) for s in SETTINGS
-            if getattr(args, s.dest, None) is not None}
+    return {s.key: s.parse(s.flag, getattr(args, s.dest)) for s in SETTINGS if getattr(args, s.dest, None) is not None}
 
 
 def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     """Reads and validates a config file into flat settings ("deepspeed.zero_stage": 3, ...)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigurationError(f"config file {str(path)!r} does not exist; write one with "
-                                 "`trainforge config --config-file PATH` or fix the path")
+        raise ConfigurationError(
+            f"config file {str(path)!r} does not exist; write one with "
+            "`trainforge config --config-file PATH` or fix the path"
+        )
     try:
         document = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
@@ -232,12 +286,16 @@ def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     megatron = document.pop("megatron", None)  # MegatronStrategy's own arguments, kept as a mapping
     if megatron is not None:
         if not isinstance(megatron, dict):
-            raise ConfigurationError(f"megatron in {path} must be a mapping of MegatronStrategy arguments, e.g. "
-                                     "megatron: {tensor_parallel_size: 2}")
+            raise ConfigurationError(
+                f"megatron in {path} must be a mapping of MegatronStrategy arguments, e.g. "
+                "megatron: {tensor_parallel_size: 2}"
+            )
         unknown = sorted(set(megatron) - set(MEGATRON_KEYS), key=str)
         if unknown:
-            raise ConfigurationError(f"megatron.{unknown[0]} (in {path}) is not a MegatronStrategy setting; valid "
-                                     f"keys: {', '.join(MEGATRON_KEYS)}")
+            raise ConfigurationError(
+                f"megatron.{unknown[0]} (in {path}) is not a MegatronStrategy setting; valid "
+                f"keys: {', '.join(MEGATRON_KEYS)}"
+            )
     for key, value in document.items():
         if key in ("deepspeed", "fsdp") and isinstance(value, dict):
             flat.update({f"{key}.{k}": v for k, v in value.items()})
@@ -296,8 +354,10 @@ def launch_defaults(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
     if not path:
         return {}
     if not Path(path).is_file():
-        raise ConfigurationError(f"{LAUNCH_CONFIG_ENV}={path!r} does not exist; it is written by "
-                                 "`trainforge launch` for its workers: unset it when running otherwise")
+        raise ConfigurationError(
+            f"{LAUNCH_CONFIG_ENV}={path!r} does not exist; it is written by "
+            "`trainforge launch` for its workers: unset it when running otherwise"
+        )
     defaults: Dict[str, Any] = {}
     for key, value in load_config(path).items():
         section, _, name = key.partition(".")
@@ -308,8 +368,9 @@ def launch_defaults(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
     return defaults
 
 
-def resolve_answers(given: Mapping[str, Any], interactive: bool,
-                    ask: Callable[[str], str] = input, say: Callable[[str], None] = print) -> Dict[str, Any]:
+def resolve_answers(
+    given: Mapping[str, Any], interactive: bool, ask: Callable[[str], str] = input, say: Callable[[str], None] = print
+) -> Dict[str, Any]:
     """Every applicable setting: given ones kept, others asked (``interactive``) or defaulted."""
     answers: Dict[str, Any] = {}
     for setting in SETTINGS:
@@ -321,16 +382,19 @@ def resolve_answers(given: Mapping[str, Any], interactive: bool,
     return validate(answers)
 
 
-def _ask(setting: Setting, default: Any, answers: Mapping[str, Any], ask: Callable[[str], str],
-         say: Callable[[str], None]) -> Any:
+def _ask(
+    setting: Setting, default: Any, answers: Mapping[str, Any], ask: Callable[[str], str], say: Callable[[str], None]
+) -> Any:
     choices = getattr(setting.parse, "choices", None)
     prompt = setting.question + (f" [{'/'.join(choices)}]" if choices else "") + f" (default: {default}): "
     for _ in range(MAX_ATTEMPTS):
         try:
             reply = ask(prompt).strip()
         except EOFError:
-            raise ConfigurationError(f"input ended before {setting.key!r} was answered; give the answers "
-                                     f"as flags ({setting.flag} ...) with --non-interactive") from None
+            raise ConfigurationError(
+                f"input ended before {setting.key!r} was answered; give the answers "
+                f"as flags ({setting.flag} ...) with --non-interactive"
+            ) from None
         try:
             value = setting.parse(setting.key, reply) if reply else default
             validate({**answers, setting.key: value})  # e.g. node_rank < nnodes: re-ask, not fail
@@ -344,17 +408,20 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting (shared by `config` and `launch`); values are checked later, by Setting."""
     group = parser.add_argument_group("settings (override the config file)")
     for setting in SETTINGS:
-        group.add_argument(setting.flag, dest=setting.dest, default=None, metavar="VALUE",
-                           help=setting.question.rstrip("?"))
+        group.add_argument(
+            setting.flag, dest=setting.dest, default=None, metavar="VALUE", help=setting.question.rstrip("?")
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config-file", default=None,
-                        help=f"where to write (default: {default_config_path()})")
+    parser.add_argument("--config-file", default=None, help=f"where to write (default: {default_config_path()})")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--interactive", action="store_true", help="ask even when stdin is not a TTY")
-    mode.add_argument("--non-interactive", action="store_true",
-                      help="ask nothing: flags, then defaults (the default when stdin is not a TTY)")
+    mode.add_argument(
+        "--non-interactive",
+        action="store_true",
+        help="ask nothing: flags, then defaults (the default when stdin is not a TTY)",
+    )
     add_setting_arguments(parser)
 
 
@@ -391,7 +458,8 @@ def strategy_kwargs(strategy: str, defaults: Mapping[str, Any]) -> Dict[str, Any
     if strategy == "megatron":
         unknown = sorted(set(section) - set(MEGATRON_KEYS))
         if unknown:
-            raise ConfigurationError(f"megatron.{unknown[0]} is not a MegatronStrategy setting; valid keys: "
-                                     f"{', '.join(MEGATRON_KEYS)}")
+            raise ConfigurationError(
+                f"megatron.{unknown[0]} is not a MegatronStrategy setting; valid keys: {', '.join(MEGATRON_KEYS)}"
+            )
         return dict(section)
     return {}

@@ -7,6 +7,7 @@ Checked before torch_xla is imported or anything starts: torchrun-only flags (to
 processes itself), a conflicting ``--strategy``/``--accelerator``, several XLA:CPU devices (their
 collectives hang upstream), and torch_xla missing or built for another torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,17 @@ from typing import Any, Dict, List, Mapping, Sequence
 from trainforge.strategies.errors import ConfigurationError, LaunchError
 
 # Settings torchrun uses to place processes; torch_xla's launcher decides those itself.
-_TORCHRUN_ONLY = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
-                  "rdzv_endpoint", "max_restarts", "monitor_interval")
+_TORCHRUN_ONLY = (
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "max_restarts",
+    "monitor_interval",
+)
 
 
 def xla_settings(settings: Mapping[str, Any], flags: Mapping[str, Any]) -> Dict[str, Any]:
@@ -26,17 +36,23 @@ def xla_settings(settings: Mapping[str, Any], flags: Mapping[str, Any]) -> Dict[
     given = [key for key in _TORCHRUN_ONLY if key in flags]
     if given:
         names = ", ".join("--" + key.replace("_", "-") for key in given)
-        raise ConfigurationError(f"launch --xla got {names}: torch_xla's launcher starts one process per local XLA "
-                                 "device itself (PJRT). Drop those flags; on a multi-host TPU slice run the same "
-                                 "command on every host")
+        raise ConfigurationError(
+            f"launch --xla got {names}: torch_xla's launcher starts one process per local XLA "
+            "device itself (PJRT). Drop those flags; on a multi-host TPU slice run the same "
+            "command on every host"
+        )
     strategy = flags.get("strategy", "xla")
     if strategy != "xla":
-        raise ConfigurationError(f"launch --xla with --strategy {strategy}: XLA devices run strategy 'xla'; drop "
-                                 "--strategy, or drop --xla to launch that strategy with torchrun")
+        raise ConfigurationError(
+            f"launch --xla with --strategy {strategy}: XLA devices run strategy 'xla'; drop "
+            "--strategy, or drop --xla to launch that strategy with torchrun"
+        )
     accelerator = flags.get("accelerator", "auto")
     if accelerator != "auto":
-        raise ConfigurationError(f"launch --xla with --accelerator {accelerator}: the XLA device is chosen by "
-                                 "PJRT_DEVICE (TPU, or CPU for tests); drop --accelerator")
+        raise ConfigurationError(
+            f"launch --xla with --accelerator {accelerator}: the XLA device is chosen by "
+            "PJRT_DEVICE (TPU, or CPU for tests); drop --accelerator"
+        )
     out = {k: v for k, v in settings.items() if k not in _TORCHRUN_ONLY and k != "accelerator"}
     out["strategy"] = "xla"
     return out

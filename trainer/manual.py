@@ -8,6 +8,7 @@ DeepSpeed engine...); each ``step()`` counts one ``global_step`` (as Lightning c
 ``gradient_clip_val`` are the user's job too (``self.clip_gradients`` is not provided): both
 are rejected with a clear error, as Lightning does. DeepSpeed takes one optimizer per model.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -23,13 +24,17 @@ if TYPE_CHECKING:  # pragma: no cover
 def check_manual_config(trainer: "Trainer") -> None:
     cfg = trainer.config
     if cfg.accumulate_grad_batches != 1:
-        raise ConfigurationError(f"accumulate_grad_batches={cfg.accumulate_grad_batches} with manual optimization "
-                                 "(automatic_optimization = False): accumulate in training_step yourself (step the "
-                                 "optimizers every N batches), as in Lightning")
+        raise ConfigurationError(
+            f"accumulate_grad_batches={cfg.accumulate_grad_batches} with manual optimization "
+            "(automatic_optimization = False): accumulate in training_step yourself (step the "
+            "optimizers every N batches), as in Lightning"
+        )
     if cfg.gradient_clip_val is not None:
-        raise ConfigurationError(f"gradient_clip_val={cfg.gradient_clip_val} with manual optimization: clip in "
-                                 "training_step (torch.nn.utils.clip_grad_norm_ after manual_backward), as in "
-                                 "Lightning")
+        raise ConfigurationError(
+            f"gradient_clip_val={cfg.gradient_clip_val} with manual optimization: clip in "
+            "training_step (torch.nn.utils.clip_grad_norm_ after manual_backward), as in "
+            "Lightning"
+        )
 
 
 class ManualOptimizer:
@@ -48,16 +53,21 @@ class ManualOptimizer:
             raise ConfigurationError(
                 f"{type(module).__name__} calls self.optimizers().step() under automatic optimization, "
                 "where the Trainer steps the optimizer itself after training_step returns the loss: remove the "
-                "call, or set self.automatic_optimization = False and step (and backward) by hand")
+                "call, or set self.automatic_optimization = False and step (and backward) by hand"
+            )
         if closure is not None:
             closure()
         raw = self._prepared.optimizer
         stepped = trainer._manual_stepped_since_backward  # audit N-MO2: the same gradients applied twice
         if id(raw) in stepped and not trainer._warned_double_step:
             trainer._warned_double_step = True
-            warnings.warn(f"{type(raw).__name__}.step() ran twice without a manual_backward in between (batch "
-                          f"{trainer.progress.batch_idx} of training_step): the same gradients were applied twice and "
-                          "global_step counted both; step once per backward", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"{type(raw).__name__}.step() ran twice without a manual_backward in between (batch "
+                f"{trainer.progress.batch_idx} of training_step): the same gradients were applied twice and "
+                "global_step counted both; step once per backward",
+                UserWarning,
+                stacklevel=2,
+            )
         stepped.add(id(raw))
         if trainer.accelerator.precision.scaler is not None:
             trainer.accelerator.precision.unscale_(raw)

@@ -9,6 +9,7 @@ one process (``torch.distributed.checkpoint.load(..., no_dist=True)``), only the
 never the optimizer state. OUT receives ``model.safetensors`` (or shards + an HF index), readable
 by ``safetensors.torch.load_file`` and ``transformers``, plus the usual ``metadata.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,15 @@ HELP = "consolidate a sharded FSDP checkpoint into safetensors weights (no proce
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT_DIR", help="checkpoint directory (or a root holding 'latest')")
     parser.add_argument("output", metavar="OUT", help="directory to write the weights into (created)")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="split into files of at most this size, e.g. 5GB, 500MB (default: 5GB)")
-    parser.add_argument("--prefix", default="model",
-                        help="top-level key of the model state in the checkpoint (default: model; '' for a "
-                             "checkpoint whose keys are the parameter names themselves)")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="split into files of at most this size, e.g. 5GB, 500MB (default: 5GB)"
+    )
+    parser.add_argument(
+        "--prefix",
+        default="model",
+        help="top-level key of the model state in the checkpoint (default: model; '' for a "
+        "checkpoint whose keys are the parameter names themselves)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,8 +59,10 @@ def find_dcp_dir(checkpoint: Union[str, os.PathLike]) -> Path:
     """The torch.distributed.checkpoint directory of ``checkpoint`` (verified when it is ours)."""
     path = Path(checkpoint)
     if not path.is_dir():
-        raise CheckpointError(f"CKPT_DIR={str(checkpoint)!r} is not a directory; give a checkpoint directory "
-                              "written with FSDPStrategy(state_dict_type='sharded')")
+        raise CheckpointError(
+            f"CKPT_DIR={str(checkpoint)!r} is not a directory; give a checkpoint directory "
+            "written with FSDPStrategy(state_dict_type='sharded')"
+        )
     if (path / DCP_METADATA).is_file():
         return path
     if not (path / METADATA_FILE).is_file() and (path / "latest").is_file():
@@ -65,10 +72,14 @@ def find_dcp_dir(checkpoint: Union[str, os.PathLike]) -> Path:
         if (path / "dcp" / DCP_METADATA).is_file():
             return path / "dcp"
         if any(path.glob("model*.safetensors")):
-            raise CheckpointError(f"{path} already holds consolidated weights (model*.safetensors): there is nothing "
-                                  "to merge; load them with safetensors.torch.load_file")
-    raise CheckpointError(f"{path}: no sharded checkpoint here (expected {path / 'dcp' / DCP_METADATA} or "
-                          f"{path / DCP_METADATA}); was it saved with FSDPStrategy(state_dict_type='sharded')?")
+            raise CheckpointError(
+                f"{path} already holds consolidated weights (model*.safetensors): there is nothing "
+                "to merge; load them with safetensors.torch.load_file"
+            )
+    raise CheckpointError(
+        f"{path}: no sharded checkpoint here (expected {path / 'dcp' / DCP_METADATA} or "
+        f"{path / DCP_METADATA}); was it saved with FSDPStrategy(state_dict_type='sharded')?"
+    )
 
 
 def read_model_weights(dcp_dir: Path, prefix: str = "model") -> Dict[str, torch.Tensor]:
@@ -90,8 +101,10 @@ def read_model_weights(dcp_dir: Path, prefix: str = "model") -> Dict[str, torch.
             continue
         state[".".join(str(p) for p in inside)] = torch.empty(info.size, dtype=info.properties.dtype)
     if not state:
-        raise CheckpointError(f"{dcp_dir}: no tensors under prefix {prefix!r}; its top-level keys are "
-                              f"{sorted(tops)[:10]}; pass --prefix with one of them ('' for none)")
+        raise CheckpointError(
+            f"{dcp_dir}: no tensors under prefix {prefix!r}; its top-level keys are "
+            f"{sorted(tops)[:10]}; pass --prefix with one of them ('' for none)"
+        )
     # no_dist: read on this process only, even inside a job with a process group (older torch
     # without the argument infers it when no process group exists, and warns that it did)
     no_dist = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
@@ -101,8 +114,12 @@ def read_model_weights(dcp_dir: Path, prefix: str = "model") -> Dict[str, torch.
     return state
 
 
-def merge_weights(checkpoint: Union[str, os.PathLike], output: Union[str, os.PathLike],
-                  max_shard_size: Union[int, str] = "5GB", prefix: str = "model") -> Path:
+def merge_weights(
+    checkpoint: Union[str, os.PathLike],
+    output: Union[str, os.PathLike],
+    max_shard_size: Union[int, str] = "5GB",
+    prefix: str = "model",
+) -> Path:
     """Write the consolidated model weights of ``checkpoint`` to ``output``; returns ``output``."""
     limit = parse_size(max_shard_size, "--max-shard-size")
     out = Path(output).absolute()
@@ -113,8 +130,15 @@ def merge_weights(checkpoint: Union[str, os.PathLike], output: Union[str, os.Pat
     step = read_metadata(source).get("step", 0) if (source / METADATA_FILE).is_file() else 0
     writer = CheckpointWriter(out, kind="weights")
     writer.save_tensors("model", weights, max_shard_size=limit)
-    return writer.finalize({"step": int(step or 0), "strategy": "fsdp", "kind": "weights",
-                            "merged_from": str(Path(checkpoint).absolute())}, update_latest=False)
+    return writer.finalize(
+        {
+            "step": int(step or 0),
+            "strategy": "fsdp",
+            "kind": "weights",
+            "merged_from": str(Path(checkpoint).absolute()),
+        },
+        update_latest=False,
+    )
 
 
 def _check_output(out: Path) -> None:
@@ -134,5 +158,7 @@ def _check_output(out: Path) -> None:
         except CheckpointError:
             kind = None
     if kind != "weights":
-        raise ConfigurationError(f"OUT={str(out)!r} exists and does not hold weights written by trainforge; it would "
-                                 "be replaced, so give a new (or empty) directory")
+        raise ConfigurationError(
+            f"OUT={str(out)!r} exists and does not hold weights written by trainforge; it would "
+            "be replaced, so give a new (or empty) directory"
+        )

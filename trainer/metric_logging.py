@@ -10,6 +10,7 @@
 - Values logged in an epoch-end hook (``on_train_epoch_end``, ``on_validation_end``...) are logged
   for that epoch, at that step.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set
@@ -45,7 +46,7 @@ class MetricLogging:
     def _init_logging(self) -> None:
         self.callback_metrics = {}
         self.logged_metrics: Dict[str, float] = {}
-        self._not_logged: Set[str] = set()        # names logged with logger=False
+        self._not_logged: Set[str] = set()  # names logged with logger=False
         self._epoch_end_logged: Optional[Dict[str, torch.Tensor]] = None  # inside an epoch-end hook
 
     @property
@@ -62,13 +63,33 @@ class MetricLogging:
         self.logged_metrics.update({k: float(v) for k, v in metrics.items()})
         self._fire(Event.LOG, dict(metrics), self.global_step if step is None else step)
 
-    def _log(self, name: str, value: Any, *, on_step: Optional[bool], on_epoch: Optional[bool], prog_bar: bool,
-             sync_dist: bool, batch_size: Optional[int], reduce_fx: str = "mean", rank_zero_only: bool = False,
-             logger: bool = True) -> None:
+    def _log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: Optional[bool],
+        on_epoch: Optional[bool],
+        prog_bar: bool,
+        sync_dist: bool,
+        batch_size: Optional[int],
+        reduce_fx: str = "mean",
+        rank_zero_only: bool = False,
+        logger: bool = True,
+    ) -> None:
         training = self._running == "train"
         cm = self.callback_metrics
-        if training and on_step is None and on_epoch is None and not prog_bar and type(value) is torch.Tensor \
-                and value.dim() == 0 and logger and reduce_fx == "mean" and self._epoch_end_logged is None:
+        if (
+            training
+            and on_step is None
+            and on_epoch is None
+            and not prog_bar
+            and type(value) is torch.Tensor
+            and value.dim() == 0
+            and logger
+            and reduce_fx == "mean"
+            and self._epoch_end_logged is None
+        ):
             store = self._metrics["train"]  # the common case, once per step: the latest value, kept as a tensor
             cm[name] = store.step_values[name] = value.detach()
             store.step_sync[name] = sync_dist and not rank_zero_only
@@ -78,7 +99,9 @@ class MetricLogging:
         if not logger:
             self._not_logged.add(name)
         if self._epoch_end_logged is not None:  # an epoch-end hook: the value is this epoch's
-            tensor = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            tensor = (
+                value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            )
             if sync_dist and not rank_zero_only and self.world_size > 1:
                 tensor = self.strategy.all_reduce(tensor.to(self.strategy.root_device), reduce_fx)
             cm[name] = self._epoch_end_logged[name] = tensor
@@ -88,8 +111,16 @@ class MetricLogging:
         if on_epoch and batch_size is None:
             batch_size = batch_size_of(self._batch)
         store = self._metrics[self._running]
-        store.log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                  sync_dist=sync_dist and not rank_zero_only, batch_size=batch_size or 1, reduce_fx=reduce_fx)
+        store.log(
+            name,
+            value,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            prog_bar=prog_bar,
+            sync_dist=sync_dist and not rank_zero_only,
+            batch_size=batch_size or 1,
+            reduce_fx=reduce_fx,
+        )
         if on_step:
             latest = store.step_values[f"{name}_step" if on_epoch else name]
             cm[name] = latest
@@ -100,7 +131,7 @@ class MetricLogging:
         if not metrics:
             return
         for name in [k for k in metrics if k.endswith("_epoch")]:  # the plain name: the newest value
-            self.callback_metrics[name[:-len("_epoch")]] = torch.tensor(metrics[name])
+            self.callback_metrics[name[: -len("_epoch")]] = torch.tensor(metrics[name])
         hidden = self._not_logged
         for name in hidden.intersection(metrics):
             self.callback_metrics[name] = torch.tensor(float(metrics[name]))

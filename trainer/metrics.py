@@ -3,6 +3,7 @@
 Values stay tensors (detached) until they are reported, so logging costs no device sync per step;
 they become floats only at report points (every ``log_every_n_steps`` and at epoch end).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,16 +31,28 @@ class MetricStore:
     epoch_means: Dict[str, _EpochMean] = field(default_factory=dict)
     prog_bar: Dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def log(self, name: str, value: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool, sync_dist: bool,
-            batch_size: int, reduce_fx: str = "mean") -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: bool,
+        on_epoch: bool,
+        prog_bar: bool,
+        sync_dist: bool,
+        batch_size: int,
+        reduce_fx: str = "mean",
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"log name={name!r} must be a non-empty string")
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             tensor = value.detach()
         elif isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ConfigurationError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; "
-                                         "log a scalar (e.g. value.mean())")
+                raise ConfigurationError(
+                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; "
+                    "log a scalar (e.g. value.mean())"
+                )
             tensor = value.detach().reshape(())
         elif isinstance(value, (int, float)):
             tensor = torch.tensor(float(value))
@@ -60,7 +73,9 @@ class MetricStore:
                 acc.total = acc.total + weighted
                 acc.weight += batch_size
             else:
-                acc.total = torch.maximum(acc.total, weighted) if reduce_fx == "max" else torch.minimum(acc.total, weighted)
+                acc.total = (
+                    torch.maximum(acc.total, weighted) if reduce_fx == "max" else torch.minimum(acc.total, weighted)
+                )
             if prog_bar:
                 self.prog_bar[epoch_name] = tensor
 

@@ -3,6 +3,7 @@
 It also receives every lifecycle event first, through the Trainer's one dispatcher, with
 Lightning's hook signatures (``trainer/hooks.py``).
 """
+
 from __future__ import annotations
 
 import sys
@@ -52,8 +53,10 @@ class TrainingModule(ModuleHooks, nn.Module):
     @property
     def trainer(self) -> "Trainer":
         if self._trainer is None:
-            raise TrainforgeError(f"{type(self).__name__} is not attached to a Trainer; "
-                                  "self.trainer, self.log and friends work inside Trainer.fit/validate/test/predict")
+            raise TrainforgeError(
+                f"{type(self).__name__} is not attached to a Trainer; "
+                "self.trainer, self.log and friends work inside Trainer.fit/validate/test/predict"
+            )
         return self._trainer
 
     @property
@@ -73,15 +76,28 @@ class TrainingModule(ModuleHooks, nn.Module):
     def save_hyperparameters(self, *names: str, **values: Any) -> None:
         """Record ``__init__`` arguments (all, or those named) plus ``values`` in ``self.hparams``."""
         frame = sys._getframe(1)  # the caller's: its __init__
-        init_args = {k: v for k, v in frame.f_locals.items() if k not in ("self", "__class__") and not k.startswith("_")}
+        init_args = {
+            k: v for k, v in frame.f_locals.items() if k not in ("self", "__class__") and not k.startswith("_")
+        }
         if names:
             init_args = {k: init_args[k] for k in names}
         self.hparams.update(init_args)
         self.hparams.update(values)
 
-    def log(self, name: str, value: Any, *, on_step: Optional[bool] = None, on_epoch: Optional[bool] = None,
-            prog_bar: bool = False, sync_dist: bool = False, batch_size: Optional[int] = None,
-            reduce_fx: str = "mean", rank_zero_only: bool = False, logger: bool = True) -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        on_step: Optional[bool] = None,
+        on_epoch: Optional[bool] = None,
+        prog_bar: bool = False,
+        sync_dist: bool = False,
+        batch_size: Optional[int] = None,
+        reduce_fx: str = "mean",
+        rank_zero_only: bool = False,
+        logger: bool = True,
+    ) -> None:
         """Record a scalar. In training the default is per step; in validation/test per epoch, where
         the epoch value is ``reduce_fx`` over batches ("mean": weighted by batch size; "sum", "max",
         "min"), with ``sync_dist`` over all ranks too. ``rank_zero_only``: logged from rank 0 only, never
@@ -89,9 +105,18 @@ class TrainingModule(ModuleHooks, nn.Module):
         epoch-end hook the value is logged for that epoch (see ``trainer/metric_logging.py``)."""
         if type(name) is not str or not name.strip():
             check_metric_name(name, "self.log(name)")
-        self.trainer._log(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar,
-                          sync_dist=sync_dist, batch_size=batch_size, reduce_fx=reduce_fx,
-                          rank_zero_only=rank_zero_only, logger=logger)
+        self.trainer._log(
+            name,
+            value,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            prog_bar=prog_bar,
+            sync_dist=sync_dist,
+            batch_size=batch_size,
+            reduce_fx=reduce_fx,
+            rank_zero_only=rank_zero_only,
+            logger=logger,
+        )
 
     # ---- manual optimization (Lightning's automatic_optimization = False; trainer/manual.py) -----
     @property
@@ -124,4 +149,3 @@ class TrainingModule(ModuleHooks, nn.Module):
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
-

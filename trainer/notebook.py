@@ -4,6 +4,7 @@ The processes are *forked* (``torch.multiprocessing.start_processes(start_method
 functions and objects defined in a notebook work without being picklable; the price is that CUDA
 must not be initialised in the parent before the fork (a forked child cannot use it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,13 @@ from trainforge.strategies.errors import ConfigurationError, LaunchError
 MASTER_ADDR = "127.0.0.1"
 
 
-def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 1,
-                      master_port: Optional[int] = None, timeout: Optional[float] = None) -> None:
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    num_processes: int = 1,
+    master_port: Optional[int] = None,
+    timeout: Optional[float] = None,
+) -> None:
     """Calls ``function(*args)`` on ``num_processes`` forked processes, ranks 0..N-1, and waits.
 
     Each process gets MASTER_ADDR=127.0.0.1, MASTER_PORT (``master_port``, else a free one), RANK,
@@ -35,26 +41,39 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (), nu
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ConfigurationError(f"num_processes={num_processes!r} must be an integer >= 1")
     if not isinstance(args, (tuple, list)):  # a string would be spread into characters (audit N-NB2)
-        raise ConfigurationError(f"args={args!r} must be a tuple (or list) of the function's arguments, e.g. "
-                                 f"args=({args!r},) to pass it as one argument")
+        raise ConfigurationError(
+            f"args={args!r} must be a tuple (or list) of the function's arguments, e.g. "
+            f"args=({args!r},) to pass it as one argument"
+        )
     if num_processes == 1:
         function(*args)
         return None
     if torch.cuda.is_initialized():
-        raise LaunchError("CUDA was already initialised in this process, so forked processes cannot "
-                          "use it. Restart the kernel and call notebook_launcher before anything "
-                          "touches CUDA (model.cuda(), torch.cuda.* calls, Accelerator()/Trainer())")
+        raise LaunchError(
+            "CUDA was already initialised in this process, so forked processes cannot "
+            "use it. Restart the kernel and call notebook_launcher before anything "
+            "touches CUDA (model.cuda(), torch.cuda.* calls, Accelerator()/Trainer())"
+        )
     if dist.is_available() and dist.is_initialized():
-        raise LaunchError("a torch.distributed process group already exists in this process; call "
-                          "notebook_launcher from a process that is not itself distributed")
+        raise LaunchError(
+            "a torch.distributed process group already exists in this process; call "
+            "notebook_launcher from a process that is not itself distributed"
+        )
     if master_port is not None and not port_is_free(master_port):
-        raise LaunchError(f"master_port={master_port} is already in use on this machine; pass another "
-                          "port or master_port=None to pick a free one")
-    env = {"MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": str(master_port or find_free_port(MASTER_ADDR)),
-           "WORLD_SIZE": str(num_processes), "LOCAL_WORLD_SIZE": str(num_processes)}
+        raise LaunchError(
+            f"master_port={master_port} is already in use on this machine; pass another "
+            "port or master_port=None to pick a free one"
+        )
+    env = {
+        "MASTER_ADDR": MASTER_ADDR,
+        "MASTER_PORT": str(master_port or find_free_port(MASTER_ADDR)),
+        "WORLD_SIZE": str(num_processes),
+        "LOCAL_WORLD_SIZE": str(num_processes),
+    }
     with _environment(env):
-        context = mp.start_processes(_run_rank, args=(function, tuple(args)), nprocs=num_processes,
-                                     join=False, start_method="fork")
+        context = mp.start_processes(
+            _run_rank, args=(function, tuple(args)), nprocs=num_processes, join=False, start_method="fork"
+        )
         _join(context, num_processes, timeout)
     return None
 
@@ -75,15 +94,21 @@ def _join(context: "mp.ProcessContext", num_processes: int, timeout: Optional[fl
         while not context.join(timeout=0.5):
             if deadline is not None and time.monotonic() > deadline:
                 _stop(context)
-                raise LaunchError(f"notebook_launcher: the {num_processes} processes did not finish "
-                                  f"within timeout={timeout} s and were stopped")
+                raise LaunchError(
+                    f"notebook_launcher: the {num_processes} processes did not finish "
+                    f"within timeout={timeout} s and were stopped"
+                )
     except mp.ProcessRaisedException as error:
-        raise LaunchError(f"rank {error.error_index} of {num_processes} failed in notebook_launcher "
-                          f"(the other ranks were stopped):{error.msg}") from None
+        raise LaunchError(
+            f"rank {error.error_index} of {num_processes} failed in notebook_launcher "
+            f"(the other ranks were stopped):{error.msg}"
+        ) from None
     except mp.ProcessExitedException as error:
         how = f"signal {error.signal_name}" if error.signal_name else f"exit code {error.exit_code}"
-        raise LaunchError(f"rank {error.error_index} of {num_processes} ended with {how} in "
-                          "notebook_launcher (the other ranks were stopped)") from None
+        raise LaunchError(
+            f"rank {error.error_index} of {num_processes} ended with {how} in "
+            "notebook_launcher (the other ranks were stopped)"
+        ) from None
 
 
 def _stop(context: "mp.ProcessContext") -> None:

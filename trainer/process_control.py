@@ -3,6 +3,7 @@ main process first, functions for one process, objects gathered, gradient sync s
 
 All of it goes through the strategy's collectives, so it behaves the same on one process (a no-op)
 and on many."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """Seeding every generator a run uses, and capturing/restoring their states for exact resume."""
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,13 @@ def rng_state() -> Dict[str, Any]:
     np_state = cast(Tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state: Dict[str, Any] = {
         "python": _plain(random.getstate()),
-        "numpy": {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "numpy": {
+            "kind": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # unannotated in torch
@@ -77,8 +83,9 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     npst = state["numpy"]
-    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
-                         npst["cached_gaussian"]))
+    np.random.set_state(
+        (npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     cuda: Optional[Any] = state.get("cuda")
     if cuda is not None and torch.cuda.is_available():

@@ -1,4 +1,5 @@
 """The objects ``Accelerator.prepare`` hands back: they look like what the user passed in."""
+
 from __future__ import annotations
 
 import copy
@@ -99,11 +100,19 @@ class PreparedDataLoader:
     ``batch_in_epoch`` counts batches handed out this epoch; with the global batch size preserved it
     is also the number of global steps into the epoch, whatever the number of processes."""
 
-    def __init__(self, loader: Any, device: torch.device, gradient_state: GradientState, precision: Any,
-                 base_generator: Optional[torch.Generator] = None, order_generator: Optional[torch.Generator] = None,
-                 broadcast: Optional[Callable[[Any], Any]] = None, dispatcher: Any = None,
-                 gather_object: Optional[Callable[[Any], List[Any]]] = None,
-                 device_batches: Optional[Callable[[Any], Any]] = None) -> None:
+    def __init__(
+        self,
+        loader: Any,
+        device: torch.device,
+        gradient_state: GradientState,
+        precision: Any,
+        base_generator: Optional[torch.Generator] = None,
+        order_generator: Optional[torch.Generator] = None,
+        broadcast: Optional[Callable[[Any], Any]] = None,
+        dispatcher: Any = None,
+        gather_object: Optional[Callable[[Any], List[Any]]] = None,
+        device_batches: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
         self.loader, self.device, self.gradient_state, self.precision = loader, device, gradient_state, precision
         self.dispatcher = dispatcher  # dispatch_batches=True: trainer.dispatch.BatchDispatcher over ``loader``
         self.gather_object = gather_object  # several processes: checks that a split stream is the same on all
@@ -170,7 +179,9 @@ class PreparedDataLoader:
         batches: Any = None
         try:
             if total >= 0:
-                batches = iter(device_batches(_with_positions(self.loader))) if device_batches is not None else self.loader
+                batches = (
+                    iter(device_batches(_with_positions(self.loader))) if device_batches is not None else self.loader
+                )
                 for batch in batches:
                     if tracked:
                         batch, position = batch
@@ -217,8 +228,12 @@ class PreparedDataLoader:
         # every rank reads its own stream: agree at each batch that all still have one (else DDP hangs)
         # (a split stream with even_batches=False may end one batch early on the last ranks, by design)
         uneven_by_design = kind == "stream" and not getattr(self.loader.dataset, "even_batches", True)
-        agree = (self.gather_object is not None and self.dispatcher is None and kind in ("stream", "iterable")
-                 and not uneven_by_design)
+        agree = (
+            self.gather_object is not None
+            and self.dispatcher is None
+            and kind in ("stream", "iterable")
+            and not uneven_by_design
+        )
         if agree:
             self._check_same_end(previous is not None, 0)
         while previous is not None:
@@ -248,7 +263,8 @@ class PreparedDataLoader:
                 "process must get the same number of batches per epoch, or training waits for the ranks that "
                 "ended. Give every rank a stream of the same length (a dataset that shards itself by rank: "
                 "equal shards, or drop the remainder), or let trainforge split one stream (drop "
-                "`shards_by_rank`, and read the same stream on every rank), or dispatch_batches=True")
+                "`shards_by_rank`, and read the same stream on every rank), or dispatch_batches=True"
+            )
 
     def _check_same_stream(self, mark: Optional[str]) -> None:
         """A split stream must be the same on every rank; compare the first sample each read (one small
@@ -262,7 +278,8 @@ class PreparedDataLoader:
                 f"{name} yields different samples on different processes (rank 0 and rank {differ[0]} read different "
                 "first samples), so splitting its stream between ranks would repeat and lose samples. A dataset that "
                 "shards itself by rank says so with `shards_by_rank = True`; a shuffled stream must be seeded the "
-                "same on every process (per epoch, e.g. in set_epoch), not per rank")
+                "same on every process (per epoch, e.g. in set_epoch), not per rank"
+            )
 
     def _draw_epoch_randomness(self) -> None:
         """What iterating a plain ``DataLoader(shuffle=True, generator=g)`` draws, in torch's order: the
@@ -298,10 +315,15 @@ class PreparedDataLoader:
                 raise ConfigurationError(
                     f"skip_first_batches({num_batches}) on a loader that load_state already put at batch "
                     f"{self.batch_in_epoch} of epoch {self.epoch}: it continues from there by itself; drop the "
-                    "skip_first_batches call")
-            warnings.warn(f"skip_first_batches({num_batches}): load_state already restored this loader to batch "
-                          f"{num_batches} of the epoch; nothing more is skipped (trainforge restores data "
-                          "positions, Accelerate does not)", UserWarning, stacklevel=3)
+                    "skip_first_batches call"
+                )
+            warnings.warn(
+                f"skip_first_batches({num_batches}): load_state already restored this loader to batch "
+                f"{num_batches} of the epoch; nothing more is skipped (trainforge restores data "
+                "positions, Accelerate does not)",
+                UserWarning,
+                stacklevel=3,
+            )
             return self
         self._skip = num_batches
         return self
@@ -309,12 +331,13 @@ class PreparedDataLoader:
     def _start_at(self, num_batches: int) -> None:
         sampler: Any = getattr(self.loader, "sampler", None)
         if self.dispatcher is not None or not callable(getattr(sampler, "check_compatible", None)):
-            raise ConfigurationError("skip_first_batches needs a map-style dataset sharded by trainforge (no custom "
-                                     "sampler, IterableDataset or dispatch_batches=True): skip inside your own "
-                                     "sampler instead")
+            raise ConfigurationError(
+                "skip_first_batches needs a map-style dataset sharded by trainforge (no custom "
+                "sampler, IterableDataset or dispatch_batches=True): skip inside your own "
+                "sampler instead"
+            )
         state = sampler.state_dict()
-        state["consumed"] = min(num_batches * (self.loader.batch_size or 1) * sampler.num_replicas,
-                                sampler.total_size)
+        state["consumed"] = min(num_batches * (self.loader.batch_size or 1) * sampler.num_replicas, sampler.total_size)
         sampler.load_state_dict(state)
         self.batch_in_epoch = num_batches
 
@@ -322,8 +345,12 @@ class PreparedDataLoader:
         from trainforge.strategies.data.loader import loader_state_dict
 
         position = copy.deepcopy(self._held_state) if self._held_state is not None else loader_state_dict(self.loader)
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "loader": position,
-                "user_generators": list(self._generators_after)}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "loader": position,
+            "user_generators": list(self._generators_after),
+        }
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
         from trainforge.strategies.data.loader import load_loader_state

@@ -1,4 +1,5 @@
 """``python -m trainforge`` is the ``trainforge`` command line."""
+
 import sys
 
 from trainforge.trainer.cli import main

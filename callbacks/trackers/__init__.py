@@ -2,6 +2,7 @@
 
 Backends are imported lazily, when a tracker is constructed, so this package imports without them.
 """
+
 from trainforge.callbacks.trackers.base import FailurePolicy, TrackerCallback, TrackerWarning
 from trainforge.callbacks.trackers.comet import CometLogger
 from trainforge.callbacks.trackers.csv import CSVLogger

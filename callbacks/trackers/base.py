@@ -32,6 +32,7 @@ Subclasses implement the backend calls (run on the writer thread): ``_open``, ``
 ``_write_metrics``, ``_close`` and optionally ``_write_artifacts``; ``_prepare`` runs on the training
 thread at start to read what they need from the trainer (paths, step), without I/O.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -354,8 +355,9 @@ class TrackerCallback(Callback):
             writer.put("metrics", (int(step), values), len(values))
         self._warn_first_failure()
 
-    def on_train_batch_end(self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._writer is not None:
             self._warn_first_failure()
 
@@ -432,14 +434,18 @@ class TrackerCallback(Callback):
         if lost:
             parts.append(f" ({lost} of them still pending {timeout:g} s after the run ended)")
         if writer.dropped_other:
-            parts.append(f", and {writer.dropped_other} other record(s) (hyperparameters, artifacts "
-                         "or non-numeric values)")
+            parts.append(
+                f", and {writer.dropped_other} other record(s) (hyperparameters, artifacts or non-numeric values)"
+            )
         if writer.first_error:
             parts.append(f"; {writer.failures} backend call(s) failed; first problem: {writer.first_error}. ")
         if writer.failures:
             recovered = complete and not writer.failing
-            parts.append("The tracker recovered: its last writes succeeded." if recovered
-                         else "The tracker did not recover before the run ended.")
+            parts.append(
+                "The tracker recovered: its last writes succeeded."
+                if recovered
+                else "The tracker did not recover before the run ended."
+            )
         return "".join(parts)
 
     def _warn_first_failure(self, writer: Optional[_Writer] = None) -> None:

@@ -14,6 +14,7 @@ Resume: ``state_dict`` holds the experiment key; a resumed fit continues that ex
 (``ExistingExperiment`` online, ``ExistingOfflineExperiment`` offline, which writes a second archive
 that Comet appends to the same experiment on upload).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,18 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # Comet's automatic collection, all off (these keywords exist on all four experiment classes).
 _QUIET = dict(
-    log_code=False, log_graph=False, auto_param_logging=False, auto_metric_logging=False,
-    parse_args=False, auto_output_logging=False, log_env_details=False, log_git_metadata=False,
-    log_git_patch=False, log_env_gpu=False, log_env_host=False, log_env_cpu=False,
+    log_code=False,
+    log_graph=False,
+    auto_param_logging=False,
+    auto_metric_logging=False,
+    parse_args=False,
+    auto_output_logging=False,
+    log_env_details=False,
+    log_git_metadata=False,
+    log_git_patch=False,
+    log_env_gpu=False,
+    log_env_host=False,
+    log_env_cpu=False,
     display_summary_level=0,
 )
 
@@ -74,8 +84,10 @@ class CometLogger(TrackerCallback):
 
     def __repr__(self) -> str:
         mode = "offline" if self.offline else "online"
-        return (f"CometLogger(mode={mode!r}, project_name={self.project_name!r}, workspace={self.workspace!r}, "
-                f"experiment_key={self._experiment_key!r}, api_key={'<set>' if self._known_secret else None})")
+        return (
+            f"CometLogger(mode={mode!r}, project_name={self.project_name!r}, workspace={self.workspace!r}, "
+            f"experiment_key={self._experiment_key!r}, api_key={'<set>' if self._known_secret else None})"
+        )
 
     @property
     def experiment_key(self) -> Optional[str]:
@@ -89,8 +101,11 @@ class CometLogger(TrackerCallback):
 
     def state_dict(self) -> Dict[str, Any]:
         self._wait_opened()
-        return {"experiment_key": self._experiment_key, "offline": self.offline,
-                "offline_directory": run_relative(self._directory, self._root)}  # relative to the run
+        return {
+            "experiment_key": self._experiment_key,
+            "offline": self.offline,
+            "offline_directory": run_relative(self._directory, self._root),
+        }  # relative to the run
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if state_dict.get("experiment_key"):

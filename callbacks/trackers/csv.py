@@ -16,6 +16,7 @@ Where it writes comes from the current run, never from a checkpoint (``run_paths
 ``hparams.yaml`` or ``status.txt`` is refused when the logger is built; a default folder holding such
 files gets the logger's files in a ``csv_logger/`` subfolder instead, with a warning.
 """
+
 from __future__ import annotations
 
 import csv
@@ -49,7 +50,8 @@ class CSVLogger(TrackerCallback):
                 raise ConfigurationError(
                     f"CSVLogger(path={self.path!r}) would overwrite or move {foreign}, which trainforge did not "
                     "write; give it a path in a folder of its own (it writes the CSV file, hparams.yaml and "
-                    "status.txt there), or move those files away")
+                    "status.txt there), or move those files away"
+                )
         self._root: Optional[str] = None
         self._file: Optional[str] = None  # resolved path of the current run
         self._resumed_step: Optional[int] = None
@@ -159,8 +161,11 @@ def _own_place(wanted: str) -> str:
         if n > 1000:
             raise FileExistsError(f"no folder of its own left for {wanted}")
     if candidate != wanted:
-        log.warning("trainforge: CSVLogger leaves %s alone (not written by trainforge) and writes to %s",
-                    foreign_files(_targets(wanted)), candidate)
+        log.warning(
+            "trainforge: CSVLogger leaves %s alone (not written by trainforge) and writes to %s",
+            foreign_files(_targets(wanted)),
+            candidate,
+        )
     return candidate
 
 

@@ -26,6 +26,7 @@ Resume: ``state_dict`` holds the run id (and which store: this run's local one o
 resumed fit continues that run when the MLflowLogger of the resumed fit uses the same store.
 MLflow parameters cannot change within a run, so on resume only parameters the run lacks are added.
 """
+
 from __future__ import annotations
 
 import logging
@@ -97,18 +98,25 @@ class MLflowLogger(TrackerCallback):
     ) -> None:
         super().__init__(failure_policy)
         require("mlflow", "mlflow", "MLflowLogger")
-        if not isinstance(connect_timeout_s, (int, float)) or isinstance(connect_timeout_s, bool) or connect_timeout_s <= 0:
-            raise ConfigurationError(f"MLflowLogger(connect_timeout_s={connect_timeout_s!r}) must be a positive "
-                                     "number of seconds")
+        if (
+            not isinstance(connect_timeout_s, (int, float))
+            or isinstance(connect_timeout_s, bool)
+            or connect_timeout_s <= 0
+        ):
+            raise ConfigurationError(
+                f"MLflowLogger(connect_timeout_s={connect_timeout_s!r}) must be a positive number of seconds"
+            )
         self.connect_timeout_s = float(connect_timeout_s)
         if not isinstance(experiment_name, str) or not experiment_name.strip():
             raise ConfigurationError(f"MLflowLogger(experiment_name={experiment_name!r}) must be a non-empty string")
         if tags is not None and not isinstance(tags, dict):
             raise ConfigurationError(f"MLflowLogger(tags={tags!r}) must be a dict of tag name to value")
         if tracking_uri is not None and (not isinstance(tracking_uri, (str, os.PathLike)) or not str(tracking_uri)):
-            raise ConfigurationError(f"MLflowLogger(tracking_uri={tracking_uri!r}) must be a URI string such as "
-                                     "'http://127.0.0.1:5000' or 'sqlite:///runs/mlflow.db', or None for this run's "
-                                     "local store")
+            raise ConfigurationError(
+                f"MLflowLogger(tracking_uri={tracking_uri!r}) must be a URI string such as "
+                "'http://127.0.0.1:5000' or 'sqlite:///runs/mlflow.db', or None for this run's "
+                "local store"
+            )
         self.tracking_uri = os.fspath(tracking_uri) if tracking_uri is not None else None
         self.experiment_name = experiment_name
         self.run_name = run_name
@@ -125,8 +133,10 @@ class MLflowLogger(TrackerCallback):
         self._waiting_checkpoints: Dict[str, Optional[Tuple[int, int]]] = {}
 
     def __repr__(self) -> str:
-        return (f"MLflowLogger(tracking_uri={self._uri or self.tracking_uri!r}, "
-                f"experiment_name={self.experiment_name!r}, run_id={self._run_id!r})")
+        return (
+            f"MLflowLogger(tracking_uri={self._uri or self.tracking_uri!r}, "
+            f"experiment_name={self.experiment_name!r}, run_id={self._run_id!r})"
+        )
 
     @property
     def run_id(self) -> Optional[str]:
@@ -161,8 +171,13 @@ class MLflowLogger(TrackerCallback):
         if (store == LOCAL_STORE and self.tracking_uri is None) or (store is not None and store == self.tracking_uri):
             self._run_id = str(saved["run_id"])
             return
-        log.warning("trainforge: the checkpoint's MLflow run %r belongs to the store %r, not to the store this "
-                    "MLflowLogger uses (%s): a new run is started there", saved["run_id"], store, self._uri)
+        log.warning(
+            "trainforge: the checkpoint's MLflow run %r belongs to the store %r, not to the store this "
+            "MLflowLogger uses (%s): a new run is started there",
+            saved["run_id"],
+            store,
+            self._uri,
+        )
 
     # --- checkpoints ---
     def log_checkpoint(self, path: str) -> None:
@@ -214,7 +229,7 @@ class MLflowLogger(TrackerCallback):
         from mlflow.tracking import MlflowClient
 
         if uri.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
+            os.makedirs(os.path.dirname(uri[len("sqlite:///") :]) or ".", exist_ok=True)
         client = MlflowClient(tracking_uri=uri)
         self._existing_params: Dict[str, str] = {}
         if self._run_id is not None:
@@ -246,7 +261,7 @@ class MLflowLogger(TrackerCallback):
                 entries[name] = str(value)[:MAX_PARAM_VAL_LENGTH]
         items = [Param(k, v) for k, v in entries.items()]
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-            self._client.log_batch(self._run_id, params=items[i:i + MAX_PARAMS_TAGS_PER_BATCH], synchronous=True)
+            self._client.log_batch(self._run_id, params=items[i : i + MAX_PARAMS_TAGS_PER_BATCH], synchronous=True)
         self._existing_params.update(entries)
 
     def _write_metrics(self, records: MetricRecords) -> None:
@@ -256,7 +271,7 @@ class MLflowLogger(TrackerCallback):
         now = int(time.time() * 1000)
         metrics = [Metric(mlflow_key(k), v, now, step) for step, values in records for k, v in values.items()]
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            self._client.log_batch(self._run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH], synchronous=True)
+            self._client.log_batch(self._run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH], synchronous=True)
 
     def _write_artifacts(self, path: str) -> None:
         self._client.log_artifacts(self._run_id, path, artifact_path=f"checkpoints/{os.path.basename(path)}")

@@ -9,6 +9,7 @@ current run, and a tracker writes over nothing that trainforge did not write.
   that exists but is not listed is the user's, and is neither overwritten nor moved. The list travels
   with a copied run, so the copy's own files stay writable.
 """
+
 from __future__ import annotations
 
 import json

@@ -12,6 +12,7 @@ lies inside the current run, see ``run_paths.py``) and passes
 SummaryWriter writes files on its own thread; an I/O error there is logged by TensorBoard rather than
 raised, so the failure policy sees only errors raised by the calls themselves.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,13 @@ class TensorBoardLogger(TrackerCallback):
             self._dir = resolve_in_run(saved, self._root)
             if self._dir is None:
                 self._dir = _next_version(os.path.join(self._root, "tensorboard"))
-                log.warning("trainforge: the checkpoint's TensorBoard directory %r is outside this run (%s); "
-                            "writing to %s instead", saved, self._root, self._dir)
+                log.warning(
+                    "trainforge: the checkpoint's TensorBoard directory %r is outside this run (%s); "
+                    "writing to %s instead",
+                    saved,
+                    self._root,
+                    self._dir,
+                )
         elif self._dir is None:
             self._dir = _next_version(os.path.join(self._root, "tensorboard"))
         self._purge_step = int(trainer.global_step) + 1 if self._resumed else None

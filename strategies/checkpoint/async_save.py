@@ -34,6 +34,7 @@ A failure is raised in the main thread as CheckpointError naming the checkpoint,
 daemon and an exit hook waits too, so the process does not exit before the last save is
 committed.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -58,9 +59,11 @@ log = logging.getLogger("trainforge")
 
 def check_async_save(value: Any, where: str = "") -> Optional[bool]:
     if not isinstance(value, (bool, type(None))):
-        raise ConfigurationError(f"{where + ': ' if where else ''}async_save={value!r} is not one of: None (on when training on CUDA, off on "
-                                 "CPU), True (the loop waits only while the state is copied to "
-                                 "host memory), False (the loop waits for the whole write)")
+        raise ConfigurationError(
+            f"{where + ': ' if where else ''}async_save={value!r} is not one of: None (on when training on CUDA, off on "
+            "CPU), True (the loop waits only while the state is copied to "
+            "host memory), False (the loop waits for the whole write)"
+        )
     return value
 
 
@@ -93,16 +96,25 @@ class AsyncCheckpointer:
     def open(self, final_dir: Any, kind: Optional[str] = None) -> "StagingWriter":
         if self._future is not None and not self._future.done() and not self._logged_wait:
             if self.strategy.is_global_zero:
-                log.info("trainforge: the asynchronous save of %s is still being written; the save of %s waits for "
-                         "it (logged once; save less often if this repeats)", self._path, final_dir)
+                log.info(
+                    "trainforge: the asynchronous save of %s is still being written; the save of %s waits for "
+                    "it (logged once; save less often if this repeats)",
+                    self._path,
+                    final_dir,
+                )
             self._logged_wait = True
         self.wait()
         started = time.perf_counter()
         s = self.strategy
         if dist.is_available() and dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")  # collective: every rank saves, in the same order
-        writer = CheckpointWriter(final_dir, rank=s.global_rank, world_size=s.world_size,
-                                  barrier=self.barrier if s.world_size > 1 else None, kind=kind)
+        writer = CheckpointWriter(
+            final_dir,
+            rank=s.global_rank,
+            world_size=s.world_size,
+            barrier=self.barrier if s.world_size > 1 else None,
+            kind=kind,
+        )
         return StagingWriter(writer, self, started)
 
     def in_flight(self) -> bool:
@@ -122,11 +134,16 @@ class AsyncCheckpointer:
             future.result()
             self._committed = self._path
         except BaseException as e:
-            previous = f"the previous checkpoint {self._committed} is intact" if self._committed else \
-                "no earlier checkpoint of this run was committed"
-            raise CheckpointError(f"asynchronous save of {self._path} failed ({type(e).__name__}: "
-                                  f"{str(e).strip()[:500]}); it was not committed, 'latest' was not moved and "
-                                  f"{previous}. Fix the cause (disk space, permissions) and save again") from e
+            previous = (
+                f"the previous checkpoint {self._committed} is intact"
+                if self._committed
+                else "no earlier checkpoint of this run was committed"
+            )
+            raise CheckpointError(
+                f"asynchronous save of {self._path} failed ({type(e).__name__}: "
+                f"{str(e).strip()[:500]}); it was not committed, 'latest' was not moved and "
+                f"{previous}. Fix the cause (disk space, permissions) and save again"
+            ) from e
         finally:
             self._future, self._after = None, []
 
@@ -155,8 +172,11 @@ class AsyncCheckpointer:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = self.strategy.root_device.type == "cuda"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+                )
+            )
         return self._stager
 
     def stage(self, obj: Any) -> Any:
@@ -175,12 +195,17 @@ class AsyncCheckpointer:
     def _submit(self, path: Path, job: Callable[[], None], staged: List[Any]) -> None:
         if not self._logged_size and self.strategy.is_global_zero:
             pinned = " pinned" if self.strategy.root_device.type == "cuda" else ""
-            log.info("trainforge: asynchronous checkpoints stage %.1f MB of%s host memory on rank 0, reused by "
-                     "every save (logged once)", _nbytes(staged) / 1e6, pinned)
+            log.info(
+                "trainforge: asynchronous checkpoints stage %.1f MB of%s host memory on rank 0, reused by "
+                "every save (logged once)",
+                _nbytes(staged) / 1e6,
+                pinned,
+            )
             self._logged_size = True
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainforge-async-ckpt",
-                                                initializer=_lower_priority)
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="trainforge-async-ckpt", initializer=_lower_priority
+            )
             # Run before concurrent.futures' own exit hook (threading's exit hooks run last-registered
             # first): after that one, the writer's checksum threads could no longer be started.
             getattr(threading, "_register_atexit", atexit.register)(self._at_exit)
@@ -240,9 +265,17 @@ class StagingWriter:
 
         self._staged.append(state)  # counted in the logged staging size (DCP stages it)
         # a Future (not an AsyncSaveResponse): the stager stages synchronously (use_async_staging=False)
-        self._dcp.append(cast(Future, dcp.async_save(state, checkpoint_id=str(self.tmp_dir / rel),
-                                                     process_group=self._saver._group,
-                                                     async_stager=self._saver.stager)))
+        self._dcp.append(
+            cast(
+                Future,
+                dcp.async_save(
+                    state,
+                    checkpoint_id=str(self.tmp_dir / rel),
+                    process_group=self._saver._group,
+                    async_stager=self._saver.stager,
+                ),
+            )
+        )
 
     @contextlib.contextmanager
     def deferred_engine(self, engine: Any) -> Iterator[None]:
@@ -292,7 +325,9 @@ class StagingWriter:
         return writer.final_dir
 
 
-WRITER_NICENESS = 10  # added to the nice value; measured on a 2-core CPU run: window throughput with one async save 0.63 -> 0.74
+WRITER_NICENESS = (
+    10  # added to the nice value; measured on a 2-core CPU run: window throughput with one async save 0.63 -> 0.74
+)
 
 
 def _lower_priority() -> None:

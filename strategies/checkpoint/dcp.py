@@ -7,6 +7,7 @@ since each pipeline rank's parameter groups hold other parameters and DCP would 
 ``params`` lists) or torch's nested form (FSDPStrategy's default). A reader takes whichever form the
 folder holds. Reading goes through ``dcp_safe`` (restricted unpickling).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,9 +32,12 @@ DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the torch.distributed.c
 def sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool = False) -> Dict[str, Any]:
     """``{"model": sharded state, "optimizers": {"0": ...}}``, DTensors keyed by parameter name."""
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
-    return {"model": get_model_state_dict(module),
-            "optimizers": {str(i): get_optimizer_state_dict(module, opt, options=options)
-                           for i, opt in enumerate(optimizers)}}
+    return {
+        "model": get_model_state_dict(module),
+        "optimizers": {
+            str(i): get_optimizer_state_dict(module, opt, options=options) for i, opt in enumerate(optimizers)
+        },
+    }
 
 
 def has_sharded(path: Any) -> bool:
@@ -46,25 +50,30 @@ def save_sharded(writer: Any, module: nn.Module, optimizers: Sequence[torch.opti
     writer.save_sharded(sharded_state(module, optimizers, flat), DCP_DIR)
 
 
-def load_sharded(path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                 nested_ok: bool = True) -> None:
+def load_sharded(
+    path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], nested_ok: bool = True
+) -> None:
     """Restore ``module`` and ``optimizers`` from ``path/dcp``. ``nested_ok=False``: the caller
     cannot take torch's nested optimizer form (pipeline stages), refused with the way out."""
     folder = Path(path) / DCP_DIR
     flat = bool(optimizers) and flat_optimizer_state(folder)
     if optimizers and not nested_ok and not flat:
-        raise CheckpointError(f"{folder}: its optimizer state is nested (written by FSDPStrategy), which cannot be "
-                              "split between pipeline stages; resume it without pipeline parallelism, or load the "
-                              "weights only (load_checkpoint with no optimizers / trainforge merge-weights)")
+        raise CheckpointError(
+            f"{folder}: its optimizer state is nested (written by FSDPStrategy), which cannot be "
+            "split between pipeline stages; resume it without pipeline parallelism, or load the "
+            "weights only (load_checkpoint with no optimizers / trainforge merge-weights)"
+        )
     state = sharded_state(module, optimizers, flat)
     try:
         safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
     except CheckpointError:
         raise
     except DCP_ERRORS as e:  # CheckpointException (a BaseException) / RuntimeError: missing keys, bad files
-        raise CheckpointError(f"{folder}: cannot load the sharded checkpoint into {type(module).__name__} "
-                              f"({type(e).__name__}: {str(e).strip()[:500]}); was it saved from the same "
-                              "model and optimizers?") from None
+        raise CheckpointError(
+            f"{folder}: cannot load the sharded checkpoint into {type(module).__name__} "
+            f"({type(e).__name__}: {str(e).strip()[:500]}); was it saved from the same "
+            "model and optimizers?"
+        ) from None
     set_model_state_dict(module, state["model"])
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     for i, opt in enumerate(optimizers):

@@ -12,6 +12,7 @@ the strategy, ``trainforge merge-weights``) goes through ``safe_reader``/``safe_
 
 Refusals raise CheckpointError saying nothing in the file was executed.
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -33,8 +34,10 @@ _ALLOWED = {
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # "torch.strided" -> layout
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("pathlib", "Path"): pathlib.Path, ("pathlib", "PosixPath"): pathlib.PosixPath,
-    ("pathlib", "WindowsPath"): pathlib.WindowsPath, ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "Path"): pathlib.Path,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "WindowsPath"): pathlib.WindowsPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
 }
@@ -43,9 +46,11 @@ _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 
 def _refused(path: Any, what: str) -> CheckpointError:
-    return CheckpointError(f"refused to load {path}: it contains a pickled object that would import {what} when "
-                           f"loaded; checkpoints written by torch.distributed.checkpoint never do; do not load files "
-                           f"from untrusted sources. Nothing in it was executed")
+    return CheckpointError(
+        f"refused to load {path}: it contains a pickled object that would import {what} when "
+        f"loaded; checkpoints written by torch.distributed.checkpoint never do; do not load files "
+        f"from untrusted sources. Nothing in it was executed"
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -75,8 +80,10 @@ def load_metadata(path: Any) -> dcp_metadata.Metadata:
     except CheckpointError:
         raise
     except Exception as e:  # truncated, not a pickle
-        raise CheckpointError(f"{path}: unreadable torch.distributed.checkpoint metadata ({type(e).__name__}: "
-                              f"{str(e)[:200]}); the file is truncated or corrupted") from None
+        raise CheckpointError(
+            f"{path}: unreadable torch.distributed.checkpoint metadata ({type(e).__name__}: "
+            f"{str(e)[:200]}); the file is truncated or corrupted"
+        ) from None
     if not isinstance(meta, dcp_metadata.Metadata):
         raise CheckpointError(f"{path}: holds a {type(meta).__name__}, not torch.distributed.checkpoint Metadata")
     return meta
@@ -109,8 +116,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as e:
-            raise _refused(f"entry {read_item.dest_index.fqn!r}", str(e).split("GLOBAL ")[-1].split()[0]
-                           if "GLOBAL " in str(e) else f"something weights_only refuses ({type(e).__name__})")
+            raise _refused(
+                f"entry {read_item.dest_index.fqn!r}",
+                str(e).split("GLOBAL ")[-1].split()[0]
+                if "GLOBAL " in str(e)
+                else f"something weights_only refuses ({type(e).__name__})",
+            )
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

@@ -29,6 +29,7 @@ The files of a checkpoint must be on a filesystem every rank sees (as torch.dist
 assumes): each rank checksums and fsyncs the files it wrote, rank 0 checksums untracked ones
 (written by a backend), then writes the manifest, commits and renames.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,8 +77,17 @@ from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB" as Hugging Face counts it
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SAVE_ID = ".save-id"  # a random id rank 0 gives each save; stored as metadata["save_id"]
 
 
@@ -87,11 +97,10 @@ def parse_size(value: Union[int, str], what: str = "max_shard_size") -> int:
         return value
     m = _SIZE_RE.match(value) if isinstance(value, str) else None
     if m is None or float(m.group(1)) <= 0:
-        raise ConfigurationError(f"{what}={value!r} is not a size: give a positive number of bytes or a string "
-                                 f"like '5GB', '500MB' or '2GiB'")
+        raise ConfigurationError(
+            f"{what}={value!r} is not a size: give a positive number of bytes or a string like '5GB', '500MB' or '2GiB'"
+        )
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-
-
 
 
 def _versions() -> Dict[str, str]:
@@ -99,8 +108,12 @@ def _versions() -> Dict[str, str]:
         ours = importlib.metadata.version("trainforge")
     except importlib.metadata.PackageNotFoundError:
         ours = "unknown"
-    return {"trainforge": ours, "torch": torch.__version__, "safetensors": safetensors.__version__,
-            "python": platform.python_version()}
+    return {
+        "trainforge": ours,
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _dedupe(state_dict: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
@@ -108,11 +121,15 @@ def _dedupe(state_dict: Mapping[str, torch.Tensor]) -> Tuple[Dict[str, torch.Ten
     groups: Dict[Tuple[str, int], List[str]] = {}
     for key, t in state_dict.items():
         if not isinstance(key, str) or not isinstance(t, torch.Tensor):
-            raise ConfigurationError(f"save_tensors: entry {key!r} is a {type(t).__name__}; only str -> Tensor entries "
-                                     f"go to safetensors, store other state with save_object")
+            raise ConfigurationError(
+                f"save_tensors: entry {key!r} is a {type(t).__name__}; only str -> Tensor entries "
+                f"go to safetensors, store other state with save_object"
+            )
         if t.device.type == "meta" or t.layout != torch.strided:
-            raise ConfigurationError(f"save_tensors: tensor {key!r} is {t.device.type}/{t.layout}; safetensors stores "
-                                     f"dense tensors with data: materialize it, or store it with save_object")
+            raise ConfigurationError(
+                f"save_tensors: tensor {key!r} is {t.device.type}/{t.layout}; safetensors stores "
+                f"dense tensors with data: materialize it, or store it with save_object"
+            )
         ptr = t.untyped_storage().data_ptr() if t.numel() else 0
         groups.setdefault((str(t.device), ptr) if ptr else ("", id(t)), []).append(key)
     kept: Dict[str, torch.Tensor] = {}
@@ -141,13 +158,22 @@ class CheckpointWriter:
     An existing ``final_dir`` is replaced only if it is a trainforge checkpoint of the same ``kind``
     (None: any kind) or empty; anything else is refused here, before any work (``check_replaceable``)."""
 
-    def __init__(self, final_dir: PathLike, *, rank: int = 0, world_size: int = 1,
-                 barrier: Optional[Callable[[], Any]] = None, kind: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        final_dir: PathLike,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Optional[Callable[[], Any]] = None,
+        kind: Optional[str] = None,
+    ) -> None:
         if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
             raise ConfigurationError(f"rank={rank!r}, world_size={world_size!r}: need 0 <= rank < world_size")
         if world_size > 1 and barrier is None:
-            raise ConfigurationError(f"world_size={world_size} needs barrier=<the strategy's barrier callable> so rank 0 "
-                                     f"commits only after every rank has written its files")
+            raise ConfigurationError(
+                f"world_size={world_size} needs barrier=<the strategy's barrier callable> so rank 0 "
+                f"commits only after every rank has written its files"
+            )
         self.final_dir = Path(final_dir).absolute()
         check_name(self.final_dir.name)
         check_replaceable(self.final_dir, kind)  # every rank: the same shared files, the same answer
@@ -171,8 +197,10 @@ class CheckpointWriter:
         try:  # every rank learns this save's id: it tells them later whether rank 0 committed it
             self.save_id = (self.tmp_dir / _SAVE_ID).read_text(encoding="utf-8")
         except OSError:
-            raise CheckpointError(f"{self.tmp_dir}: not visible on rank {rank}; the checkpoint directory must be on a "
-                                  f"filesystem every rank shares") from None
+            raise CheckpointError(
+                f"{self.tmp_dir}: not visible on rank {rank}; the checkpoint directory must be on a "
+                f"filesystem every rank shares"
+            ) from None
 
     def _barrier(self) -> None:
         if self._barrier_fn is not None:
@@ -217,8 +245,12 @@ class CheckpointWriter:
 
         dcp.save(state, checkpoint_id=str(self.tmp_dir / check_rel(rel)))
 
-    def save_tensors(self, name: str, state_dict: Mapping[str, torch.Tensor],
-                     max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> List[str]:
+    def save_tensors(
+        self,
+        name: str,
+        state_dict: Mapping[str, torch.Tensor],
+        max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+    ) -> List[str]:
         """Write ``<name>.safetensors``, or above ``max_shard_size`` bytes the shards
         ``<name>-0000i-of-0000N.safetensors`` plus ``<name>.safetensors.index.json`` (HF format).
         Returns the file names written."""
@@ -235,7 +267,9 @@ class CheckpointWriter:
             used += size
         base = check_rel(name)
         n = len(shards)
-        names = [f"{base}.safetensors"] if n == 1 else [f"{base}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        names = (
+            [f"{base}.safetensors"] if n == 1 else [f"{base}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        )
         for file, keys in zip(names, shards):
             header = {"format": "pt"}  # transformers refuses safetensors files without format=pt
             if n == 1 and aliases:
@@ -266,7 +300,8 @@ class CheckpointWriter:
             raise ConfigurationError(
                 f"save_object({name!r}): the object holds {', '.join(unsafe)}, which torch.load(weights_only=True) "
                 f"refuses, so it could never be loaded; store tensors, numbers, strings, lists, tuples and dicts "
-                f"(convert numpy values with strategies.checkpoint.io.to_plain)")
+                f"(convert numpy values with strategies.checkpoint.io.to_plain)"
+            )
         self.track(file)
         return file
 
@@ -302,20 +337,31 @@ class CheckpointWriter:
         given = dict(metadata or {})
         reserved = [k for k in RESERVED_KEYS if k in given]
         if reserved:
-            raise ConfigurationError(f"finalize(metadata=...): {reserved} are written by trainforge itself; remove them")
+            raise ConfigurationError(
+                f"finalize(metadata=...): {reserved} are written by trainforge itself; remove them"
+            )
         step = given.get("step")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise ConfigurationError(f"finalize(metadata=...): step={step!r} must be a non-negative int "
-                                     f"(the trainer's global_step) or None")
-        meta = {"format_version": FORMAT_VERSION, "step": step, "epoch": None, "world_size": self.world_size,
-                "strategy": None, "precision": None, "versions": _versions(),
-                "created": datetime.now(timezone.utc).isoformat(timespec="microseconds")}
+            raise ConfigurationError(
+                f"finalize(metadata=...): step={step!r} must be a non-negative int (the trainer's global_step) or None"
+            )
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "epoch": None,
+            "world_size": self.world_size,
+            "strategy": None,
+            "precision": None,
+            "versions": _versions(),
+            "created": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+        }
         meta.update(given)
         try:
             return json.loads(json.dumps(meta))  # canonical form: what read_metadata will see
         except (TypeError, ValueError) as e:
-            raise ConfigurationError(f"finalize(metadata=...): not JSON-serializable ({e}); store such state with "
-                                     f"save_object") from None
+            raise ConfigurationError(
+                f"finalize(metadata=...): not JSON-serializable ({e}); store such state with save_object"
+            ) from None
 
     def _commit(self, meta: Dict[str, Any], update_latest: bool, entries: Dict[str, Dict[str, Any]]) -> None:
         tmp = self.tmp_dir
@@ -326,8 +372,10 @@ class CheckpointWriter:
             rank = int(frag.stem.rsplit("-", 1)[1])
             for rel, entry in json.loads(frag.read_text(encoding="utf-8")).items():
                 if rel in files and files[rel] != entry:
-                    raise CheckpointError(f"{tmp / rel}: written by rank {owner[rel]} and rank {rank}; give each rank "
-                                          f"its own file name, e.g. f'rng/rank-{{rank:05d}}'")
+                    raise CheckpointError(
+                        f"{tmp / rel}: written by rank {owner[rel]} and rank {rank}; give each rank "
+                        f"its own file name, e.g. f'rng/rank-{{rank:05d}}'"
+                    )
                 files[rel], owner[rel] = entry, rank
             frag.unlink()
         for path in sorted(tmp.rglob("*")):

@@ -1,6 +1,7 @@
 """Reading a checkpoint directory: weights with safetensors (never pickle), everything else with
 ``torch.load(weights_only=True)``, each file checked against the manifest first. Re-exported by
 ``strategies/checkpoint/io.py``, the module the rest of trainforge imports."""
+
 from __future__ import annotations
 
 import json
@@ -16,20 +17,23 @@ from trainforge.strategies.errors import CheckpointError
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")  # the global a weights_only unpickler refused
 
+
 def _read_safetensors(path: Path, device: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     try:
         with safe_open(str(path), framework="pt", device=device) as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
     except Exception as e:  # SafetensorError (bad header), OSError, ValueError: all mean "unreadable"
-        raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupted") from None
+        raise CheckpointError(
+            f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupted"
+        ) from None
 
 
 # Which strategies read a sharded checkpoint a whole-model reader (single device, DDP, inference) cannot.
 _SHARDED_READERS = {
     "fsdp": "FSDPStrategy or MegatronStrategy (any layout), or make one model.safetensors with "
-            "`trainforge merge-weights CKPT OUT`",
+    "`trainforge merge-weights CKPT OUT`",
     "megatron": "MegatronStrategy or FSDPStrategy (any layout), or make one model.safetensors with "
-                "`trainforge merge-weights CKPT OUT`",
+    "`trainforge merge-weights CKPT OUT`",
     "deepspeed": "DeepSpeedStrategy (any ZeRO stage)",
 }
 
@@ -42,12 +46,15 @@ def _refuse_sharded(ckpt_dir: Path) -> None:
     except CheckpointError:
         return  # not a complete trainforge checkpoint: the missing-file error says enough
     if strategy in _SHARDED_READERS:
-        raise CheckpointError(f"{ckpt_dir} is a sharded checkpoint written by strategy={strategy!r} (no "
-                              f"model.safetensors); load it with {_SHARDED_READERS[strategy]}")
+        raise CheckpointError(
+            f"{ckpt_dir} is a sharded checkpoint written by strategy={strategy!r} (no "
+            f"model.safetensors); load it with {_SHARDED_READERS[strategy]}"
+        )
 
 
-def load_tensors(ckpt_dir: PathLike, name: str = "model", device: Union[str, torch.device] = "cpu"
-                 ) -> Dict[str, torch.Tensor]:
+def load_tensors(
+    ckpt_dir: PathLike, name: str = "model", device: Union[str, torch.device] = "cpu"
+) -> Dict[str, torch.Tensor]:
     """Tensors saved by ``save_tensors(name, ...)`` (single file or sharded), aliases restored.
     Does not re-check checksums: ``verify_checkpoint``/``resolve_checkpoint`` do that."""
     ckpt_dir, base = Path(ckpt_dir), check_rel(name)
@@ -77,11 +84,15 @@ def load_tensors(ckpt_dir: PathLike, name: str = "model", device: Union[str, tor
     else:
         _refuse_sharded(ckpt_dir)
         present = sorted(p.name for p in ckpt_dir.glob("*.safetensors*")) if ckpt_dir.is_dir() else []
-        raise CheckpointError(f"{single}: missing file (and no {index.name}); safetensors files in {ckpt_dir}: {present}")
+        raise CheckpointError(
+            f"{single}: missing file (and no {index.name}); safetensors files in {ckpt_dir}: {present}"
+        )
     for alias, kept in aliases.items():
         if kept not in out:
-            raise CheckpointError(f"{single if not index.is_file() else index}: alias {alias!r} -> {kept!r}, "
-                                  f"which is not in the file; the checkpoint is corrupted")
+            raise CheckpointError(
+                f"{single if not index.is_file() else index}: alias {alias!r} -> {kept!r}, "
+                f"which is not in the file; the checkpoint is corrupted"
+            )
         out[alias] = out[kept]
     return out
 
@@ -99,9 +110,12 @@ def load_object(ckpt_dir: PathLike, name: str, map_location: Any = "cpu") -> Any
             raise CheckpointError(
                 f"refused to load {path}: it contains a pickled object that would import {found.group(1)} when "
                 f"loaded; checkpoints written by trainforge never do; do not load files from untrusted sources. "
-                f"Nothing in it was executed") from None
-        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
-                              f"the file is truncated or corrupted") from None
+                f"Nothing in it was executed"
+            ) from None
+        raise CheckpointError(
+            f"{path}: cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
+            f"the file is truncated or corrupted"
+        ) from None
 
 
 def to_plain(obj: Any) -> Any:

@@ -5,6 +5,7 @@
 slices of that mapping: pages are file-backed (RssFile, not RssAnon) and read on first touch, so a
 model far larger than RAM can be "loaded" for free. Only the header is parsed here.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,18 @@ import torch
 
 from trainforge.strategies.errors import CheckpointError
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _MAX_HEADER = 100 * 2**20
 
 
@@ -37,8 +47,9 @@ def read_header(path: Union[str, Path]) -> Tuple[Dict[str, Dict[str, Any]], Dict
     meta = header.pop("__metadata__", None) or {}
     for name, entry in header.items():
         if entry.get("dtype") not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}, not one of "
-                                  f"{', '.join(SAFETENSORS_DTYPES)}")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}, not one of {', '.join(SAFETENSORS_DTYPES)}"
+            )
     return header, meta, 8 + n
 
 
@@ -55,7 +66,7 @@ def mmap_safetensors(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
     for name, e in entries.items():
         dtype, shape = SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"])
         begin, end = e["data_offsets"]
-        raw = whole[start + begin:start + end]
+        raw = whole[start + begin : start + end]
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if (start + begin) % itemsize:  # unaligned data (old writers): one copy of this tensor only
             raw = raw.clone()

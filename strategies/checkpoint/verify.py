@@ -21,6 +21,7 @@ Which checkpoint ``"last"`` means: the one ``latest`` names if it verifies, othe
 skipped and why. Sub-directories holding no metadata.json, safetensors or .pt file are not
 checkpoints and are left alone. One save at a time per root (trainforge saves are collective).
 """
+
 from __future__ import annotations
 
 import json
@@ -89,7 +90,8 @@ def check_name(name: str, what: str = "checkpoint name") -> str:
         raise ConfigurationError(
             f"{what}={name!r} is not valid: one directory name of at most 200 characters, not starting with "
             f"'.', no leading or trailing space, without '/', '\\' or line breaks, and not {LATEST_FILE!r}; "
-            f"e.g. 'step-000200'")
+            f"e.g. 'step-000200'"
+        )
     return name
 
 
@@ -113,10 +115,14 @@ def read_metadata(ckpt_dir: PathLike) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: unparsable metadata (no 'format_version' field); the checkpoint is corrupted")
     version = meta["format_version"]
     if version != FORMAT_VERSION:
-        hint = ("it was written by a newer trainforge: upgrade trainforge to read it"
-                if isinstance(version, int) and version > FORMAT_VERSION else "the file is corrupted or not ours")
-        raise CheckpointError(f"{path}: unknown format_version={version!r} (this trainforge reads "
-                              f"{FORMAT_VERSION}); {hint}")
+        hint = (
+            "it was written by a newer trainforge: upgrade trainforge to read it"
+            if isinstance(version, int) and version > FORMAT_VERSION
+            else "the file is corrupted or not ours"
+        )
+        raise CheckpointError(
+            f"{path}: unknown format_version={version!r} (this trainforge reads {FORMAT_VERSION}); {hint}"
+        )
     if meta.get("checksum") != metadata_checksum(meta) or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"{path}: checksum mismatch in the metadata itself; the file was altered or corrupted")
     return meta
@@ -139,15 +145,19 @@ def verify_checkpoint(ckpt_dir: PathLike, only: Optional[Callable[[str], bool]] 
             raise CheckpointError(f"{path}: missing file (listed in the manifest of {ckpt_dir})")
         actual = path.stat().st_size
         if actual != entry.get("size"):
-            raise CheckpointError(f"{path}: size mismatch: {actual} bytes on disk, {entry.get('size')} in the "
-                                  f"manifest; the file is truncated or was overwritten")
+            raise CheckpointError(
+                f"{path}: size mismatch: {actual} bytes on disk, {entry.get('size')} in the "
+                f"manifest; the file is truncated or was overwritten"
+            )
     workers = max(1, min(8, os.cpu_count() or 1, len(entries)))  # zlib.crc32 and reads release the GIL
     with ThreadPoolExecutor(max_workers=workers) as pool:
         crcs = list(pool.map(_crc_or_error, [ckpt_dir / rel for rel, _ in entries]))
     for (rel, entry), crc in zip(entries, crcs):
         if crc != entry.get("crc32"):
-            raise CheckpointError(f"{ckpt_dir / rel}: checksum mismatch: crc32 {crc} on disk, {entry.get('crc32')} in "
-                                  f"the manifest; the file is corrupted")
+            raise CheckpointError(
+                f"{ckpt_dir / rel}: checksum mismatch: crc32 {crc} on disk, {entry.get('crc32')} in "
+                f"the manifest; the file is corrupted"
+            )
     return meta
 
 
@@ -204,7 +214,8 @@ def _order_key(path: Path) -> Tuple[Any, ...]:
 
 def _looks_like_checkpoint(path: Path) -> bool:
     return (path / METADATA_FILE).exists() or any(
-        next(path.glob(pattern), None) is not None for pattern in ("*.safetensors", "*.safetensors.index.json", "*.pt"))
+        next(path.glob(pattern), None) is not None for pattern in ("*.safetensors", "*.safetensors.index.json", "*.pt")
+    )
 
 
 def _candidates(root: Path) -> List[Path]:
@@ -218,7 +229,7 @@ def _candidates(root: Path) -> List[Path]:
         if not p.name.startswith("."):
             if _looks_like_checkpoint(p):  # other directories a user keeps here are not reported
                 found.append(p)
-        elif p.name.endswith(ASIDE) and not (root / p.name[1:-len(ASIDE)]).exists():
+        elif p.name.endswith(ASIDE) and not (root / p.name[1 : -len(ASIDE)]).exists():
             found.append(p)
     return sorted(found, key=_order_key)
 
@@ -252,17 +263,20 @@ def find_latest_valid(root: PathLike) -> Tuple[Optional[Path], List[Tuple[Path, 
 
 
 @overload
-def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: Literal[False] = False,
-                       verify: bool = True) -> Path: ...
+def resolve_checkpoint(
+    root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: Literal[False] = False, verify: bool = True
+) -> Path: ...
 
 
 @overload
-def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: bool = False,
-                       verify: bool = True) -> Optional[Path]: ...
+def resolve_checkpoint(
+    root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: bool = False, verify: bool = True
+) -> Optional[Path]: ...
 
 
-def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: bool = False,
-                       verify: bool = True) -> Optional[Path]:
+def resolve_checkpoint(
+    root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: bool = False, verify: bool = True
+) -> Optional[Path]:
     """The directory to resume from.
 
     ``ckpt_path="last"``: the checkpoint ``<root>/latest`` names if it verifies, else the newest
@@ -278,13 +292,17 @@ def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_
             path = root / path
         found = locate(path.parent, path.name) if path.name else None
         if found is None:
-            raise CheckpointError(f"ckpt_path={str(ckpt_path)!r}: no such checkpoint directory (looked at {path}); "
-                                  f"pass 'last' or an existing checkpoint directory")
+            raise CheckpointError(
+                f"ckpt_path={str(ckpt_path)!r}: no such checkpoint directory (looked at {path}); "
+                f"pass 'last' or an existing checkpoint directory"
+            )
         if not (found / METADATA_FILE).exists() and ((found / LATEST_FILE).is_file() or list_checkpoints(found)):
             inside = [p.name for p in list_checkpoints(found)][-3:]
-            raise CheckpointError(f"ckpt_path={str(ckpt_path)!r} is a directory of checkpoints, not one checkpoint; "
-                                  f"pass one of them (newest: {inside}), or ckpt_path='last' with that directory as "
-                                  "ModelCheckpoint(dirpath=...) to take the newest that verifies")
+            raise CheckpointError(
+                f"ckpt_path={str(ckpt_path)!r} is a directory of checkpoints, not one checkpoint; "
+                f"pass one of them (newest: {inside}), or ckpt_path='last' with that directory as "
+                "ModelCheckpoint(dirpath=...) to take the newest that verifies"
+            )
         if verify:
             verify_checkpoint(found)
         return found
@@ -311,8 +329,9 @@ def resolve_checkpoint(root: PathLike, ckpt_path: PathLike = "last", *, missing_
         lines = "\n".join(f"  {p}: {why}" for p, why in skipped)
         if best is None:
             raise CheckpointError(f"no checkpoint under {root} verifies; skipped:\n{lines}")
-        warnings.warn(f"resuming from {best}; skipped newer or named checkpoints that do not verify:\n{lines}",
-                      stacklevel=2)
+        warnings.warn(
+            f"resuming from {best}; skipped newer or named checkpoints that do not verify:\n{lines}", stacklevel=2
+        )
     if best is None and not missing_ok:
         raise CheckpointError(f"ckpt_path='last': no checkpoint under {root}; pass missing_ok=True to start fresh")
     return best
@@ -337,13 +356,18 @@ def check_replaceable(path: PathLike, kind: Optional[str] = None) -> None:
         found = None
     if found is not None and (kind is None or found == kind):
         return
-    what = (f"a trainforge {found!r} checkpoint, not {kind!r}" if found is not None else
-            "not a trainforge checkpoint" + (" (it is a checkpoint root: it holds 'latest')"
-                                             if LATEST_FILE in entries else ""))
+    what = (
+        f"a trainforge {found!r} checkpoint, not {kind!r}"
+        if found is not None
+        else "not a trainforge checkpoint"
+        + (" (it is a checkpoint root: it holds 'latest')" if LATEST_FILE in entries else "")
+    )
     shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-    raise ConfigurationError(f"refusing to save into {str(path)!r}: it exists and is {what}, holding {shown}; "
-                             f"saving replaces the directory and would delete them. Give a new directory (e.g. a "
-                             f"sub-directory such as {str(path / 'checkpoint')!r}), or remove it yourself")
+    raise ConfigurationError(
+        f"refusing to save into {str(path)!r}: it exists and is {what}, holding {shown}; "
+        f"saving replaces the directory and would delete them. Give a new directory (e.g. a "
+        f"sub-directory such as {str(path / 'checkpoint')!r}), or remove it yourself"
+    )
 
 
 # ----------------------------------------------------------------------------- deletion
@@ -366,8 +390,9 @@ def delete_checkpoint(path: PathLike, root: Optional[PathLike] = None) -> bool:
         except CheckpointError as e:
             raise CheckpointError(f"{path}: not a trainforge checkpoint ({e}); refusing to delete it") from None
     if not hidden and read_latest_pointer(path.parent) == path.name:
-        warnings.warn(f"not deleting {path}: {path.parent / LATEST_FILE} names it (it is the resume point)",
-                      stacklevel=2)
+        warnings.warn(
+            f"not deleting {path}: {path.parent / LATEST_FILE} names it (it is the resume point)", stacklevel=2
+        )
         return False
     target = path
     if not hidden:
@@ -388,7 +413,7 @@ def remove_stale(root: Path, keep: Tuple[Path, ...] = ()) -> None:
     for p in root.iterdir():
         if not (p.is_dir() and p.name.startswith(".")) or p in keep:
             continue
-        orphan_aside = p.name.endswith(ASIDE) and not (root / p.name[1:-len(ASIDE)]).exists()
+        orphan_aside = p.name.endswith(ASIDE) and not (root / p.name[1 : -len(ASIDE)]).exists()
         if p.name.endswith((PARTIAL, DELETING)) or (p.name.endswith(ASIDE) and not orphan_aside):
             shutil.rmtree(p, ignore_errors=True)
 
@@ -399,6 +424,8 @@ PART_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 def check_rel(name: str) -> str:
     """A file name inside a checkpoint: '/'-separated parts, none hidden or '..'."""
     if not isinstance(name, str) or not name or not all(PART_RE.match(p) for p in name.split("/")):
-        raise ConfigurationError(f"name={name!r} is not valid inside a checkpoint: use letters, digits and _ . = + - "
-                                 f"with '/' between parts, not starting with '.', e.g. 'optimizer' or 'rng/rank-00001'")
+        raise ConfigurationError(
+            f"name={name!r} is not valid inside a checkpoint: use letters, digits and _ . = + - "
+            f"with '/' between parts, not starting with '.', e.g. 'optimizer' or 'rng/rank-00001'"
+        )
     return name

@@ -28,6 +28,7 @@ The end of the stream (``R`` samples in the last, incomplete round):
 Every reader must see the same stream: seed any shuffling per epoch (``set_epoch`` is forwarded),
 not per process or per worker.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,7 @@ from torchdata.stateful_dataloader import Stateful
 from ..errors import ConfigurationError
 from .utils import batch_size_of
 
-__all__ = ["TaggedBatch", "ShardedIterableDataset", "StatefulShardedIterableDataset", "shard_iterable",
-           "shards_itself"]
+__all__ = ["TaggedBatch", "ShardedIterableDataset", "StatefulShardedIterableDataset", "shard_iterable", "shards_itself"]
 
 
 class TaggedBatch(NamedTuple):
@@ -102,8 +102,9 @@ class _TagCollate:
         if not self.auto_batch:  # batch_size=None: one (item, padding, fingerprint) at a time
             item, padding, mark = items
             return TaggedBatch(self.collate_fn(item), padding, mark)
-        return TaggedBatch(self.collate_fn([sample for sample, _, _ in items]), max(p for _, p, _ in items),
-                           items[0][2])
+        return TaggedBatch(
+            self.collate_fn([sample for sample, _, _ in items]), max(p for _, p, _ in items), items[0][2]
+        )
 
 
 def _read_as_one_worker(dataset: Any) -> Iterator[Any]:
@@ -113,10 +114,12 @@ def _read_as_one_worker(dataset: Any) -> Iterator[Any]:
         yield from dataset
         return
     if not hasattr(_torch_worker, "_worker_info"):  # where torch (and torchdata's workers) keep it
-        raise ConfigurationError("this torch version keeps no torch.utils.data._utils.worker._worker_info, so "
-                                 "trainforge cannot split an IterableDataset between DataLoader workers: use "
-                                 "num_workers=0, dispatch_batches=True, or shard the dataset yourself "
-                                 "(shards_by_rank = True)")
+        raise ConfigurationError(
+            "this torch version keeps no torch.utils.data._utils.worker._worker_info, so "
+            "trainforge cannot split an IterableDataset between DataLoader workers: use "
+            "num_workers=0, dispatch_batches=True, or shard the dataset yourself "
+            "(shards_by_rank = True)"
+        )
     if dataclasses.is_dataclass(info):
         alone = dataclasses.replace(info, id=0, num_workers=1)
     else:  # torch < 2.6: a plain class built from keywords
@@ -143,8 +146,16 @@ class ShardedIterableDataset(IterableDataset):
     """This rank's chunks of ``dataset``'s stream (see the module docstring). Built by
     :func:`shard_iterable`; yields ``(sample, padding, fingerprint)`` triples that the loader's collate unpacks."""
 
-    def __init__(self, dataset: Any, *, rank: int, world_size: int, batch_size: Optional[int], drop_last: bool,
-                 even_batches: bool) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: Optional[int],
+        drop_last: bool,
+        even_batches: bool,
+    ) -> None:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
         self.batch_size, self.drop_last, self.even_batches = batch_size, drop_last, even_batches
         self.chunk = batch_size or 1  # batch_size=None: the dataset's items are the batches

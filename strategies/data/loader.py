@@ -14,6 +14,7 @@ sampler directly (it must win over a later ``set_epoch``), and torchdata's own s
 stateful dataset states) is restored only when world size, rank, batch size and worker count all
 match; otherwise the loader starts fresh iterators at the saved global position.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,14 @@ from .sampler import (
 from .split import drop_padding, split_between_processes  # noqa: F401  (re-exported)
 
 __all__ = [
-    "ResumableDataLoader", "ResumableDistributedSampler", "prepare_dataloader", "loader_state_dict",
-    "load_loader_state", "set_loader_epoch", "num_padding_samples", "drop_padding",
+    "ResumableDataLoader",
+    "ResumableDistributedSampler",
+    "prepare_dataloader",
+    "loader_state_dict",
+    "load_loader_state",
+    "set_loader_epoch",
+    "num_padding_samples",
+    "drop_padding",
     "split_between_processes",
 ]
 
@@ -90,8 +97,7 @@ class ResumableDataLoader(StatefulDataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order; to be called before each epoch (the Trainer does)."""
-        targets = [self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None),
-                   self.dataset]
+        targets = [self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None), self.dataset]
         for target in targets:
             if target is not None and callable(getattr(target, "set_epoch", None)):
                 target.set_epoch(epoch)
@@ -102,14 +108,17 @@ class ResumableDataLoader(StatefulDataLoader):
         """The position after the last batch handed to the loop (plain Python types)."""
         loader_state = self._torchdata_state()
         state: Dict[str, Any] = {
-            "format": STATE_FORMAT, "kind": self.kind, "world_size": self.world_size,
-            "rank": self.rank, "batch_size": self.batch_size, "num_workers": self.num_workers,
+            "format": STATE_FORMAT,
+            "kind": self.kind,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
             "loader": loader_state,
         }
         if self.kind == "map":
             sampler_state = self._position(loader_state)
-            state.update(sampler=sampler_state, epoch=sampler_state["epoch"],
-                         consumed=sampler_state["consumed"])
+            state.update(sampler=sampler_state, epoch=sampler_state["epoch"], consumed=sampler_state["consumed"])
         return state
 
     def _torchdata_state(self) -> Dict[str, Any]:
@@ -130,9 +139,12 @@ class ResumableDataLoader(StatefulDataLoader):
             # A different epoch means set_epoch() was called after this pass: it starts at 0.
             return snap if snap["epoch"] == live["epoch"] else {**live, "consumed": 0}
         if self.num_workers > 0:
-            warnings.warn("the sampler's position was not found in the StatefulDataLoader state "
-                          "(torchdata version?); saving the dispatch position, which may count "
-                          "batches the workers prefetched", stacklevel=3)
+            warnings.warn(
+                "the sampler's position was not found in the StatefulDataLoader state "
+                "(torchdata version?); saving the dispatch position, which may count "
+                "batches the workers prefetched",
+                stacklevel=3,
+            )
         return live
 
     # -- load ---------------------------------------------------------------------------------
@@ -140,16 +152,23 @@ class ResumableDataLoader(StatefulDataLoader):
         """Continue from ``state``; validates everything before changing anything."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             given = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ConfigurationError(f"not a ResumableDataLoader state (format {given!r}, expected "
-                                     f"{STATE_FORMAT}): pass the dict returned by state_dict()")
+            raise ConfigurationError(
+                f"not a ResumableDataLoader state (format {given!r}, expected "
+                f"{STATE_FORMAT}): pass the dict returned by state_dict()"
+            )
         same_layout = (state["world_size"], state["rank"], state["num_workers"], state["batch_size"]) == (
-            self.world_size, self.rank, self.num_workers, self.batch_size)
+            self.world_size,
+            self.rank,
+            self.num_workers,
+            self.batch_size,
+        )
         if state["kind"] != self.kind:
             if {state["kind"], self.kind} == {"iterable", "stream"} and not same_layout:
                 raise ConfigurationError(_layout_message(state, self))  # a stream split for another world size
             raise ConfigurationError(
                 f"the data position was saved from a {state['kind']!r} loader but this loader is "
-                f"{self.kind!r}: resume with the same kind of dataset and sampler")
+                f"{self.kind!r}: resume with the same kind of dataset and sampler"
+            )
         if self.kind != "map":
             if not same_layout:
                 raise ConfigurationError(_layout_message(state, self))
@@ -173,11 +192,14 @@ class ResumableDataLoader(StatefulDataLoader):
             return
         seen = _find_key(state["loader"], "_num_yielded")
         if seen and not _find_key(state["loader"], _FINISHED_KEY):
-            warnings.warn(f"{type(user).__name__} has no state_dict()/load_state_dict(): its mid-epoch position is "
-                          f"not restored from the checkpoint but by reading again the {seen} batch(es) already "
-                          "seen, which is exact only if the stream yields the same samples again. Implement "
-                          "state_dict/load_state_dict (torchdata's Stateful) to resume without re-reading",
-                          UserWarning, stacklevel=4)
+            warnings.warn(
+                f"{type(user).__name__} has no state_dict()/load_state_dict(): its mid-epoch position is "
+                f"not restored from the checkpoint but by reading again the {seen} batch(es) already "
+                "seen, which is exact only if the stream yields the same samples again. Implement "
+                "state_dict/load_state_dict (torchdata's Stateful) to resume without re-reading",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _check_global_batch(self, state: Dict[str, Any]) -> None:
         s = state["sampler"]
@@ -190,18 +212,20 @@ class ResumableDataLoader(StatefulDataLoader):
         if old_global == new_global and consumed % new_global == 0:
             return
         if old_global % self.world_size == 0:
-            fix = (f"use batch_size={old_global // self.world_size} per process to keep the global "
-                   f"batch of {old_global}")
+            fix = f"use batch_size={old_global // self.world_size} per process to keep the global batch of {old_global}"
         else:
             divisors = [d for d in range(1, old_global + 1) if old_global % d == 0]
-            fix = (f"{self.world_size} processes cannot share a global batch of {old_global}; use a "
-                   f"number of processes that divides it ({', '.join(map(str, divisors))}) or "
-                   "resume from an epoch boundary")
+            fix = (
+                f"{self.world_size} processes cannot share a global batch of {old_global}; use a "
+                f"number of processes that divides it ({', '.join(map(str, divisors))}) or "
+                "resume from an epoch boundary"
+            )
         raise ConfigurationError(
             f"cannot continue mid-epoch at global sample {consumed} of epoch {s['epoch']}: it was "
             f"saved with {state['world_size']} process(es) x batch_size {state['batch_size']} = "
             f"global batch {old_global}, this run has {self.world_size} x {self.batch_size} = "
-            f"{new_global}, so samples would repeat or be skipped. To resume, {fix}")
+            f"{new_global}, so samples would repeat or be skipped. To resume, {fix}"
+        )
 
 
 def _find_key(obj: Any, key: str) -> Any:
@@ -220,12 +244,14 @@ def _find_key(obj: Any, key: str) -> Any:
 
 def _layout_message(state: Dict[str, Any], loader: ResumableDataLoader) -> str:
     what = "an IterableDataset's" if loader.kind in ("iterable", "stream") else "a custom sampler's"
-    return (f"{what} data position is per process and cannot be re-sharded: it was saved with "
-            f"world_size={state['world_size']}, rank={state['rank']}, num_workers="
-            f"{state['num_workers']}, batch_size={state['batch_size']} but this loader has "
-            f"world_size={loader.world_size}, rank={loader.rank}, num_workers={loader.num_workers}, "
-            f"batch_size={loader.batch_size}. Resume with the same settings, or let trainforge "
-            "shard a map-style dataset (no custom sampler) to change them")
+    return (
+        f"{what} data position is per process and cannot be re-sharded: it was saved with "
+        f"world_size={state['world_size']}, rank={state['rank']}, num_workers="
+        f"{state['num_workers']}, batch_size={state['batch_size']} but this loader has "
+        f"world_size={loader.world_size}, rank={loader.rank}, num_workers={loader.num_workers}, "
+        f"batch_size={loader.batch_size}. Resume with the same settings, or let trainforge "
+        "shard a map-style dataset (no custom sampler) to change them"
+    )
 
 
 def _find_sampler_states(obj: Any) -> List[Dict[str, Any]]:
@@ -264,12 +290,17 @@ def _replaceable(sampler: Any, dataset: Any) -> bool:
 
 
 def loader_kwargs(dataloader: DataLoader) -> Dict[str, Any]:
-    kwargs = dict(num_workers=dataloader.num_workers, collate_fn=dataloader.collate_fn,
-                  pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
-                  worker_init_fn=dataloader.worker_init_fn,
-                  multiprocessing_context=dataloader.multiprocessing_context,
-                  generator=dataloader.generator, prefetch_factor=dataloader.prefetch_factor,
-                  persistent_workers=dataloader.persistent_workers)
+    kwargs = dict(
+        num_workers=dataloader.num_workers,
+        collate_fn=dataloader.collate_fn,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        generator=dataloader.generator,
+        prefetch_factor=dataloader.prefetch_factor,
+        persistent_workers=dataloader.persistent_workers,
+    )
     # Passed only when set, so older torchdata versions without them still work.
     if getattr(dataloader, "pin_memory_device", ""):
         kwargs["pin_memory_device"] = dataloader.pin_memory_device
@@ -278,9 +309,16 @@ def loader_kwargs(dataloader: DataLoader) -> Dict[str, Any]:
     return kwargs
 
 
-def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, seed: int = 0,
-                       shuffle: Optional[bool] = None, even_batches: bool = True,
-                       drop_last: Optional[bool] = None) -> ResumableDataLoader:
+def prepare_dataloader(
+    dataloader: DataLoader,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int = 0,
+    shuffle: Optional[bool] = None,
+    even_batches: bool = True,
+    drop_last: Optional[bool] = None,
+) -> ResumableDataLoader:
     """Rebuild ``dataloader`` as a sharded, resumable :class:`ResumableDataLoader` for ``rank``.
 
     - A Sequential/RandomSampler is replaced by a ``ResumableDistributedSampler`` (``shuffle=None``:
@@ -304,28 +342,34 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"world_size={world_size!r} must be an integer >= 1")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigurationError(
-            f"rank={rank!r} is not valid for world_size={world_size}: use 0..{world_size - 1}")
+        raise ConfigurationError(f"rank={rank!r} is not valid for world_size={world_size}: use 0..{world_size - 1}")
     if isinstance(dataloader, ResumableDataLoader):
         if (dataloader.rank, dataloader.world_size) != (rank, world_size):
             raise ConfigurationError(
                 f"this loader was prepared for rank {dataloader.rank} of {dataloader.world_size}, "
-                f"not rank {rank} of {world_size}: prepare the original DataLoader instead")
+                f"not rank {rank} of {world_size}: prepare the original DataLoader instead"
+            )
         return dataloader
     if not isinstance(dataloader, DataLoader):
         raise ConfigurationError(
             f"expected a torch.utils.data.DataLoader, got {type(dataloader).__name__}: wrap your "
-            "dataset in DataLoader(dataset, batch_size=...)")
+            "dataset in DataLoader(dataset, batch_size=...)"
+        )
     dataset, kwargs = dataloader.dataset, loader_kwargs(dataloader)
     drop_last = dataloader.drop_last if drop_last is None else drop_last
     batch_size, sampler = dataloader.batch_size, dataloader.sampler
     common = dict(rank=rank, world_size=world_size, **kwargs)
     if isinstance(dataset, IterableDataset):
         if world_size == 1 or shards_itself(dataset):
-            return ResumableDataLoader(dataset, kind="iterable", batch_size=batch_size, drop_last=drop_last,
-                                       **common)
-        stream = shard_iterable(dataset, rank=rank, world_size=world_size, batch_size=batch_size,
-                                drop_last=drop_last, even_batches=even_batches)
+            return ResumableDataLoader(dataset, kind="iterable", batch_size=batch_size, drop_last=drop_last, **common)
+        stream = shard_iterable(
+            dataset,
+            rank=rank,
+            world_size=world_size,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            even_batches=even_batches,
+        )
         common["collate_fn"] = _TagCollate(common["collate_fn"], auto_batch=batch_size is not None)
         return ResumableDataLoader(stream, kind="stream", batch_size=batch_size, drop_last=drop_last, **common)
     batch_sampler = dataloader.batch_sampler
@@ -341,30 +385,38 @@ def prepare_dataloader(dataloader: DataLoader, *, rank: int, world_size: int, se
             raise ConfigurationError(
                 f"the DataLoader's DistributedSampler is for rank {sampler.rank} of "
                 f"{sampler.num_replicas} but this process is rank {rank} of {world_size}: build it "
-                "with the launcher's rank and world size, or pass no sampler and let trainforge shard")
-        return ResumableDataLoader(dataset, kind="custom", sampler=sampler, batch_size=batch_size,
-                                   drop_last=drop_last, **common)
+                "with the launcher's rank and world size, or pass no sampler and let trainforge shard"
+            )
+        return ResumableDataLoader(
+            dataset, kind="custom", sampler=sampler, batch_size=batch_size, drop_last=drop_last, **common
+        )
     if not _replaceable(sampler, dataset):
         _warn_kept(sampler, "sampler", world_size)
-        return ResumableDataLoader(dataset, kind="custom", sampler=sampler, batch_size=batch_size,
-                                   drop_last=drop_last, **common)
+        return ResumableDataLoader(
+            dataset, kind="custom", sampler=sampler, batch_size=batch_size, drop_last=drop_last, **common
+        )
     try:
         len(cast(Sized, dataset))
     except TypeError:
-        raise ConfigurationError(f"the map-style dataset {type(dataset).__name__} has no __len__, so it "
-                                 "cannot be sharded: define __len__, or make it an IterableDataset") from None
+        raise ConfigurationError(
+            f"the map-style dataset {type(dataset).__name__} has no __len__, so it "
+            "cannot be sharded: define __len__, or make it an IterableDataset"
+        ) from None
     if shuffle is None:
         shuffle = isinstance(sampler, (RandomSampler, _TorchdataRandomSampler))
-    ours = ResumableDistributedSampler(cast(Sized, dataset), world_size, rank, shuffle=shuffle, seed=seed,
-                                       pad=even_batches)
-    return ResumableDataLoader(dataset, kind="map", sampler=ours, batch_size=batch_size,
-                               drop_last=drop_last, **common)
+    ours = ResumableDistributedSampler(
+        cast(Sized, dataset), world_size, rank, shuffle=shuffle, seed=seed, pad=even_batches
+    )
+    return ResumableDataLoader(dataset, kind="map", sampler=ours, batch_size=batch_size, drop_last=drop_last, **common)
 
 
 def _warn_kept(obj: Any, what: str, world_size: int) -> None:
-    warnings.warn(f"keeping the DataLoader's custom {what} {type(obj).__name__} as is: it is not "
-                  f"sharded across the {world_size} process(es) and resumes mid-epoch only if it is "
-                  "itself Stateful (state_dict/load_state_dict) and rank-aware", stacklevel=3)
+    warnings.warn(
+        f"keeping the DataLoader's custom {what} {type(obj).__name__} as is: it is not "
+        f"sharded across the {world_size} process(es) and resumes mid-epoch only if it is "
+        "itself Stateful (state_dict/load_state_dict) and rank-aware",
+        stacklevel=3,
+    )
 
 
 # -- functional API used by the Trainer and the Accelerator ----------------------------------
@@ -372,22 +424,29 @@ def loader_state_dict(loader: Any) -> Dict[str, Any]:
     """The loader's resumable position; the same global position on every rank."""
     if isinstance(loader, StatefulDataLoader):
         return loader.state_dict()
-    raise ConfigurationError(f"{type(loader).__name__} cannot save its position: pass it through "
-                             "prepare_dataloader (Strategy.setup_dataloader) first")
+    raise ConfigurationError(
+        f"{type(loader).__name__} cannot save its position: pass it through "
+        "prepare_dataloader (Strategy.setup_dataloader) first"
+    )
 
 
-def load_loader_state(loader: Any, state: Dict[str, Any], *, world_size: Optional[int] = None,
-                      rank: Optional[int] = None) -> None:
+def load_loader_state(
+    loader: Any, state: Dict[str, Any], *, world_size: Optional[int] = None, rank: Optional[int] = None
+) -> None:
     """Continue ``loader`` from ``state``. With a different world size, load any rank's state
     (e.g. rank 0's) on every rank; ``world_size``/``rank``, if given, must be the loader's."""
     if isinstance(loader, ResumableDataLoader):
         for name, given in (("world_size", world_size), ("rank", rank)):
             if given is not None and given != getattr(loader, name):
-                raise ConfigurationError(f"{name}={given} but the loader was prepared with "
-                                         f"{name}={getattr(loader, name)}: pass the same values")
+                raise ConfigurationError(
+                    f"{name}={given} but the loader was prepared with "
+                    f"{name}={getattr(loader, name)}: pass the same values"
+                )
     if not isinstance(loader, StatefulDataLoader):
-        raise ConfigurationError(f"{type(loader).__name__} cannot resume: pass it through "
-                                 "prepare_dataloader (Strategy.setup_dataloader) first")
+        raise ConfigurationError(
+            f"{type(loader).__name__} cannot resume: pass it through "
+            "prepare_dataloader (Strategy.setup_dataloader) first"
+        )
     loader.load_state_dict(state)
 
 
@@ -396,8 +455,11 @@ def set_loader_epoch(loader: Any, epoch: int) -> None:
     if isinstance(loader, ResumableDataLoader):
         loader.set_epoch(epoch)
         return
-    for target in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                   getattr(loader, "dataset", None)):
+    for target in (
+        getattr(loader, "sampler", None),
+        getattr(loader, "batch_sampler", None),
+        getattr(loader, "dataset", None),
+    ):
         if target is not None and callable(getattr(target, "set_epoch", None)):
             target.set_epoch(epoch)
             return

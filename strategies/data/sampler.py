@@ -11,6 +11,7 @@ resuming costs one ``randperm`` of the dataset length, whatever the position.
 ``pad=False`` neither pads nor drops: the last ranks may get one sample fewer (uneven; meant for
 evaluation, where duplicates would skew metrics and no gradient all-reduce can hang).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -53,20 +54,36 @@ class ResumableDistributedSampler(DistributedSampler):
     keeps a position just loaded (so callers may call it unconditionally at every epoch start).
     """
 
-    def __init__(self, dataset: Sized, num_replicas: int, rank: int, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False, *, pad: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Sized,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        pad: bool = True,
+    ) -> None:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ConfigurationError(f"num_replicas={num_replicas!r} must be an integer >= 1")
         if not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ConfigurationError(
-                f"rank={rank!r} is not valid for num_replicas={num_replicas}: use 0..{num_replicas - 1}")
-        super().__init__(cast("Dataset[Any]", dataset), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+                f"rank={rank!r} is not valid for num_replicas={num_replicas}: use 0..{num_replicas - 1}"
+            )
+        super().__init__(
+            cast("Dataset[Any]", dataset),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.pad = pad
         n = len(dataset)
         self.total_size = epoch_length(n, num_replicas, drop_last, pad)
         self.num_samples = len(range(rank, self.total_size, num_replicas))
-        self._consumed = 0   # global position when no iteration is under way
+        self._consumed = 0  # global position when no iteration is under way
         self._resume_at = 0  # one-shot start of the next __iter__, set by load_state_dict
         self._it: Optional[Iterator[int]] = None  # this rank's indices of the iteration under way
         self._start = self._end = self._count = 0
@@ -101,7 +118,7 @@ class ResumableDistributedSampler(DistributedSampler):
         # more than once while restoring, without pulling from it.
         start = min(self._resume_at, self.total_size)
         order = self.global_order()
-        mine = order[start + self.rank:len(order):self.num_replicas]
+        mine = order[start + self.rank : len(order) : self.num_replicas]
         self._consumed, self._start, self._end, self._count = start, start, len(order), len(mine)
         self._it = iter(mine)
         return itertools.chain(self._clear_resume_offset(), self._it)
@@ -129,29 +146,40 @@ class ResumableDistributedSampler(DistributedSampler):
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {SAMPLER_STATE_MARKER: 1, "epoch": self.epoch, "consumed": self.consumed,
-                "seed": self.seed, "num_replicas": self.num_replicas,
-                "dataset_len": len(cast(Sized, self.dataset)), "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "pad": self.pad, "order_state": self._order_state}
+        return {
+            SAMPLER_STATE_MARKER: 1,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "dataset_len": len(cast(Sized, self.dataset)),
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "pad": self.pad,
+            "order_state": self._order_state,
+        }
 
     def check_compatible(self, state: Dict[str, Any]) -> None:
         """Raise ConfigurationError if ``state`` describes a different epoch order."""
         if state.get(SAMPLER_STATE_MARKER) != 1:
             raise ConfigurationError(
                 f"not a ResumableDistributedSampler state (keys: {sorted(state)}); pass the dict "
-                "returned by state_dict()")
+                "returned by state_dict()"
+            )
         n = len(cast(Sized, self.dataset))
         if state["dataset_len"] != n:
             raise ConfigurationError(
                 f"the data position was saved for a dataset of {state['dataset_len']} samples but "
                 f"this dataset has {n}: resume with the same dataset, or do not load the data state "
-                "(start the epoch over)")
+                "(start the epoch over)"
+            )
         for key in ("seed", "shuffle", "drop_last", "pad"):
             if state[key] != getattr(self, key):
                 raise ConfigurationError(
                     f"the data position was saved with {key}={state[key]!r} but this sampler has "
                     f"{key}={getattr(self, key)!r}: the epoch order would differ, so samples would "
-                    f"repeat or be skipped. Use {key}={state[key]!r} to resume")
+                    f"repeat or be skipped. Use {key}={state[key]!r} to resume"
+                )
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue at ``state``'s epoch and global position, whatever its ``num_replicas``."""
@@ -159,14 +187,14 @@ class ResumableDistributedSampler(DistributedSampler):
             return  # already applied by ResumableDataLoader.load_state_dict
         self.check_compatible(state)
         consumed, old_replicas = int(state["consumed"]), int(state["num_replicas"])
-        finished = consumed >= epoch_length(state["dataset_len"], old_replicas, state["drop_last"],
-                                            state["pad"])
+        finished = consumed >= epoch_length(state["dataset_len"], old_replicas, state["drop_last"], state["pad"])
         if not finished and consumed % self.num_replicas != 0:
             raise ConfigurationError(
                 f"cannot continue at global sample {consumed} with num_replicas={self.num_replicas}: "
                 f"the position must be a multiple of the number of processes so every rank gets the "
                 f"same count. Resume with a number of processes that divides {consumed} (it was "
-                f"saved with {old_replicas})")
+                f"saved with {old_replicas})"
+            )
         self.epoch = int(state["epoch"])
         self._order_state = state.get("order_state")
         self._resume_at = self.total_size if finished else consumed
@@ -197,6 +225,7 @@ except ImportError:  # pragma: no cover - another torchdata layout: keep torchda
 
 
 if _StatefulBatchSampler is not None:
+
     class _WholeBatchIterator(_BatchSamplerIterator):
         """torchdata's batch iterator, with each batch taken by ``itertools.islice`` (C speed)
         instead of a Python loop per index (~40 us per batch of 64). Same state, same restore."""

@@ -1,4 +1,5 @@
 """Evaluation helpers: split inputs between processes, and drop sampler padding from gathers."""
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -12,8 +13,7 @@ def _check_rank(rank: int, world_size: int) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigurationError(f"world_size={world_size!r} must be an integer >= 1")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigurationError(
-            f"rank={rank!r} is not valid for world_size={world_size}: use 0..{world_size - 1}")
+        raise ConfigurationError(f"rank={rank!r} is not valid for world_size={world_size}: use 0..{world_size - 1}")
 
 
 def _length(inputs: Any) -> int:
@@ -26,12 +26,11 @@ def _length(inputs: Any) -> int:
     if isinstance(inputs, dict):
         lengths = {key: _length(value) for key, value in inputs.items()}
         if len(set(lengths.values())) > 1:
-            raise ConfigurationError(
-                f"all values of the dict must have the same length to be split, got {lengths}")
+            raise ConfigurationError(f"all values of the dict must have the same length to be split, got {lengths}")
         return next(iter(lengths.values()), 0)
     raise ConfigurationError(
-        f"cannot split a {type(inputs).__name__} between processes: give a list, tuple, tensor, or "
-        "a dict of them")
+        f"cannot split a {type(inputs).__name__} between processes: give a list, tuple, tensor, or a dict of them"
+    )
 
 
 def _take(inputs: Any, start: int, end: int, target: int) -> Any:
@@ -74,14 +73,18 @@ def drop_padding(gathered: Any, num_padding: int, world_size: int) -> Any:
     Works on a tensor (dim 0), a list/tuple, or a dict of them.
     """
     if not isinstance(num_padding, int) or not 0 <= num_padding < max(world_size, 1):
-        raise ConfigurationError(f"num_padding={num_padding!r} must be in 0..{world_size - 1} "
-                                 f"for world_size={world_size} (padding is less than one sample per rank)")
+        raise ConfigurationError(
+            f"num_padding={num_padding!r} must be in 0..{world_size - 1} "
+            f"for world_size={world_size} (padding is less than one sample per rank)"
+        )
     if num_padding == 0:
         return gathered
     length = _length(gathered)
     if length % world_size:
-        raise ConfigurationError(f"a gathered batch of {length} rows cannot come from {world_size} "
-                                 "equal per-rank batches: gather the padded last batch as is")
+        raise ConfigurationError(
+            f"a gathered batch of {length} rows cannot come from {world_size} "
+            "equal per-rank batches: gather the padded last batch as is"
+        )
     rows = length // world_size
     dropped = {r * rows + rows - 1 for r in range(world_size - num_padding, world_size)}
     keep = [i for i in range(length) if i not in dropped]

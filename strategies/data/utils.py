@@ -1,4 +1,5 @@
 """Small helpers over nested batches (tensors inside dicts, lists, tuples, namedtuples, dataclasses)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,9 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(apply_to_tensors(v, fn) for v in data)
     if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        return dataclasses.replace(data, **{f.name: apply_to_tensors(getattr(data, f.name), fn)
-                                            for f in dataclasses.fields(data) if f.init})
+        return dataclasses.replace(
+            data, **{f.name: apply_to_tensors(getattr(data, f.name), fn) for f in dataclasses.fields(data) if f.init}
+        )
     return data
 
 

@@ -11,6 +11,7 @@ Applied in this fixed order, each step in its own file::
     apply_data_parallel("fsdp"|"ddp", blocks, ...) # dp.py: FSDP2 or replicate on dp, blocks then root (each stage)
     PipelineRunner(stages, ...)                    # pp_schedule.py: PipelineStage + the named schedule
 """
+
 from trainforge.strategies.parallel.dims import ParallelDims
 from trainforge.strategies.parallel.tp import apply_tp, resolve_plan
 

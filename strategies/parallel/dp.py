@@ -6,6 +6,7 @@ parameter replicated on dp and gradients all-reduced per unit, which composes wi
 Both are applied the same way: each repeated block (a unit of communication that overlaps the
 backward), then the root (or each pipeline stage) for the rest.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
@@ -15,8 +16,14 @@ from torch import nn
 DATA_PARALLEL = ("fsdp", "ddp")
 
 
-def apply_data_parallel(kind: str, units: Iterable[nn.Module], root: nn.Module, mesh: Any, mp_policy: Any,
-                        reshard_after_forward: Optional[bool] = None) -> None:
+def apply_data_parallel(
+    kind: str,
+    units: Iterable[nn.Module],
+    root: nn.Module,
+    mesh: Any,
+    mp_policy: Any,
+    reshard_after_forward: Optional[bool] = None,
+) -> None:
     if kind == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 

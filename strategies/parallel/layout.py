@@ -25,6 +25,7 @@ the step (``m * L/p``). Activation checkpointing keeps one ``s*b*h`` input per l
 Order of preference (fastest first, as Megatron's guidance): the fewest model-parallel ranks
 (``tp x pp``); among equals, the smaller pipeline (bubbles) and tensor parallelism within a node.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,7 +65,8 @@ class ModelShape:
         if layers is None or hidden is None or heads is None:
             raise ConfigurationError(
                 f"{type(model).__name__} has no transformers config giving its layers, hidden size and heads; "
-                "pass them: ModelShape(params=..., layers=..., hidden=..., heads=...)")
+                "pass them: ModelShape(params=..., layers=..., hidden=..., heads=...)"
+            )
         return cls(params, layers, hidden, heads)
 
 
@@ -89,16 +91,18 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, precision: str,
-                           eager_attention: bool = False) -> float:
+def layer_activation_bytes(
+    shape: ModelShape, seq_len: int, micro_batch: int, precision: str, eager_attention: bool = False
+) -> float:
     """Megatron's formula for one layer and one micro-batch, no parallelism (see the module docstring)."""
     s, b, h = seq_len, micro_batch, shape.hidden
     a = shape.heads if eager_attention else 0
     return s * b * h * (34 + 5 * a * s / h) * (2 if precision == "32" else 1)
 
 
-def measure_activation_bytes(model: Any, seq_len: int, micro_batch_size: int, precision: str = "32",
-                             eager_attention: bool = False) -> int:
+def measure_activation_bytes(
+    model: Any, seq_len: int, micro_batch_size: int, precision: str = "32", eager_attention: bool = False
+) -> int:
     """Bytes autograd saves for one forward of a language model on one micro-batch of token ids,
     measured on the meta device (nothing allocated; every saved tensor counted once, views by their
     base). Embeddings and logits included. 16-bit precisions run the model in bf16 (autocast keeps
@@ -111,8 +115,10 @@ def measure_activation_bytes(model: Any, seq_len: int, micro_batch_size: int, pr
 
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not isinstance(vocab, int):
-        raise ConfigurationError(f"{type(model).__name__} has no config.vocab_size: activations are measured for "
-                                 "language models fed token ids; give --layers/--hidden/--heads for the formula")
+        raise ConfigurationError(
+            f"{type(model).__name__} has no config.vocab_size: activations are measured for "
+            "language models fed token ids; give --layers/--hidden/--heads for the formula"
+        )
     meta = copy.deepcopy(model).to("meta").train()
     if precision != "32":
         meta = meta.to(torch.bfloat16)
@@ -129,8 +135,10 @@ def measure_activation_bytes(model: Any, seq_len: int, micro_batch_size: int, pr
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             meta(ids)
     except Exception as e:
-        raise ConfigurationError(f"{type(model).__name__}(token ids) failed on the meta device ({type(e).__name__}: "
-                                 f"{str(e)[:200]}); give --layers/--hidden/--heads to use the formula") from None
+        raise ConfigurationError(
+            f"{type(model).__name__}(token ids) failed on the meta device ({type(e).__name__}: "
+            f"{str(e)[:200]}); give --layers/--hidden/--heads to use the formula"
+        ) from None
     return sum(t.numel() * t.element_size() for t in kept.values())
 
 
@@ -140,11 +148,22 @@ def _tp_share(tp: int, sequence_parallel: bool) -> float:
     return 1 / tp if sequence_parallel or tp == 1 else (10 + 24 / tp) / 34
 
 
-def estimate_layouts(shape: ModelShape, world_size: int, *, seq_len: int, micro_batch_size: int = 1,
-                     num_microbatches: Optional[int] = None, precision: str = "bf16-mixed", optimizer: str = "adam",
-                     ranks_per_node: Optional[int] = None, schedule: str = "1f1b", sequence_parallel: bool = False,
-                     activation_checkpointing: bool = False, eager_attention: bool = False,
-                     measured_activations: Optional[int] = None) -> List[LayoutRow]:
+def estimate_layouts(
+    shape: ModelShape,
+    world_size: int,
+    *,
+    seq_len: int,
+    micro_batch_size: int = 1,
+    num_microbatches: Optional[int] = None,
+    precision: str = "bf16-mixed",
+    optimizer: str = "adam",
+    ranks_per_node: Optional[int] = None,
+    schedule: str = "1f1b",
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
+    eager_attention: bool = False,
+    measured_activations: Optional[int] = None,
+) -> List[LayoutRow]:
     """Every layout of ``world_size`` processes this model allows (tp divides the heads and a
     node's ranks, pp at most the layers), fastest first. ``measured_activations``: one
     micro-batch's bytes for the whole model (``measure_activation_bytes``); else the formula."""
@@ -155,8 +174,11 @@ def estimate_layouts(shape: ModelShape, world_size: int, *, seq_len: int, micro_
         schedule = "1f1b"  # interleaved and zero-bubble schedules hold about what 1F1B holds
     node = ranks_per_node or min(world_size, 8)
     p_, g_, k_ = bytes_per_param(precision, optimizer)
-    whole = measured_activations if measured_activations is not None else \
-        shape.layers * layer_activation_bytes(shape, seq_len, micro_batch_size, precision, eager_attention)
+    whole = (
+        measured_activations
+        if measured_activations is not None
+        else shape.layers * layer_activation_bytes(shape, seq_len, micro_batch_size, precision, eager_attention)
+    )
     boundary = seq_len * micro_batch_size * shape.hidden * (4 if precision == "32" else 2)  # one layer's input
     rows = []
     for tp in _divisors(world_size):
@@ -188,17 +210,21 @@ def choose_layout(rows: Sequence[LayoutRow], device_memory: int, headroom: float
     raise ConfigurationError(
         f"no (pp, dp, tp) layout fits {format_bytes(int(budget))} per device (of {format_bytes(device_memory)}, "
         f"{headroom:.0%} kept free):\n{format_layouts(rows, device_memory)}\nuse more processes, a smaller "
-        "micro-batch or sequence, activation_checkpointing=True, or a lower precision")
+        "micro-batch or sequence, activation_checkpointing=True, or a lower precision"
+    )
 
 
-def format_layouts(rows: Sequence[LayoutRow], device_memory: Optional[int] = None,
-                   chosen: Optional[LayoutRow] = None) -> str:
+def format_layouts(
+    rows: Sequence[LayoutRow], device_memory: Optional[int] = None, chosen: Optional[LayoutRow] = None
+) -> str:
     lines = [f"{'layout':<24}{'model states':>14}{'activations':>14}{'total':>12}{'fits':>6}"]
     for row in rows:
         fit = "" if device_memory is None else ("yes" if row.total <= device_memory * (1 - DEFAULT_HEADROOM) else "no")
         mark = "  <- chosen" if row == chosen else ""
-        lines.append(f"{row.name:<24}{format_bytes(row.states):>14}{format_bytes(row.activations):>14}"
-                     f"{format_bytes(row.total):>12}{fit:>6}{mark}")
+        lines.append(
+            f"{row.name:<24}{format_bytes(row.states):>14}{format_bytes(row.activations):>14}"
+            f"{format_bytes(row.total):>12}{fit:>6}{mark}"
+        )
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ parameterless children (rotary embeddings) run on every stage, and each stage is
 states as ``inputs_embeds`` on the others (base models that scale or add to ``inputs_embeds``,
 GPT-2's position embeddings or Gemma's scaling, do not fit: see ``CausalLMStage``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,11 @@ from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 #: schedule name -> torch class name; single: one stage per rank, looped: several (stage s on rank s % pp)
 SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
-          "interleaved_zb": "ScheduleInterleavedZeroBubble"}
+LOOPED = {
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+}
 #: V-shaped: two stages per rank, rank r runs stages r and 2 pp - 1 - r (first and last on rank 0)
 V_SHAPED = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 SCHEDULES = tuple(SINGLE) + tuple(LOOPED) + tuple(V_SHAPED)
@@ -49,10 +53,10 @@ STAGES_PER_RANK = 2  # default for looped schedules when pp_split does not fix t
 class PipelineSplit:
     """Which children of the pipelined model each stage holds, computed once on the whole model."""
 
-    prefix: str                      # path of the pipelined model in the root module ("net")
-    blocks: str                      # attribute of its block list ("blocks")
-    stages: List[List[str]]          # per stage: child names of the pipelined model ("embed", "blocks.0", ...)
-    numels: List[int]                # parameters per stage (for the log line)
+    prefix: str  # path of the pipelined model in the root module ("net")
+    blocks: str  # attribute of its block list ("blocks")
+    stages: List[List[str]]  # per stage: child names of the pipelined model ("embed", "blocks.0", ...)
+    numels: List[int]  # parameters per stage (for the log line)
     tied: List[List[Tuple[int, str]]] = field(default_factory=list)  # per tied parameter: (stage, full name)
     heads: List[str] = field(default_factory=list)  # causal LM: root paths of the modules after the base model
 
@@ -66,14 +70,15 @@ class PipelineSplit:
             if name == path or name.startswith(path + "."):
                 return path
         head = self.prefix + "." if self.prefix else ""
-        return child_of(name[len(head):], self.blocks) if name.startswith(head) else None
+        return child_of(name[len(head) :], self.blocks) if name.startswith(head) else None
 
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
 
     def describe(self) -> str:
-        return "; ".join(f"stage {i}: {_span(names)} ({n} params)" for i, (names, n) in
-                         enumerate(zip(self.stages, self.numels)))
+        return "; ".join(
+            f"stage {i}: {_span(names)} ({n} params)" for i, (names, n) in enumerate(zip(self.stages, self.numels))
+        )
 
 
 def _span(names: List[str]) -> str:
@@ -105,15 +110,21 @@ def num_stages_for(schedule: str, pp: int, pp_split: Optional[Sequence[str]]) ->
     if pp_split is not None:
         n = len(pp_split) + 1
         if schedule in SINGLE and n != pp:
-            raise ConfigurationError(f"pp_split={list(pp_split)!r} makes {n} stages, but schedule={schedule!r} runs one "
-                                     f"stage per rank: give pipeline_parallel_size - 1 = {pp - 1} cut point(s)")
+            raise ConfigurationError(
+                f"pp_split={list(pp_split)!r} makes {n} stages, but schedule={schedule!r} runs one "
+                f"stage per rank: give pipeline_parallel_size - 1 = {pp - 1} cut point(s)"
+            )
         if schedule in V_SHAPED and n != 2 * pp:
-            raise ConfigurationError(f"pp_split={list(pp_split)!r} makes {n} stages; schedule={schedule!r} runs two "
-                                     f"stages per rank: give 2 x pipeline_parallel_size - 1 = {2 * pp - 1} cut points")
+            raise ConfigurationError(
+                f"pp_split={list(pp_split)!r} makes {n} stages; schedule={schedule!r} runs two "
+                f"stages per rank: give 2 x pipeline_parallel_size - 1 = {2 * pp - 1} cut points"
+            )
         if schedule in LOOPED and (n % pp or n < 2 * pp):
-            raise ConfigurationError(f"pp_split={list(pp_split)!r} makes {n} stages; schedule={schedule!r} runs several "
-                                     f"stages per rank, so give a multiple of pipeline_parallel_size={pp} stages "
-                                     f"(at least {2 * pp}, i.e. {2 * pp - 1} or more cut points)")
+            raise ConfigurationError(
+                f"pp_split={list(pp_split)!r} makes {n} stages; schedule={schedule!r} runs several "
+                f"stages per rank, so give a multiple of pipeline_parallel_size={pp} stages "
+                f"(at least {2 * pp}, i.e. {2 * pp - 1} or more cut points)"
+            )
         return n
     return pp if schedule in SINGLE else STAGES_PER_RANK * pp
 
@@ -128,49 +139,60 @@ def find_blocks(root: nn.Module, allow_root: bool = False) -> Tuple[str, str]:
             if numel and (best is None or numel > best[0]):
                 best = (numel, name)
     if best is None:
-        raise ConfigurationError(f"{type(root).__name__} has no nn.ModuleList of blocks to split into pipeline stages; "
-                                 "keep the repeated blocks in an nn.ModuleList (e.g. self.net.blocks)")
+        raise ConfigurationError(
+            f"{type(root).__name__} has no nn.ModuleList of blocks to split into pipeline stages; "
+            "keep the repeated blocks in an nn.ModuleList (e.g. self.net.blocks)"
+        )
     prefix, _, attr = best[1].rpartition(".")
     if not prefix and not allow_root:
-        raise ConfigurationError(f"the block list {best[1]!r} sits directly on {type(root).__name__}; pipeline "
-                                 "parallelism splits a model held by the TrainingModule: put the model in an attribute "
-                                 "(self.net = GPT(...)) whose forward is embed -> blocks -> head")
+        raise ConfigurationError(
+            f"the block list {best[1]!r} sits directly on {type(root).__name__}; pipeline "
+            "parallelism splits a model held by the TrainingModule: put the model in an attribute "
+            "(self.net = GPT(...)) whose forward is embed -> blocks -> head"
+        )
     return prefix, attr
 
 
-def plan_split(root: nn.Module, num_stages: int, pp_split: Optional[Sequence[str]] = None,
-               allow_root: bool = False) -> PipelineSplit:
+def plan_split(
+    root: nn.Module, num_stages: int, pp_split: Optional[Sequence[str]] = None, allow_root: bool = False
+) -> PipelineSplit:
     """The stages of ``root``'s pipelined model; every error names the sizes and the fix."""
     prefix, attr = find_blocks(root, allow_root)
     model = root.get_submodule(prefix)
     split = PipelineSplit(prefix, attr, [], [])
     own = [n for n, _ in model.named_parameters(recurse=False)]
     if own:
-        raise ConfigurationError(f"{prefix or 'the model'} ({type(model).__name__}) has parameters of its own "
-                                 f"({', '.join(own[:3])}); "
-                                 "pipeline stages hold whole submodules: move them into a submodule (e.g. the "
-                                 "embedding) so that one stage owns them")
+        raise ConfigurationError(
+            f"{prefix or 'the model'} ({type(model).__name__}) has parameters of its own "
+            f"({', '.join(own[:3])}); "
+            "pipeline stages hold whole submodules: move them into a submodule (e.g. the "
+            "embedding) so that one stage owns them"
+        )
     split.heads = causal_lm_heads(root, prefix)
     outside = [n for n, _ in root.named_parameters() if split.child(n) is None]
     if outside:
-        raise ConfigurationError(f"{type(root).__name__} has parameters outside the pipelined model {prefix} (the owner "
-                                 f"of the block list): {', '.join(outside[:3])}; pipeline stages split one model whose "
-                                 "forward is embed -> blocks -> head, all inside it (or a transformers *ForCausalLM: "
-                                 "its base model, named by base_model_prefix, then its head)")
+        raise ConfigurationError(
+            f"{type(root).__name__} has parameters outside the pipelined model {prefix} (the owner "
+            f"of the block list): {', '.join(outside[:3])}; pipeline stages split one model whose "
+            "forward is embed -> blocks -> head, all inside it (or a transformers *ForCausalLM: "
+            "its base model, named by base_model_prefix, then its head)"
+        )
     children = list(model.named_children())
     if split.heads:  # parameterless children (rotary embeddings) run on every stage
         children = [(n, m) for n, m in children if n == attr or any(True for _ in m.parameters())]
     at = [n for n, _ in children].index(attr)
-    pre, post = [n for n, _ in children[:at]], [n for n, _ in children[at + 1:]] + split.heads
+    pre, post = [n for n, _ in children[:at]], [n for n, _ in children[at + 1 :]] + split.heads
     blocks = getattr(model, attr)
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     sub = lambda n: root.get_submodule(n) if n in split.heads else model.get_submodule(n)  # noqa: E731
     count = lambda names: sum(p.numel() for n in names for p in sub(n).parameters())  # noqa: E731
     if num_stages > len(blocks):
-        raise ConfigurationError(f"{num_stages} pipeline stages but {split.qualified(attr)} has only {len(blocks)} "
-                                 "block(s); "
-                                 "each stage needs at least one block: lower pipeline_parallel_size (or the stages "
-                                 "per rank of an interleaved schedule) or use a deeper model")
+        raise ConfigurationError(
+            f"{num_stages} pipeline stages but {split.qualified(attr)} has only {len(blocks)} "
+            "block(s); "
+            "each stage needs at least one block: lower pipeline_parallel_size (or the stages "
+            "per rank of an interleaved schedule) or use a deeper model"
+        )
     if pp_split is not None:
         cuts = _cut_indices(pp_split, split.qualified(attr), len(blocks))
     else:
@@ -189,8 +211,10 @@ def _cut_indices(pp_split: Sequence[str], blocks: str, n: int) -> List[int]:
     cuts = []
     for name in pp_split:
         if name not in valid:
-            raise ConfigurationError(f"pp_split entry {name!r} is not a block that can begin a stage; valid cut points: "
-                                     f"{', '.join(valid)} (each names the first block of a new stage)")
+            raise ConfigurationError(
+                f"pp_split entry {name!r} is not a block that can begin a stage; valid cut points: "
+                f"{', '.join(valid)} (each names the first block of a new stage)"
+            )
         cuts.append(int(name.rsplit(".", 1)[1]))
     if cuts != sorted(set(cuts)):
         raise ConfigurationError(f"pp_split={list(pp_split)!r} must name distinct blocks in increasing order")
@@ -203,8 +227,10 @@ def _balanced_cuts(sizes: List[int], k: int, first_extra: int, last_extra: int) 
     prefix = [0]
     for s in sizes:
         prefix.append(prefix[-1] + s)
-    cost = lambda lo, hi, stage: prefix[hi] - prefix[lo] + (first_extra if stage == 0 else 0) + \
-        (last_extra if stage == k - 1 else 0)  # noqa: E731
+
+    def cost(lo: int, hi: int, stage: int) -> int:
+        return prefix[hi] - prefix[lo] + (first_extra if stage == 0 else 0) + (last_extra if stage == k - 1 else 0)
+
     # best[j][i]: the smallest largest-stage cost of the first i blocks in j stages, and the last cut
     inf = float("inf")
     best = [[(inf, 0)] * (n + 1) for _ in range(k + 1)]
@@ -230,8 +256,10 @@ def _tied(root: nn.Module, split: PipelineSplit) -> List[List[Tuple[int, str]]]:
             continue
         outside = [n for n in names if split.child(n) is None]
         if outside:
-            raise ConfigurationError(f"parameter {names[0]!r} is shared with {outside[0]!r}, outside the pipelined "
-                                     f"model {split.prefix}; pipeline stages can only share parameters inside it")
+            raise ConfigurationError(
+                f"parameter {names[0]!r} is shared with {outside[0]!r}, outside the pipelined "
+                f"model {split.prefix}; pipeline stages can only share parameters inside it"
+            )
         placed = sorted({(split.stage_of(child), n) for n in names if (child := split.child(n)) is not None})
         if len({s for s, _ in placed}) > 1:
             tied.append(placed)
@@ -247,10 +275,12 @@ def check_tied_placement(split: PipelineSplit, pp: int, schedule: str) -> None:
         ranks = [stage_rank(s, pp, n, schedule) for s in stages]
         if len(set(ranks)) < len(ranks):
             names = " = ".join(name for _, name in placed)
-            raise ConfigurationError(f"tied parameter {names} is used by stages {stages}, which run on pipeline ranks "
-                                     f"{ranks} (schedule={schedule!r}, {n} stages on {pp} ranks): two stages on one "
-                                     "rank cannot share it; untie it, or use a schedule that puts the first and last "
-                                     "stage on different ranks (gpipe, 1f1b, interleaved_1f1b, ...)")
+            raise ConfigurationError(
+                f"tied parameter {names} is used by stages {stages}, which run on pipeline ranks "
+                f"{ranks} (schedule={schedule!r}, {n} stages on {pp} ranks): two stages on one "
+                "rank cannot share it; untie it, or use a schedule that puts the first and last "
+                "stage on different ranks (gpipe, 1f1b, interleaved_1f1b, ...)"
+            )
 
 
 def child_of(name: str, blocks: str) -> str:
@@ -301,12 +331,14 @@ def stage_module(root: nn.Module, split: PipelineSplit, stage: int) -> nn.Module
     with its head in ``CausalLMStage``)."""
     model = root.get_submodule(split.prefix)
     skeleton = model.__class__.__new__(model.__class__)
-    skeleton.__dict__.update({k: copy.copy(v) if isinstance(v, dict) else v for k, v in model.__dict__.items()
-                              if k != "forward"})
+    skeleton.__dict__.update(
+        {k: copy.copy(v) if isinstance(v, dict) else v for k, v in model.__dict__.items() if k != "forward"}
+    )
     names = set(split.stages[stage])
     blocks = getattr(model, split.blocks)
     skeleton._modules[split.blocks] = nn.ModuleList(
-        b if f"{split.blocks}.{i}" in names else PassThrough() for i, b in enumerate(blocks))
+        b if f"{split.blocks}.{i}" in names else PassThrough() for i, b in enumerate(blocks)
+    )
     for name in list(skeleton._modules):
         if name != split.blocks and name not in names and not _kept_everywhere(split, skeleton._modules[name]):
             skeleton._modules[name] = PassThrough()
@@ -330,13 +362,18 @@ def causal_lm_heads(root: nn.Module, prefix: str) -> List[str]:
         return []
     kind = getattr(parent.config, "model_type", None)
     if kind not in CAUSAL_LM_TYPES:
-        raise ConfigurationError(f"pipeline parallelism of a transformers {type(parent).__name__} (model_type={kind!r}) "
-                                 "is not built yet: later stages feed hidden states to its base model as inputs_embeds, "
-                                 f"checked for model types {', '.join(CAUSAL_LM_TYPES)} (others may scale or add "
-                                 "position embeddings to them); wrap the model in your own embed -> blocks -> head "
-                                 "module, or train it without pipeline_parallel_size")
-    return [f"{parent_path}.{n}" if parent_path else n for n, m in parent.named_children()
-            if n != attr and any(True for _ in m.parameters())]
+        raise ConfigurationError(
+            f"pipeline parallelism of a transformers {type(parent).__name__} (model_type={kind!r}) "
+            "is not built yet: later stages feed hidden states to its base model as inputs_embeds, "
+            f"checked for model types {', '.join(CAUSAL_LM_TYPES)} (others may scale or add "
+            "position embeddings to them); wrap the model in your own embed -> blocks -> head "
+            "module, or train it without pipeline_parallel_size"
+        )
+    return [
+        f"{parent_path}.{n}" if parent_path else n
+        for n, m in parent.named_children()
+        if n != attr and any(True for _ in m.parameters())
+    ]
 
 
 class CausalLMStage(nn.Module):
@@ -363,10 +400,12 @@ def guard_forward(root: nn.Module, split: PipelineSplit) -> None:
     model = root.get_submodule(split.prefix)
 
     def split_forward(*args: Any, **kwargs: Any) -> Any:
-        raise ConfigurationError(f"{split.prefix or 'the model'} ({type(model).__name__}) is split into pipeline "
-                                 "stages; it cannot be "
-                                 "called directly (the Trainer's validation/test run the stages' loss_fn; prediction "
-                                 "under pipeline parallelism is not built yet: predict on one process from the "
-                                 "merged weights)")
+        raise ConfigurationError(
+            f"{split.prefix or 'the model'} ({type(model).__name__}) is split into pipeline "
+            "stages; it cannot be "
+            "called directly (the Trainer's validation/test run the stages' loss_fn; prediction "
+            "under pipeline parallelism is not built yet: predict on one process from the "
+            "merged weights)"
+        )
 
     model.forward = split_forward

@@ -7,6 +7,7 @@ divide by ``num_microbatches``). FSDP2 on the dp dimension then averages over dp
 The batch loss (mean over micro-batches) lives on the last stage and is broadcast to the other
 ranks of the pipeline, so every rank returns (and logs) the same value.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
@@ -21,8 +22,16 @@ from trainforge.strategies.parallel.pp import SINGLE, PipelineSplit, schedule_cl
 
 
 class PipelineRunner:
-    def __init__(self, stages: Dict[int, nn.Module], split: PipelineSplit, schedule: str, num_microbatches: int,
-                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], mesh: Any, device: torch.device) -> None:
+    def __init__(
+        self,
+        stages: Dict[int, nn.Module],
+        split: PipelineSplit,
+        schedule: str,
+        num_microbatches: int,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
+        mesh: Any,
+        device: torch.device,
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage
 
         self.mesh, self.group = mesh, mesh["pp"].get_group()
@@ -31,17 +40,20 @@ class PipelineRunner:
         self.has_first, self.has_last = 0 in stages, self.num_stages - 1 in stages
         self.rank_of = lambda s: stage_rank(s, self.pp, self.num_stages, schedule)  # noqa: E731
         self.last_rank = self.rank_of(self.num_stages - 1)  # pipeline rank of the last stage
-        self.stages = [PipelineStage(m, i, self.num_stages, device, group=self.group) for i, m in sorted(stages.items())]
+        self.stages = [
+            PipelineStage(m, i, self.num_stages, device, group=self.group) for i, m in sorted(stages.items())
+        ]
         cls = schedule_class(schedule)
         try:
             target = self.stages[0] if schedule in SINGLE else self.stages
             self.schedule = cls(target, n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=True)
         except (ValueError, RuntimeError, AssertionError) as e:
             reason = str(e).rstrip(".")
-            raise ConfigurationError(f"schedule={schedule!r} with num_microbatches={num_microbatches} on "
-                                     f"pipeline_parallel_size={self.pp} ({self.num_stages} stages): {reason}; choose "
-                                     f"num_microbatches as a multiple of {self.pp}, at least {self.num_stages}"
-                                     ) from None
+            raise ConfigurationError(
+                f"schedule={schedule!r} with num_microbatches={num_microbatches} on "
+                f"pipeline_parallel_size={self.pp} ({self.num_stages} stages): {reason}; choose "
+                f"num_microbatches as a multiple of {self.pp}, at least {self.num_stages}"
+            ) from None
         self.loss_fn = loss_fn  # the module's; the Accelerator may pass another per batch
         self.tied: List[Tuple[List[str], Any, bool]] = []  # (local names, group, counted in the norm here)
         self.rows: Optional[int] = None  # samples per batch, fixed by the first one (the stages' shapes)
@@ -77,9 +89,11 @@ class PipelineRunner:
             everyone: List[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, shape, group=group)
             if len(set(everyone)) > 1:
-                raise ConfigurationError(f"tied parameter {names[0]!r} is sharded differently on the stages sharing it "
-                                         f"(local shapes/placements {everyone}); give both uses the same tp_plan style "
-                                         "(e.g. embedding 'embedding_rowwise' with head 'colwise') or untie them")
+                raise ConfigurationError(
+                    f"tied parameter {names[0]!r} is sharded differently on the stages sharing it "
+                    f"(local shapes/placements {everyone}); give both uses the same tp_plan style "
+                    "(e.g. embedding 'embedding_rowwise' with head 'colwise') or untie them"
+                )
 
     def reduce_tied_grads(self, params: Dict[str, nn.Parameter]) -> None:
         for names, group, _ in self.tied:
@@ -103,18 +117,22 @@ class PipelineRunner:
         """One batch: forward, loss and backward of every micro-batch (``train=False``: forward and
         loss only, ``schedule.eval``); returns the batch's mean loss on every pipeline rank."""
         if self.loss_fn is None:
-            raise ConfigurationError("pipeline parallelism needs a loss function over (output, target): define "
-                                     "loss_fn(output, target) on the module, or pass loss_fn= to "
-                                     "accelerator.forward_backward")
+            raise ConfigurationError(
+                "pipeline parallelism needs a loss function over (output, target): define "
+                "loss_fn(output, target) on the module, or pass loss_fn= to "
+                "accelerator.forward_backward"
+            )
         n = self.num_microbatches
         rows = _rows(inputs[0] if inputs else target)
         if self.rows is None:
             self.rows = rows
         if rows is not None and (rows % n or rows != self.rows):
-            raise ConfigurationError(f"a batch of {rows} samples: the pipeline stages were built for batches of "
-                                     f"{self.rows} samples in num_microbatches={n} equal micro-batches, and keep that "
-                                     "shape; give every batch that size (DataLoader(drop_last=True) drops a smaller "
-                                     "last batch)")
+            raise ConfigurationError(
+                f"a batch of {rows} samples: the pipeline stages were built for batches of "
+                f"{self.rows} samples in num_microbatches={n} equal micro-batches, and keep that "
+                "shape; give every batch that size (DataLoader(drop_last=True) drops a smaller "
+                "last batch)"
+            )
         losses: List[torch.Tensor] = []
         kwargs: Dict[str, Any] = {"return_outputs": False}
         if self.has_last:

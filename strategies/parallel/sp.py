@@ -23,6 +23,7 @@ the full logits are never gathered. Contract for the module's loss: ``F.cross_en
 ``nn.CrossEntropyLoss``, class indices as targets) on the logits, reshaped only (``flatten``,
 ``view``, ``float()``); anything else that reads the logits' values needs ``logits.full_tensor()``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,9 @@ def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Norm") or isinstance(module, (nn.LayerNorm, nn.RMSNorm))
 
 
-def rewrite_plan(model: nn.Module, plan: Dict[str, Any], *, sequence_parallel: bool,
-                 loss_parallel: bool) -> Dict[str, Any]:
+def rewrite_plan(
+    model: nn.Module, plan: Dict[str, Any], *, sequence_parallel: bool, loss_parallel: bool
+) -> Dict[str, Any]:
     """``plan`` (``{module name: ParallelStyle}``, resolved) with the sequence- and loss-parallel layouts."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -50,26 +52,39 @@ def rewrite_plan(model: nn.Module, plan: Dict[str, Any], *, sequence_parallel: b
 
     out: Dict[str, Any] = {}
     seq = Shard(1)
-    heads = [n for n, s in plan.items() if isinstance(s, ColwiseParallel)
-             and isinstance(model.get_submodule(n), nn.Linear) and s.output_layouts[0] == Replicate()]
+    heads = [
+        n
+        for n, s in plan.items()
+        if isinstance(s, ColwiseParallel)
+        and isinstance(model.get_submodule(n), nn.Linear)
+        and s.output_layouts[0] == Replicate()
+    ]
     if loss_parallel and not heads:
         raise ConfigurationError(
             "loss_parallel=True keeps the output head's logits sharded on the vocabulary, but tp_plan has no colwise "
             "layer with a replicated output (the head); add it, e.g. {'lm_head': 'colwise_rep'}, or set "
-            "loss_parallel=False")
-    hidden = {model.get_submodule(n).out_features for n, s in plan.items()
-              if isinstance(s, RowwiseParallel) and isinstance(model.get_submodule(n), nn.Linear)}
+            "loss_parallel=False"
+        )
+    hidden = {
+        model.get_submodule(n).out_features
+        for n, s in plan.items()
+        if isinstance(s, RowwiseParallel) and isinstance(model.get_submodule(n), nn.Linear)
+    }
     if sequence_parallel and not hidden:
-        raise ConfigurationError("sequence_parallel=True shards the residual stream between rowwise and colwise "
-                                 "layers, but tp_plan has no rowwise Linear; add the blocks' output projections as "
-                                 "'rowwise' or set sequence_parallel=False")
+        raise ConfigurationError(
+            "sequence_parallel=True shards the residual stream between rowwise and colwise "
+            "layers, but tp_plan has no rowwise Linear; add the blocks' output projections as "
+            "'rowwise' or set sequence_parallel=False"
+        )
     for name, style in plan.items():
         module = model.get_submodule(name)
         if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
             head = loss_parallel and name in heads
-            style = ColwiseParallel(input_layouts=seq if sequence_parallel else style.input_layouts[0],
-                                    output_layouts=Shard(-1) if head else style.output_layouts[0],
-                                    use_local_output=False if head else style.use_local_output)
+            style = ColwiseParallel(
+                input_layouts=seq if sequence_parallel else style.input_layouts[0],
+                output_layouts=Shard(-1) if head else style.output_layouts[0],
+                use_local_output=False if head else style.use_local_output,
+            )
         elif sequence_parallel and isinstance(style, RowwiseParallel):
             style = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=seq, use_local_output=False)
         out[name] = style
@@ -82,8 +97,9 @@ def rewrite_plan(model: nn.Module, plan: Dict[str, Any], *, sequence_parallel: b
             if _is_norm(module) and width in hidden:
                 out[name] = SequenceParallel()
             elif isinstance(module, nn.Embedding) and module.embedding_dim in hidden:
-                out[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq,
-                                                use_local_output=False)
+                out[name] = PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=False
+                )
     return out
 
 

@@ -7,6 +7,7 @@ model's own ``_tp_plan`` is read unchanged). ``"auto"`` reads the plan a transfo
 module's parameters into ``DTensor`` shards; activations between a colwise and the following
 rowwise layer stay sharded, so a block costs one all-reduce forward and one backward.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,15 @@ def _styles() -> Dict[str, Callable[[], Any]]:
     }
 
 
-STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "embedding_rowwise",
-               "sequence_parallel")
+STYLE_NAMES = (
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "colwise_gather_output",
+    "rowwise_rep",
+    "embedding_rowwise",
+    "sequence_parallel",
+)
 EXAMPLE_PLAN = '{"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise", "head": "colwise_rep"}'
 
 
@@ -63,7 +71,8 @@ def _no_plan_error(model: nn.Module) -> ConfigurationError:
     return ConfigurationError(
         f"{type(model).__name__} has no tensor-parallel plan (tp_plan='auto' reads a transformers model's "
         f"_tp_plan / config.base_model_tp_plan); pass tp_plan={{glob: style}}. Its Linear layers: "
-        f"{shown or 'none'}. Styles: {', '.join(STYLE_NAMES)} or a ParallelStyle. Example: {EXAMPLE_PLAN}")
+        f"{shown or 'none'}. Styles: {', '.join(STYLE_NAMES)} or a ParallelStyle. Example: {EXAMPLE_PLAN}"
+    )
 
 
 def resolve_plan(model: nn.Module, plan: Plan, tp_size: int) -> Dict[str, Any]:
@@ -75,8 +84,10 @@ def resolve_plan(model: nn.Module, plan: Plan, tp_size: int) -> Dict[str, Any]:
         if not plan:
             raise _no_plan_error(model)
     elif isinstance(plan, str) or not isinstance(plan, Mapping):
-        raise ConfigurationError(f"tp_plan={plan!r} must be None or 'auto' (the model's own plan) or a dict "
-                                 f"{{module glob: style}}, e.g. {EXAMPLE_PLAN}")
+        raise ConfigurationError(
+            f"tp_plan={plan!r} must be None or 'auto' (the model's own plan) or a dict "
+            f"{{module glob: style}}, e.g. {EXAMPLE_PLAN}"
+        )
     styles, names = _styles(), [n for n, _ in model.named_modules() if n]
     resolved: Dict[str, Any] = {}
     for pattern, style in plan.items():
@@ -84,12 +95,16 @@ def resolve_plan(model: nn.Module, plan: Plan, tp_size: int) -> Dict[str, Any]:
             if style not in styles:
                 raise invalid_choice(f"tp_plan[{pattern!r}]", style, STYLE_NAMES, "or pass a ParallelStyle object")
         elif not isinstance(style, ParallelStyle):
-            raise ConfigurationError(f"tp_plan[{pattern!r}]={style!r} is neither a style name ({', '.join(STYLE_NAMES)})"
-                                     " nor a torch.distributed.tensor.parallel.ParallelStyle")
+            raise ConfigurationError(
+                f"tp_plan[{pattern!r}]={style!r} is neither a style name ({', '.join(STYLE_NAMES)})"
+                " nor a torch.distributed.tensor.parallel.ParallelStyle"
+            )
         matched = [n for n in names if _glob(pattern).match(n)]
         if not matched:
-            raise ConfigurationError(f"tp_plan glob {pattern!r} matches no module of {type(model).__name__}; "
-                                     f"module names look like: {', '.join(names[:12])}")
+            raise ConfigurationError(
+                f"tp_plan glob {pattern!r} matches no module of {type(model).__name__}; "
+                f"module names look like: {', '.join(names[:12])}"
+            )
         for name in matched:
             resolved[name] = styles[style]() if isinstance(style, str) else style
             _check_divisible(name, model.get_submodule(name), style, tp_size)
@@ -103,11 +118,15 @@ def _check_divisible(name: str, module: nn.Module, style: Any, tp: int) -> None:
     if isinstance(module, nn.Linear):
         sizes = [("out_features", module.out_features)] if "col" in kind else [("in_features", module.in_features)]
     elif isinstance(module, nn.Embedding):
-        sizes = [("num_embeddings", module.num_embeddings)] if "row" in kind else [("embedding_dim", module.embedding_dim)]
+        sizes = (
+            [("num_embeddings", module.num_embeddings)] if "row" in kind else [("embedding_dim", module.embedding_dim)]
+        )
     for attr, size in sizes:
         if size % tp:
-            raise ConfigurationError(f"tensor_parallel_size={tp} does not divide {name}.{attr}={size}; choose a "
-                                     f"tensor_parallel_size that divides it (or leave {name} out of tp_plan)")
+            raise ConfigurationError(
+                f"tensor_parallel_size={tp} does not divide {name}.{attr}={size}; choose a "
+                f"tensor_parallel_size that divides it (or leave {name} out of tp_plan)"
+            )
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:
@@ -116,13 +135,22 @@ def _check_heads(model: nn.Module, tp: int) -> None:
         for attr in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(config, attr, None) if config is not None else None
             if isinstance(value, int) and value % tp:
-                raise ConfigurationError(f"tensor_parallel_size={tp} does not divide {attr}={value} of "
-                                         f"{type(sub).__name__}; each tp rank must hold whole heads: use a "
-                                         f"tensor_parallel_size that divides {value}")
+                raise ConfigurationError(
+                    f"tensor_parallel_size={tp} does not divide {attr}={value} of "
+                    f"{type(sub).__name__}; each tp rank must hold whole heads: use a "
+                    f"tensor_parallel_size that divides {value}"
+                )
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan, only: Optional[Callable[[str], bool]] = None, *,
-             sequence_parallel: bool = False, loss_parallel: bool = False) -> Dict[str, Any]:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: Any,
+    plan: Plan,
+    only: Optional[Callable[[str], bool]] = None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> Dict[str, Any]:
     """Shard ``model`` in place; returns the coverage report (which weights are sharded). ``plan``
     may be resolved already (``resolve_plan``); ``only`` keeps the modules this rank holds (pipeline).
     ``sequence_parallel``/``loss_parallel``: the plan rewritten by ``sp.rewrite_plan``."""
@@ -139,10 +167,18 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: Plan, only: Optional[Callable
     if sequence_parallel or loss_parallel:
         resolved = rewrite_plan(model, resolved, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     total = sum(p.numel() for p in model.parameters())
-    sharded_names = [f"{m}.{p}" for m, style in resolved.items()
-                     if isinstance(style, (ColwiseParallel, RowwiseParallel))
-                     for p, _ in model.get_submodule(m).named_parameters()]
+    sharded_names = [
+        f"{m}.{p}"
+        for m, style in resolved.items()
+        if isinstance(style, (ColwiseParallel, RowwiseParallel))
+        for p, _ in model.get_submodule(m).named_parameters()
+    ]
     sharded = sum(model.get_parameter(n).numel() for n in sharded_names)
     parallelize_module(model, tp_mesh, resolved)
-    return {"modules": len(resolved), "sharded_params": sharded_names, "sharded_numel": sharded,
-            "total_numel": total, "fraction": sharded / max(total, 1)}
+    return {
+        "modules": len(resolved),
+        "sharded_params": sharded_names,
+        "sharded_numel": sharded,
+        "total_numel": total,
+        "fraction": sharded / max(total, 1),
+    }

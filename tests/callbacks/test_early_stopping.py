@@ -1,4 +1,5 @@
 """EarlyStopping: patience, thresholds, resume, clear errors, and agreement across 2 real ranks."""
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,14 @@ def _fit(callback, values, val_every=2, max_steps=100):
         return {"val/loss": seen[-1], "val/acc": 0.5}
 
     trainer = StandInTrainer([callback])
-    trainer.fit(model, [(torch.randn(2, 3),) for _ in range(10)], torch.optim.SGD(model.parameters(), lr=0.01),
-                max_steps=max_steps, val_every_n_steps=val_every, val_metrics=val_metrics)
+    trainer.fit(
+        model,
+        [(torch.randn(2, 3),) for _ in range(10)],
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        max_steps=max_steps,
+        val_every_n_steps=val_every,
+        val_metrics=val_metrics,
+    )
     return trainer, seen
 
 
@@ -100,8 +107,13 @@ def test_monitors_a_training_metric_without_validation_loop(tmp_path):
             return super().training_step(batch, batch_idx)
 
     cb = EarlyStopping("score", patience=2, verbose=False)
-    trainer = Trainer(max_epochs=10, callbacks=[cb], default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=10,
+        callbacks=[cb],
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Flat(make_net()), DataLoader(regression_data(n=16), batch_size=8))
     assert trainer.current_epoch == 3 and cb.stopped_epoch == 2  # epochs 0 (best), 1, 2 (patience 2 spent)
 

@@ -1,4 +1,5 @@
 """GradientNormMonitor: equals clip_grad_norm_'s norm on copies of the same gradients, also sharded."""
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,9 @@ class ClipReference(Callback):
             copies.append(c)
         step = trainer.global_step + 1
         self.norms[step] = float(torch.nn.utils.clip_grad_norm_(copies, max_norm=1e9, norm_type=self.norm_type))
-        self.per_param[step] = {n: float(torch.linalg.vector_norm(c.grad, self.norm_type))
-                                for (n, _), c in zip(named, copies)}
+        self.per_param[step] = {
+            n: float(torch.linalg.vector_norm(c.grad, self.norm_type)) for (n, _), c in zip(named, copies)
+        }
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
@@ -39,8 +41,9 @@ def test_equals_clip_grad_norm(norm_type):
     model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
     ref = ClipReference(norm_type)
     trainer = StandInTrainer([GradientNormMonitor(norm_type=norm_type, per_layer=True), ref], log_every_n_steps=2)
-    trainer.fit(model, [(torch.randn(4, 5),) for _ in range(6)], torch.optim.SGD(model.parameters(), lr=0.1),
-                max_steps=6)
+    trainer.fit(
+        model, [(torch.randn(4, 5),) for _ in range(6)], torch.optim.SGD(model.parameters(), lr=0.1), max_steps=6
+    )
     logged = trainer.series("grad_norm/total")
     assert sorted(logged) == [2, 4, 6]  # every log_every_n_steps, at the step being completed
     for step, value in logged.items():

@@ -1,4 +1,5 @@
 """LearningRateMonitor: values follow the scheduler step by step; names follow Lightning's scheme."""
+
 from __future__ import annotations
 
 import pytest
@@ -60,19 +61,33 @@ def test_names_for_several_optimizers_and_groups():
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     sgd0 = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
     sgd1 = torch.optim.SGD(b.parameters(), lr=0.2)
-    adam = torch.optim.Adam([{"params": a.parameters(), "lr": 0.3}, {"params": b.parameters(), "lr": 0.4}],
-                            betas=(0.8, 0.99))
-    named = torch.optim.AdamW([{"params": a.parameters(), "name": "enc"}, {"params": b.parameters(), "name": "dec"}],
-                              lr=0.5)
+    adam = torch.optim.Adam(
+        [{"params": a.parameters(), "lr": 0.3}, {"params": b.parameters(), "lr": 0.4}], betas=(0.8, 0.99)
+    )
+    named = torch.optim.AdamW(
+        [{"params": a.parameters(), "name": "enc"}, {"params": b.parameters(), "name": "dec"}], lr=0.5
+    )
     sched = torch.optim.lr_scheduler.StepLR(named, step_size=1)
     trainer = StandInTrainer([])
     trainer.optimizers = [sgd0, sgd1, adam, named]
     trainer.lr_scheduler_configs = [{"scheduler": sched, "interval": "step", "frequency": 1, "name": "lr-main"}]
     values = LearningRateMonitor(log_momentum=True).current_values(trainer)
-    assert values == pytest.approx({
-        "lr-SGD": 0.1, "momentum-SGD": 0.9, "lr-SGD-1": 0.2, "momentum-SGD-1": 0.0,
-        "lr-Adam/pg1": 0.3, "lr-Adam/pg2": 0.4, "momentum-Adam/pg1": 0.8, "momentum-Adam/pg2": 0.8,
-        "lr-main/enc": 0.5, "lr-main/dec": 0.5, "momentum-main/enc": 0.9, "momentum-main/dec": 0.9})
+    assert values == pytest.approx(
+        {
+            "lr-SGD": 0.1,
+            "momentum-SGD": 0.9,
+            "lr-SGD-1": 0.2,
+            "momentum-SGD-1": 0.0,
+            "lr-Adam/pg1": 0.3,
+            "lr-Adam/pg2": 0.4,
+            "momentum-Adam/pg1": 0.8,
+            "momentum-Adam/pg2": 0.8,
+            "lr-main/enc": 0.5,
+            "lr-main/dec": 0.5,
+            "momentum-main/enc": 0.9,
+            "momentum-main/dec": 0.9,
+        }
+    )
 
 
 def test_bad_interval():

@@ -1,4 +1,5 @@
 """MemoryMonitor: metrics reach the LOG event, a planted leak is flagged, a steady run is not."""
+
 from __future__ import annotations
 
 import warnings
@@ -64,8 +65,9 @@ def test_planted_leak_is_flagged(tmp_path):
 def test_steady_run_is_not_flagged_and_metrics_reach_log(tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error", MemoryLeakWarning)
-        monitor, trainer, recorder = _run(tmp_path, leak=False, steps=40, every_n_steps=2, leak_intervals=3,
-                                          leak_min_growth_mb=3.0)
+        monitor, trainer, recorder = _run(
+            tmp_path, leak=False, steps=40, every_n_steps=2, leak_intervals=3, leak_min_growth_mb=3.0
+        )
     assert monitor.leaks == []
     logged = [(m, s) for m, s in recorder.seen if "memory/host_rss_mb_max" in m]
     assert [s for _, s in logged] == list(range(2, 41, 2))  # every 2 steps, through the LOG event

@@ -1,4 +1,5 @@
 """ModelCheckpoint: every-n, keep-last-k, monitored top-k, filename templates, resume selection."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,11 @@ def fit(tmp_path, callbacks, module=None, val=True, **kwargs):
     kwargs.setdefault("max_epochs", 2)
     trainer = Trainer(callbacks=callbacks, default_root_dir=str(tmp_path), enable_progress_bar=False, **kwargs)
     data = regression_data(n=32)
-    trainer.fit(module if module is not None else Regressor(make_net()), DataLoader(data, batch_size=8),
-                DataLoader(data, batch_size=16) if val else None)
+    trainer.fit(
+        module if module is not None else Regressor(make_net()),
+        DataLoader(data, batch_size=8),
+        DataLoader(data, batch_size=16) if val else None,
+    )
     return trainer
 
 
@@ -89,8 +93,9 @@ def test_resume_from_last_skips_a_corrupted_newest_checkpoint(tmp_path):
     newest.write_bytes(bytes(data))
     explicit = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False)
     with pytest.raises(CheckpointError, match="model.safetensors"):  # an explicit path never falls back
-        explicit.fit(Regressor(make_net()), DataLoader(regression_data(n=32), batch_size=8),
-                     ckpt_path=str(newest.parent))
+        explicit.fit(
+            Regressor(make_net()), DataLoader(regression_data(n=32), batch_size=8), ckpt_path=str(newest.parent)
+        )
     with pytest.warns(UserWarning, match="skipped"):
         trainer = fit(tmp_path, [ModelCheckpoint(every_n_steps=4)], val=False, max_epochs=3, resume="auto")
     # resumed from step 4 (the newest that verifies), then trained to the end of epoch 3
@@ -100,8 +105,14 @@ def test_resume_from_last_skips_a_corrupted_newest_checkpoint(tmp_path):
 def test_keep_last_k_keeps_pruning_after_a_resume(tmp_path):
     fit(tmp_path, [ModelCheckpoint(every_n_steps=2, keep_last_k=2)], val=False, max_epochs=None, max_steps=6)
     assert names(tmp_path / "checkpoints") == ["epoch=0-step=4", "epoch=1-step=6"]
-    fit(tmp_path, [ModelCheckpoint(every_n_steps=2, keep_last_k=2)], val=False, max_epochs=None, max_steps=10,
-        resume="auto")
+    fit(
+        tmp_path,
+        [ModelCheckpoint(every_n_steps=2, keep_last_k=2)],
+        val=False,
+        max_epochs=None,
+        max_steps=10,
+        resume="auto",
+    )
     assert names(tmp_path / "checkpoints") == ["epoch=1-step=8", "epoch=2-step=10"]
 
 
@@ -129,8 +140,12 @@ def test_template_without_metric_names_and_save_top_k_without_monitor(tmp_path):
     """Lightning: auto_insert_metric_name=False keeps the template as written; save_top_k other than
     -1/0/1 without monitor is a configuration error."""
     d = tmp_path / "d"
-    fit(tmp_path, [ModelCheckpoint(dirpath=str(d), filename="e{epoch:02d}", auto_insert_metric_name=False)],
-        val=False, max_epochs=1)
+    fit(
+        tmp_path,
+        [ModelCheckpoint(dirpath=str(d), filename="e{epoch:02d}", auto_insert_metric_name=False)],
+        val=False,
+        max_epochs=1,
+    )
     assert names(d) == ["e00"]
     with pytest.raises(ConfigurationError, match=r"save_top_k=3\) without monitor.*monitor="):
         ModelCheckpoint(save_top_k=3)
@@ -162,8 +177,9 @@ def test_every_n_train_steps_time_interval_and_weights_only_are_accepted(tmp_pat
 
     with pytest.warns(UserWarning, match="keep_last_k=1"):
         steps = ModelCheckpoint(dirpath=str(tmp_path / "s"), every_n_train_steps=4)
-    timed = ModelCheckpoint(dirpath=str(tmp_path / "t"), train_time_interval=timedelta(seconds=0),
-                            save_weights_only=True, keep_last_k=1)
+    timed = ModelCheckpoint(
+        dirpath=str(tmp_path / "t"), train_time_interval=timedelta(seconds=0), save_weights_only=True, keep_last_k=1
+    )
     fit(tmp_path, [steps, timed], val=False, max_epochs=1)
     assert names(tmp_path / "s") == ["epoch=0-step=4"]
     assert names(tmp_path / "t") == ["epoch=0-step=4"]
@@ -174,8 +190,11 @@ def test_every_n_train_steps_time_interval_and_weights_only_are_accepted(tmp_pat
 @pytest.mark.parametrize("template", ["{epoch-{step}", "model-{}", "{epoch}}", "x{", 3])
 def test_malformed_filename_templates_are_refused_when_built(template):
     """Audit N-CK2: they were used literally ('{epoch-step=8', 'model-{}' overwritten every epoch)."""
-    with pytest.raises(ConfigurationError, match=r"ModelCheckpoint filename=.* (is not a valid template|must be a "
-                                                 r"string template)"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"ModelCheckpoint filename=.* (is not a valid template|must be a "
+        r"string template)",
+    ):
         ModelCheckpoint(filename=template)
 
 

@@ -1,4 +1,5 @@
 """RNGSync: ranks seeded differently shuffle alike after the sync (2 real processes)."""
+
 from __future__ import annotations
 
 import random
@@ -36,6 +37,7 @@ def test_sampler_seed_and_generator_are_carried():
 
     class Seeded:
         seed = 5
+
     target = Seeded()
     _apply_sampler_state(target, {"seed": 9})
     assert target.seed == 9

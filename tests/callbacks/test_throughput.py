@@ -1,4 +1,5 @@
 """ThroughputMonitor: rates consistent with a known sleep per step; tokens, FLOPs and MFU."""
+
 from __future__ import annotations
 
 import time
@@ -33,8 +34,9 @@ def _sleepy_loss(model, batch):
 def _fit(monitor, loader, model=None, steps=30, log_every=5, **kwargs):
     model = model or nn.Linear(4, 4)
     trainer = StandInTrainer([monitor], log_every_n_steps=log_every)
-    trainer.fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.01), max_steps=steps, loss_fn=_sleepy_loss,
-                **kwargs)
+    trainer.fit(
+        model, loader, torch.optim.SGD(model.parameters(), lr=0.01), max_steps=steps, loss_fn=_sleepy_loss, **kwargs
+    )
     return trainer
 
 
@@ -59,8 +61,14 @@ def test_validation_time_is_not_counted():
         time.sleep(0.6 if len(calls) == 1 else 0.0)
         return {}
 
-    trainer = _fit(ThroughputMonitor(window=10), _dict_loader(20), steps=20, log_every=10, val_every_n_steps=10,
-                   val_metrics=slow_validation)
+    trainer = _fit(
+        ThroughputMonitor(window=10),
+        _dict_loader(20),
+        steps=20,
+        log_every=10,
+        val_every_n_steps=10,
+        val_metrics=slow_validation,
+    )
     rates = trainer.series("throughput/samples_per_sec")
     # The window ending at step 20 spans that validation. Counted, its rate would be T / (T + 0.6) of the
     # step-10 window's (T = 10 training steps, >= 0.2 s): < 0.6 unless a step took 90 ms. Excluded: alike.

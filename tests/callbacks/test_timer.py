@@ -1,4 +1,5 @@
 """Timer: duration parsing, stopping a sleeping run, resuming with the time already spent."""
+
 from __future__ import annotations
 
 import time
@@ -24,8 +25,13 @@ def _fit(timer, max_steps=200):
         return m(batch[0]).pow(2).mean()
 
     trainer = StandInTrainer([timer])
-    trainer.fit(model, [(torch.randn(2, 3),) for _ in range(10)], torch.optim.SGD(model.parameters(), lr=0.01),
-                max_steps=max_steps, loss_fn=loss_fn)
+    trainer.fit(
+        model,
+        [(torch.randn(2, 3),) for _ in range(10)],
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        max_steps=max_steps,
+        loss_fn=loss_fn,
+    )
     return trainer
 
 

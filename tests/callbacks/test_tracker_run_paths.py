@@ -2,6 +2,7 @@
 copied run writes only inside its copy, a checkpoint naming another project's file or another MLflow
 server is not followed, and a tracker never overwrites or moves a file trainforge did not write.
 (The audit's N-TR10, N-TR11, N-TR12, N-TR6, N-TR7.)"""
+
 from __future__ import annotations
 
 import http.server
@@ -25,8 +26,13 @@ from trainforge.strategies.errors import ConfigurationError
 
 
 def fit(root: Path, callbacks, max_epochs: int, ckpt_path=None) -> Trainer:
-    trainer = Trainer(default_root_dir=str(root), max_epochs=max_epochs, log_every_n_steps=1,
-                      enable_progress_bar=False, callbacks=callbacks)
+    trainer = Trainer(
+        default_root_dir=str(root),
+        max_epochs=max_epochs,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        callbacks=callbacks,
+    )
     trainer.fit(make_module(), make_loader(16), ckpt_path=ckpt_path)
     return trainer
 
@@ -69,8 +75,12 @@ def test_a_copied_run_resumed_writes_only_inside_its_copy(tmp_path):
     original = files_of(run_a)
     assert steps(run_a / "metrics.csv")[-1] == 12 and "hparams.yaml" in original and "status.txt" in original
     shutil.copytree(run_a, branch)
-    fit(branch, [CSVLogger(), ModelCheckpoint(save_top_k=-1)], max_epochs=2,
-        ckpt_path=str(branch / "checkpoints" / "epoch=0-step=4"))
+    fit(
+        branch,
+        [CSVLogger(), ModelCheckpoint(save_top_k=-1)],
+        max_epochs=2,
+        ckpt_path=str(branch / "checkpoints" / "epoch=0-step=4"),
+    )
     assert files_of(run_a) == original  # not a byte of the original run changed
     after = steps(branch / "metrics.csv")
     assert after[-1] == 8 and after == sorted(after) and 12 not in after  # the copy: resumed at 4, ran to 8
@@ -164,8 +174,11 @@ def test_a_default_folder_holding_the_users_files_gets_a_subfolder_and_a_second_
         fit(tmp_path, [first], max_epochs=1)
     assert first.file == str(tmp_path / "csv_logger" / "metrics.csv") and "leaves" in caplog.text
     assert (tmp_path / "hparams.yaml").read_text() == "mine: true\n"
-    assert json.loads((tmp_path / "csv_logger" / OWNED_LIST).read_text()) == ["metrics.csv", "hparams.yaml",
-                                                                               "status.txt"]
+    assert json.loads((tmp_path / "csv_logger" / OWNED_LIST).read_text()) == [
+        "metrics.csv",
+        "hparams.yaml",
+        "status.txt",
+    ]
     written = (tmp_path / "csv_logger" / "metrics.csv").read_text()
     fit(tmp_path, [CSVLogger()], max_epochs=1)  # a new run: the earlier run's file (ours) is kept beside
     assert (tmp_path / "csv_logger" / "metrics.1.csv").read_text() == written

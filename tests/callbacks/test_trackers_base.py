@@ -4,6 +4,7 @@ Policy tests drive a small tracker whose "backend" is a list that can be told to
 stand-in trainer with the contract's attributes; end-to-end behaviour against real backends and a
 real ``Trainer.fit`` is in the other ``test_trackers_*`` files.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -109,16 +110,24 @@ def make_module(**kwargs):
 
 def make_loader(n: int = 32, batch_size: int = 4, width: int = 4, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
-    return DataLoader(TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, 1, generator=g)),
-                      batch_size=batch_size)
+    return DataLoader(
+        TensorDataset(torch.randn(n, width, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch_size
+    )
 
 
 def fit(callbacks, root: Path, module=None, max_epochs: int = 2, log_every: int = 1, val: bool = True, **kwargs):
     """A real ``Trainer.fit`` of a tiny regression; returns the trainer."""
     from trainforge import Trainer
 
-    trainer = Trainer(max_epochs=max_epochs, log_every_n_steps=log_every, callbacks=callbacks,
-                      default_root_dir=str(root), enable_progress_bar=False, enable_checkpointing=False, **kwargs)
+    trainer = Trainer(
+        max_epochs=max_epochs,
+        log_every_n_steps=log_every,
+        callbacks=callbacks,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        **kwargs,
+    )
     trainer.fit(module or make_module(), make_loader(), make_loader(16, 8, seed=1) if val else None)
     return trainer
 
@@ -314,19 +323,33 @@ def test_only_global_zero_writes_and_exceptions_mark_the_run_failed(tmp_path):
     assert rank0.metrics == [(1, {"x": 1.0})] and rank0.status == "FAILED"
 
 
-@pytest.mark.parametrize("bad", [dict(initial_backoff_s=0), dict(flush_timeout_s=-1), dict(max_pending=0),
-                                 dict(initial_backoff_s=10, max_backoff_s=1), dict(write_interval_s=-1),
-                                 dict(write_interval_s="1")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(initial_backoff_s=0),
+        dict(flush_timeout_s=-1),
+        dict(max_pending=0),
+        dict(initial_backoff_s=10, max_backoff_s=1),
+        dict(write_interval_s=-1),
+        dict(write_interval_s="1"),
+    ],
+)
 def test_bad_policy_is_rejected_with_the_value(bad):
     with pytest.raises(ConfigurationError, match=repr(list(bad.values())[-1])):
         FailurePolicy(**bad)
 
 
-@pytest.mark.parametrize("module,cls,extra", [("mlflow", "MLflowLogger", "mlflow"),
-                                              ("comet_ml", "CometLogger", "comet"),
-                                              ("tensorboard", "TensorBoardLogger", "tensorboard")])
+@pytest.mark.parametrize(
+    "module,cls,extra",
+    [
+        ("mlflow", "MLflowLogger", "mlflow"),
+        ("comet_ml", "CometLogger", "comet"),
+        ("tensorboard", "TensorBoardLogger", "tensorboard"),
+    ],
+)
 def test_missing_backend_names_the_pip_extra_at_construction(monkeypatch, module, cls, extra):
     import trainforge.callbacks.trackers as trackers
+
     for name in list(sys.modules):
         if name == module or name.startswith(module + "."):
             monkeypatch.delitem(sys.modules, name)
@@ -336,8 +359,10 @@ def test_missing_backend_names_the_pip_extra_at_construction(monkeypatch, module
 
 
 def test_trackers_import_without_any_backend():
-    code = ("import sys\nfor m in ('mlflow', 'comet_ml', 'tensorboard'): sys.modules[m] = None\n"
-            "import trainforge.callbacks.trackers as t\nprint(sorted(t.__all__))")
+    code = (
+        "import sys\nfor m in ('mlflow', 'comet_ml', 'tensorboard'): sys.modules[m] = None\n"
+        "import trainforge.callbacks.trackers as t\nprint(sorted(t.__all__))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "MLflowLogger" in out.stdout and "CSVLogger" in out.stdout

@@ -1,5 +1,6 @@
 """CometLogger offline: the archive written by a real fit holds the metrics and parameters; the API
 key never shows up anywhere."""
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,16 @@ def test_the_api_key_is_never_shown(tmp_path, monkeypatch, capfd, caplog):
     metrics, params, others, raw = read_archive(archive)
     assert ("loss", 1, 0.5) in metrics and params["token"] == "***" and others["trainforge_status"] == "FAILED"
     captured = capfd.readouterr()
-    shown = [repr(logger), repr(online), str(state), raw, captured.out, captured.err, caplog.text,
-             *tracker_warnings(record)]
+    shown = [
+        repr(logger),
+        repr(online),
+        str(state),
+        raw,
+        captured.out,
+        captured.err,
+        caplog.text,
+        *tracker_warnings(record),
+    ]
     assert "api_key=<set>" in repr(online)
     assert all(SECRET not in text for text in shown)
 

@@ -1,4 +1,5 @@
 """CSVLogger: file content read back after a real fit; new columns, resume, rotation, disk failure."""
+
 from __future__ import annotations
 
 import csv
@@ -88,8 +89,14 @@ def test_resume_continues_the_same_file_without_the_rows_after_the_checkpoint(tm
     header, rows = read_csv(path)
     assert header == ["step", "loss", "acc"]
     assert [(r["step"], r["loss"], r["acc"]) for r in rows] == [
-        ("1", "0.1", ""), ("2", "0.2", ""), ("3", "0.3", ""), ("4", "0.4", ""),
-        ("5", "0.5", "0.5"), ("6", "0.6", "0.5"), ("7", "0.7", "0.5")]
+        ("1", "0.1", ""),
+        ("2", "0.2", ""),
+        ("3", "0.3", ""),
+        ("4", "0.4", ""),
+        ("5", "0.5", "0.5"),
+        ("6", "0.6", "0.5"),
+        ("7", "0.7", "0.5"),
+    ]
     # without a path, a resume elsewhere writes into its own run and leaves this file alone
     before = path.read_bytes()
     other = CSVLogger()

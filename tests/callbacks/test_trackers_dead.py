@@ -2,6 +2,7 @@
 127.0.0.1 (nothing listens; nothing outside this machine is contacted), checkpoints saved every step.
 
 Before the fix every save waited 30 s for the run to open and the end of fit 30 s more."""
+
 from __future__ import annotations
 
 import re
@@ -25,6 +26,7 @@ def closed_port() -> int:
 
 def timed(cls):
     """``cls`` recording the seconds the training thread spends in its save hook and its end of run."""
+
     class Timed(cls):
         save_s, finish_s, saves = 0.0, 0.0, 0
 
@@ -42,6 +44,7 @@ def timed(cls):
                 return super()._finish(status)
             finally:
                 self.finish_s += time.monotonic() - start
+
     return Timed
 
 
@@ -57,8 +60,9 @@ def test_dead_mlflow_server_costs_the_loop_nothing(tmp_path):
     pytest.importorskip("mlflow")
     from trainforge.callbacks.trackers import MLflowLogger
 
-    tracker = timed(MLflowLogger)(tracking_uri=f"http://127.0.0.1:{closed_port()}",
-                                  failure_policy=FailurePolicy(flush_timeout_s=1.0))
+    tracker = timed(MLflowLogger)(
+        tracking_uri=f"http://127.0.0.1:{closed_port()}", failure_policy=FailurePolicy(flush_timeout_s=1.0)
+    )
     messages = _fit(tmp_path, tracker)
     # the connection is refused at once: no save waits, and the end of the run has nothing to wait for
     assert tracker.save_s < 1.0 and tracker.finish_s < 1.0, (tracker.save_s, tracker.finish_s)

@@ -3,6 +3,7 @@ with ``sync_dist=True`` reach the trackers as the mean over ranks.
 
 The test runs this file itself as the training script under ``torch.distributed.run``.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,13 +51,27 @@ def main(root: Path) -> None:
 
     recorder = Recorder()
     loggers = [CSVLogger(), MLflowLogger()]
-    trainer = Trainer(strategy="ddp", max_epochs=1, log_every_n_steps=1, callbacks=[recorder, *loggers],
-                      default_root_dir=str(root), enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        strategy="ddp",
+        max_epochs=1,
+        log_every_n_steps=1,
+        callbacks=[recorder, *loggers],
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     module = RankModule()
     trainer.fit(module, make_loader(64, 4), make_loader(16, 4, seed=1))
     rank = trainer.global_rank
-    seen = {"rank": rank, "world_size": trainer.world_size, "local": module.local, "logged": recorder.logged,
-            "csv": loggers[0].file, "mlflow": loggers[1]._run_id, "imported_mlflow": "mlflow" in sys.modules}
+    seen = {
+        "rank": rank,
+        "world_size": trainer.world_size,
+        "local": module.local,
+        "logged": recorder.logged,
+        "csv": loggers[0].file,
+        "mlflow": loggers[1]._run_id,
+        "imported_mlflow": "mlflow" in sys.modules,
+    }
     (root / f"rank{rank}.json").write_text(json.dumps(seen))
 
 
@@ -69,8 +84,7 @@ def test_two_process_fit_only_rank_zero_writes_and_sync_dist_is_the_mean(tmp_pat
     from tests.callbacks.test_trackers_csv import read_csv
 
     uri = mlflow_store(tmp_path_factory, tmp_path / "mlflow.db")  # the default store, already migrated
-    procs.run(procs.torchrun(__file__, tmp_path), env=procs.test_env(MASTER_ADDR="127.0.0.1"),
-              timeout=LAUNCH_TIMEOUT_S)
+    procs.run(procs.torchrun(__file__, tmp_path), env=procs.test_env(MASTER_ADDR="127.0.0.1"), timeout=LAUNCH_TIMEOUT_S)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world_size"] == 2
 
@@ -84,6 +98,7 @@ def test_two_process_fit_only_rank_zero_writes_and_sync_dist_is_the_mean(tmp_pat
     # sync_dist values are the mean over ranks, the same on both ranks; unsynced ones are rank 0's.
     logged = [(step, metrics) for step, metrics in r0["logged"]]
     train = [(s, m) for s, m in logged if "train/loss" in m]
+
     def synced(log):
         return [(s, m["train/loss"], m["rank/synced"]) for s, m in log if "train/loss" in m]
 

@@ -1,4 +1,5 @@
 """MLflowLogger against the embedded SQLite store: read back with MlflowClient after real fits."""
+
 from __future__ import annotations
 
 import shutil
@@ -49,8 +50,13 @@ def test_resume_from_a_checkpoint_continues_the_same_run(tmp_path, store):
 
     first, second = MLflowLogger(), MLflowLogger()
     for logger, epochs, ckpt in ((first, 1, None), (second, 2, "last")):
-        trainer = Trainer(max_epochs=epochs, log_every_n_steps=1, callbacks=[logger], default_root_dir=str(tmp_path),
-                          enable_progress_bar=False)
+        trainer = Trainer(
+            max_epochs=epochs,
+            log_every_n_steps=1,
+            callbacks=[logger],
+            default_root_dir=str(tmp_path),
+            enable_progress_bar=False,
+        )
         trainer.fit(make_module(), make_loader(), ckpt_path=ckpt)
     assert second.run_id == first.run_id
     client = client_for(tmp_path)
@@ -81,8 +87,9 @@ def test_exception_marks_the_run_failed_and_checkpoints_are_uploaded(tmp_path, s
     logger = MLflowLogger(log_checkpoints=True)
     from trainforge import Trainer
 
-    trainer = Trainer(max_epochs=3, log_every_n_steps=1, callbacks=[logger], default_root_dir=str(tmp_path),
-                      enable_progress_bar=False)
+    trainer = Trainer(
+        max_epochs=3, log_every_n_steps=1, callbacks=[logger], default_root_dir=str(tmp_path), enable_progress_bar=False
+    )
     with pytest.raises(RuntimeError, match="on purpose"):
         trainer.fit(make_module(fail_at_step=12), make_loader())
     client = client_for(tmp_path)
@@ -120,15 +127,24 @@ def test_params_are_flattened_cleaned_and_truncated(tmp_path, tmp_path_factory):
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
     uri = mlflow_store(tmp_path_factory, tmp_path / "other.db")
-    hparams = {"opt": {"name": "adamw", "betas": (0.9, 0.95)}, "long": "x" * (MAX_PARAM_VAL_LENGTH + 10),
-               "weird key?": 1, "none": None}
+    hparams = {
+        "opt": {"name": "adamw", "betas": (0.9, 0.95)},
+        "long": "x" * (MAX_PARAM_VAL_LENGTH + 10),
+        "weird key?": 1,
+        "none": None,
+    }
     logger = MLflowLogger(tracking_uri=uri, experiment_name="exp")
     trainer = StandIn(tmp_path, hparams=hparams)
     logger.on_fit_start(trainer, None)
     logger.on_fit_end(trainer, None)
     params = MlflowClient(uri).get_run(logger.run_id).data.params
-    assert params == {"opt/name": "adamw", "opt/betas": "(0.9, 0.95)", "long": "x" * MAX_PARAM_VAL_LENGTH,
-                      "weird key_": "1", "none": "None"}
+    assert params == {
+        "opt/name": "adamw",
+        "opt/betas": "(0.9, 0.95)",
+        "long": "x" * MAX_PARAM_VAL_LENGTH,
+        "weird key_": "1",
+        "none": "None",
+    }
     assert logger.last_report is None  # nothing failed, nothing dropped
 
 

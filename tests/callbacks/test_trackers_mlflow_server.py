@@ -1,4 +1,5 @@
 """MLflowLogger against a real ``mlflow server`` process on 127.0.0.1, healthy and killed mid-run."""
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,22 @@ class Server:
     def start(self) -> None:
         port = free_port()
         env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no background job workers
-        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend,
-               "--default-artifact-root", str(self.root / "artifacts"), "--host", "127.0.0.1",
-               "--port", str(port), "--workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            self.backend,
+            "--default-artifact-root",
+            str(self.root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ]
         with open(self.root / "server.log", "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
@@ -50,8 +64,10 @@ class Server:
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                pytest.fail(f"mlflow server did not answer /health within {START_TIMEOUT_S}s:\n"
-                            f"{(self.root / 'server.log').read_text()[-3000:]}")
+                pytest.fail(
+                    f"mlflow server did not answer /health within {START_TIMEOUT_S}s:\n"
+                    f"{(self.root / 'server.log').read_text()[-3000:]}"
+                )
             time.sleep(0.25)
 
     def _healthy(self) -> bool:
@@ -131,8 +147,11 @@ def test_server_killed_mid_run_training_finishes_and_the_drop_is_reported(tmp_pa
     assert messages[0].startswith("MLflowLogger: writing to the tracker failed") and server.url in messages[0]
     # What reached the server, read from its database directly (the server is gone).
     store = MlflowClient(tracking_uri=server.backend)
-    written = {(key, m.step, m.value) for key in ("train/loss", "val/loss")
-               for m in store.get_metric_history(logger.run_id, key)}
+    written = {
+        (key, m.step, m.value)
+        for key in ("train/loss", "val/loss")
+        for m in store.get_metric_history(logger.run_id, key)
+    }
     logged = {(key, step, value) for step, metrics in recorder.logged for key, value in metrics.items()}
     assert written == {x for x in logged if x[1] <= 5} and written
     dropped = len(logged) - len(written)

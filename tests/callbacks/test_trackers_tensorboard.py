@@ -1,4 +1,5 @@
 """TensorBoardLogger: event files of a real fit read back with TensorBoard's EventAccumulator."""
+
 from __future__ import annotations
 
 import pytest
@@ -62,8 +63,15 @@ def test_a_new_run_gets_its_own_version_and_resume_purges_the_replayed_steps(tmp
     resumed.on_fit_end(trainer, None)
     assert resumed.directory == first.directory
     # TensorBoard drops the crashed run's events after step 4 and shows the resumed ones.
-    assert scalars(load(first.directory), "loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0),
-                                                      (5, 50.0), (6, 60.0), (7, 70.0)]
+    assert scalars(load(first.directory), "loss") == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 4.0),
+        (5, 50.0),
+        (6, 60.0),
+        (7, 70.0),
+    ]
     fresh = TensorBoardLogger()
     fresh.on_fit_start(trainer, None)
     fresh.on_fit_end(trainer, None)

@@ -1,5 +1,6 @@
 """Callbacks see the trainer through ``TrainerView`` (callbacks/view.py): the Trainer provides all of it,
 and the built-in callbacks use nothing else of it that is private or probed."""
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,13 @@ def test_the_trainer_is_a_trainer_view_before_and_during_fit(tmp_path):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             seen.append(isinstance(trainer, TrainerView) and trainer.global_step >= 1)
 
-    trainer = Trainer(max_steps=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False, callbacks=[Check()])
+    trainer = Trainer(
+        max_steps=2,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[Check()],
+    )
     assert isinstance(trainer, TrainerView)
     trainer.fit(Regressor(make_net()), DataLoader(regression_data(16), batch_size=8))
     assert seen == [True, True]
@@ -39,11 +45,20 @@ def _trainer_uses(tree: ast.AST) -> list:
     """``trainer._x`` accesses and ``getattr``/``hasattr`` calls on ``trainer`` or ``trainer.strategy``."""
     bad = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trainer" \
-                and node.attr.startswith("_"):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "trainer"
+            and node.attr.startswith("_")
+        ):
             bad.append(f"trainer.{node.attr}")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
-                and node.args and "trainer" in ast.unparse(node.args[0]):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+            and "trainer" in ast.unparse(node.args[0])
+        ):
             bad.append(ast.unparse(node))
     return bad
 

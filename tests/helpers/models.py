@@ -1,4 +1,5 @@
 """Small models and data shared by the tests (real torch, no mocks)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """Running real processes from tests: each command in its own process group, the whole group
 (launcher and workers) killed on timeout or when the test ends, output captured."""
+
 from __future__ import annotations
 
 import os
@@ -35,11 +36,18 @@ def gpu_unavailable_reason() -> str:
         if not Path("/dev/nvidiactl").exists() and sys.platform == "linux":
             _gpu_probe = "no NVIDIA device on this machine (/dev/nvidiactl absent)"
         else:
-            probe = run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], timeout=120,
-                        env=gpu_env(), check=False)
+            probe = run(
+                [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                timeout=120,
+                env=gpu_env(),
+                check=False,
+            )
             count = probe.stdout.strip().splitlines()[-1:] or ["?"]
-            _gpu_probe = "" if probe.returncode == 0 and count[0].isdigit() and int(count[0]) > 0 else \
-                f"CUDA is not available to torch here ({probe.stdout.strip()[-300:]})"
+            _gpu_probe = (
+                ""
+                if probe.returncode == 0 and count[0].isdigit() and int(count[0]) > 0
+                else f"CUDA is not available to torch here ({probe.stdout.strip()[-300:]})"
+            )
     return _gpu_probe
 
 
@@ -53,12 +61,25 @@ def test_env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def run(cmd: Sequence[str], *, timeout: float, cwd: Optional[Path] = None, env: Optional[Dict[str, str]] = None,
-        check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    cmd: Sequence[str],
+    *,
+    timeout: float,
+    cwd: Optional[Path] = None,
+    env: Optional[Dict[str, str]] = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     """``cmd`` with stdout+stderr merged; ``check``: raise AssertionError with the output tail
     unless it exits 0."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd or REPO, env=env or test_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=cwd or REPO,
+        env=env or test_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -76,11 +97,27 @@ def run(cmd: Sequence[str], *, timeout: float, cwd: Optional[Path] = None, env: 
 
 def torchrun(script: Path | str, *args: str, nproc: int = 2) -> list:
     """The command that runs ``script`` on ``nproc`` local processes with torch.distributed.run."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
-            *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *map(str, args),
+    ]
 
 
 def trainforge_launch(script: Path | str, *args: str, nproc: int = 2, launch_args: Sequence[str] = ()) -> list:
     """The same through the launcher users use (`trainforge launch`)."""
-    return [sys.executable, "-m", "trainforge", "launch", "--nproc-per-node", str(nproc), *launch_args, str(script),
-            *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "trainforge",
+        "launch",
+        "--nproc-per-node",
+        str(nproc),
+        *launch_args,
+        str(script),
+        *map(str, args),
+    ]

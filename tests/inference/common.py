@@ -1,4 +1,5 @@
 """Small models for the inference tests, built from configs (nothing downloaded)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,19 +14,32 @@ def plain(width: int = 32, depth: int = 6) -> nn.Module:
 
 def gpt2_config():
     from transformers import GPT2Config
-    return GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0,
-                      eos_token_id=1, pad_token_id=0)
+
+    return GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32, bos_token_id=0, eos_token_id=1, pad_token_id=0
+    )
 
 
 def llama_config():
     from transformers import LlamaConfig
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=96, max_position_embeddings=32, bos_token_id=0,
-                       eos_token_id=1, pad_token_id=0)
+
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
 
 
 def quiet_transformers() -> None:
     from transformers.utils import logging
+
     logging.set_verbosity_error()
     logging.disable_progress_bar()
 

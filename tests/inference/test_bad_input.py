@@ -1,4 +1,5 @@
 """Bad input to dispatch and loading: clear errors naming the value, the choices and the fix."""
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -20,15 +21,18 @@ def _meta():
         return plain()
 
 
-@pytest.mark.parametrize("device_map, err, match", [
-    ({"": "tpu"}, ConfigurationError, r"device_map\[''\]='tpu' is not one of"),
-    ({"": 7}, ConfigurationError, r"device_map\[''\]=7: there is no GPU 7"),
-    ({"": "cuda:7"}, ConfigurationError, r"there is no GPU 7"),
-    ({"0": "cpu", "1": "cpu"}, ConfigurationError, r"leaves \d+ weight\(s\) unplaced, first \['2.0.weight'"),
-    ({"": "cpu", "encoder": "cpu"}, ConfigurationError, r"key 'encoder' is neither a module nor a tensor"),
-    ("fastest", ConfigurationError, r"device_map='fastest' is not one of: auto, balanced"),
-    ([("", "cpu")], ConfigurationError, r"must be a non-empty dict"),
-])
+@pytest.mark.parametrize(
+    "device_map, err, match",
+    [
+        ({"": "tpu"}, ConfigurationError, r"device_map\[''\]='tpu' is not one of"),
+        ({"": 7}, ConfigurationError, r"device_map\[''\]=7: there is no GPU 7"),
+        ({"": "cuda:7"}, ConfigurationError, r"there is no GPU 7"),
+        ({"0": "cpu", "1": "cpu"}, ConfigurationError, r"leaves \d+ weight\(s\) unplaced, first \['2.0.weight'"),
+        ({"": "cpu", "encoder": "cpu"}, ConfigurationError, r"key 'encoder' is neither a module nor a tensor"),
+        ("fastest", ConfigurationError, r"device_map='fastest' is not one of: auto, balanced"),
+        ([("", "cpu")], ConfigurationError, r"must be a non-empty dict"),
+    ],
+)
 def test_bad_device_map(ckpt, device_map, err, match):
     if torch.cuda.device_count() > 7:
         pytest.skip("this machine has a GPU 7")
@@ -42,8 +46,11 @@ def test_checkpoint_mismatch_names_first_differences(tmp_path):
     del sd["0.0.bias"]
     sd["1.0.weight"] = torch.zeros(3, 3)
     save_file(sd, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"missing \['0.0.bias'\], unexpected \['extra.weight'\], shape "
-                                              r"mismatches \['1.0.weight: checkpoint \(3, 3\) vs model \(32, 32\)'\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing \['0.0.bias'\], unexpected \['extra.weight'\], shape "
+        r"mismatches \['1.0.weight: checkpoint \(3, 3\) vs model \(32, 32\)'\]",
+    ):
         load_checkpoint_and_dispatch(_meta(), tmp_path / "model.safetensors", device_map={"": "cpu"})
 
 
@@ -99,9 +106,12 @@ def test_a_corrupted_trainforge_checkpoint_is_refused_for_inference_too(tmp_path
     from trainforge import Trainer
     from trainforge.callbacks import ModelCheckpoint
 
-    Trainer(default_root_dir=str(tmp_path), max_epochs=1, enable_progress_bar=False,
-            callbacks=[ModelCheckpoint(save_top_k=-1)]).fit(
-        Regressor(make_net()), torch.utils.data.DataLoader(regression_data(16), batch_size=4))
+    Trainer(
+        default_root_dir=str(tmp_path),
+        max_epochs=1,
+        enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(save_top_k=-1)],
+    ).fit(Regressor(make_net()), torch.utils.data.DataLoader(regression_data(16), batch_size=4))
     ck = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
     with init_empty_weights():
         intact = Regressor(make_net())

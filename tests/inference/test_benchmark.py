@@ -1,4 +1,5 @@
 """Smoke: benchmarks/inference.py runs end to end in its tiny mode (figures printed, never asserted)."""
+
 import re
 import sys
 from pathlib import Path
@@ -13,8 +14,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "inference.py"
 @pytest.mark.slow
 def test_inference_benchmark_tiny():
     out = procs.run([sys.executable, BENCH, "--tiny", "--paths", "dispatch_cap"], timeout=240).stdout
-    row = re.search(r"^dispatch_cap\s+trainforge\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)", out,
-                    re.M)
+    row = re.search(
+        r"^dispatch_cap\s+trainforge\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)", out, re.M
+    )
     assert row, out
     assert float(row.group(5)) > 0 and int(row.group(6)) > 0, out  # a forward time and a throughput
     assert "peak anon / (cap + largest block)" in out, out

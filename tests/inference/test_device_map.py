@@ -1,4 +1,5 @@
 """infer_auto_device_map: fill order, no-split classes, buffers, tie groups, modes, budgets."""
+
 import pytest
 import torch
 
@@ -40,6 +41,7 @@ def test_dtype_halves_sizes():
 def test_hf_no_split_default_and_tie_group_placed_together():
     quiet_transformers()
     from transformers import GPT2LMHeadModel
+
     with init_empty_weights():
         model = GPT2LMHeadModel(gpt2_config())
     sizes = compute_module_sizes(model)
@@ -54,8 +56,15 @@ def test_hf_no_split_default_and_tie_group_placed_together():
 def test_modes_balance_gpus_and_equal_sequential_without_gpus():
     model = _meta_plain()
     budgets = {"cpu": 3 * BLOCK}
-    assert len({str(infer_auto_device_map(model, budgets, mode=m)) for m in
-                ("auto", "balanced", "balanced_low_0", "sequential")}) == 1
+    assert (
+        len(
+            {
+                str(infer_auto_device_map(model, budgets, mode=m))
+                for m in ("auto", "balanced", "balanced_low_0", "sequential")
+            }
+        )
+        == 1
+    )
     got = _balanced(8000, 1000, {0: 10**6, 1: 10**6, 2: 10**6, "cpu": 10**9}, low_0=False)
     assert got[0] == got[1] == 8000 // 3 + 1000 and got[2] == 10**6
     got = _balanced(8000, 1000, {0: 10**6, 1: 10**6, 2: 10**6, "cpu": 10**9}, low_0=True)
@@ -68,15 +77,18 @@ def test_cannot_fit_names_largest_unit_and_budgets():
         infer_auto_device_map(model, max_memory={"cpu": 100, "disk": 200}, no_split_module_classes=["Sequential"])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"mode": "fastest"}, r"mode='fastest' is not one of: auto, balanced, balanced_low_0, sequential"),
-    ({"max_memory": {"cpu": "lots"}}, r"max_memory\['cpu'\]='lots' is not a size"),
-    ({"max_memory": {"tpu": "1GiB"}}, r"max_memory key='tpu' is not one of"),
-    ({"max_memory": {3: "1GiB"}}, r"there is no GPU 3"),
-    ({"max_memory": "1GiB"}, r"max_memory='1GiB' is not a dict"),
-    ({"no_split_module_classes": "Sequential"}, r"no_split_module_classes='Sequential' must be a list"),
-    ({"dtype": "float16"}, r"dtype='float16' is not a torch.dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "fastest"}, r"mode='fastest' is not one of: auto, balanced, balanced_low_0, sequential"),
+        ({"max_memory": {"cpu": "lots"}}, r"max_memory\['cpu'\]='lots' is not a size"),
+        ({"max_memory": {"tpu": "1GiB"}}, r"max_memory key='tpu' is not one of"),
+        ({"max_memory": {3: "1GiB"}}, r"there is no GPU 3"),
+        ({"max_memory": "1GiB"}, r"max_memory='1GiB' is not a dict"),
+        ({"no_split_module_classes": "Sequential"}, r"no_split_module_classes='Sequential' must be a list"),
+        ({"dtype": "float16"}, r"dtype='float16' is not a torch.dtype"),
+    ],
+)
 def test_bad_input(kwargs, match):
     if kwargs.get("max_memory") == {3: "1GiB"} and torch.cuda.device_count() > 3:
         pytest.skip("this machine has a GPU 3")

@@ -1,5 +1,6 @@
 """Loading and dispatching: outputs bit-identical to the eager model for cpu, disk and mixed maps,
 for every checkpoint source; ties kept (one storage per tie group); nothing written for safetensors."""
+
 import os
 
 import pytest
@@ -19,9 +20,11 @@ from trainforge.trainer.inference import (
     remove_dispatch,
 )
 
-MAPS = {"cpu": {"": "cpu"}, "disk": {"": "disk"},
-        "mixed": {"0": "cpu", "1": "disk", "2": "cpu", "3": "disk", "4.0": "cpu", "4.1": "disk", "5": "disk",
-                  "6": "cpu"}}
+MAPS = {
+    "cpu": {"": "cpu"},
+    "disk": {"": "disk"},
+    "mixed": {"0": "cpu", "1": "disk", "2": "cpu", "3": "disk", "4.0": "cpu", "4.1": "disk", "5": "disk", "6": "cpu"},
+}
 X = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
 
 
@@ -47,8 +50,9 @@ def test_plain_model_from_safetensors_is_bit_identical_and_writes_nothing(tmp_pa
     with init_empty_weights():
         model = plain()
     assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
-    model = load_checkpoint_and_dispatch(model, tmp_path / "model.safetensors", device_map=MAPS[name],
-                                         offload_folder=tmp_path / "offload")
+    model = load_checkpoint_and_dispatch(
+        model, tmp_path / "model.safetensors", device_map=MAPS[name], offload_folder=tmp_path / "offload"
+    )
     assert torch.equal(model(X), ref)
     assert model.hf_device_map == MAPS[name]
     assert _listing(tmp_path / "offload") == []  # the source is safetensors: mapped, never re-written
@@ -86,6 +90,7 @@ def test_cpu_and_disk_offload(tmp_path):
 def test_sources_sharded_index_trainforge_and_bin(tmp_path):
     quiet_transformers()
     from transformers import GPT2LMHeadModel
+
     torch.manual_seed(1)
     ref_model = GPT2LMHeadModel(gpt2_config()).eval()
     ids = torch.tensor([[3, 5, 7, 9, 11]])
@@ -103,8 +108,10 @@ def test_sources_sharded_index_trainforge_and_bin(tmp_path):
     for f, part in files.items():
         torch.save(part, tmp_path / "bin" / f)
     import json
-    (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, part in files.items() for k in part}}))
+
+    (tmp_path / "bin" / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: f for f, part in files.items() for k in part}})
+    )
     for src in ("hf", "tf", "bin"):
         with init_empty_weights():
             model = GPT2LMHeadModel(gpt2_config()).eval()
@@ -120,18 +127,28 @@ def test_sources_sharded_index_trainforge_and_bin(tmp_path):
 def test_gpt2_generate_and_ties(tmp_path, name):
     quiet_transformers()
     from transformers import GPT2LMHeadModel
+
     torch.manual_seed(2)
     ref_model = GPT2LMHeadModel(gpt2_config()).eval()
     ids = torch.tensor([[3, 5, 7, 9]])
     ref_tokens, ref_logits = greedy(ref_model, ids), ref_model(ids).logits
     ref_model.save_pretrained(tmp_path / "ckpt")
-    device_map = {"mixed": {"transformer.wte": "disk", "transformer.wpe": "cpu", "transformer.h.0": "disk",
-                            "transformer.h.1": "cpu", "transformer.h.2": "disk", "transformer.ln_f": "cpu",
-                            "lm_head": "disk"}}.get(name, {"": name})
+    device_map = {
+        "mixed": {
+            "transformer.wte": "disk",
+            "transformer.wpe": "cpu",
+            "transformer.h.0": "disk",
+            "transformer.h.1": "cpu",
+            "transformer.h.2": "disk",
+            "transformer.ln_f": "cpu",
+            "lm_head": "disk",
+        }
+    }.get(name, {"": name})
     with init_empty_weights():
         model = GPT2LMHeadModel(gpt2_config()).eval()
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map=device_map,
-                                         offload_folder=tmp_path / "off")
+    model = load_checkpoint_and_dispatch(
+        model, tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "off"
+    )
     assert torch.equal(model(ids).logits, ref_logits)
     assert torch.equal(greedy(model, ids), ref_tokens)
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -142,6 +159,7 @@ def test_gpt2_generate_and_ties(tmp_path, name):
 def test_llama_generate_from_auto_map(tmp_path):
     quiet_transformers()
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(3)
     ref_model = LlamaForCausalLM(llama_config()).eval()
     ids = torch.tensor([[4, 8, 15, 16]])
@@ -151,8 +169,9 @@ def test_llama_generate_from_auto_map(tmp_path):
         model = LlamaForCausalLM(llama_config()).eval()
     # non-persistent rotary buffers stay real: no checkpoint holds them
     assert not model.model.rotary_emb.inv_freq.is_meta and model.model.layers[0].mlp.up_proj.weight.is_meta
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="auto", max_memory={"cpu": "40KB"},
-                                         offload_folder=tmp_path / "off")
+    model = load_checkpoint_and_dispatch(
+        model, tmp_path / "ckpt", device_map="auto", max_memory={"cpu": "40KB"}, offload_folder=tmp_path / "off"
+    )
     assert set(map(str, model.hf_device_map.values())) == {"cpu", "disk"}
     assert torch.equal(model(ids).logits, ref_logits)
     assert torch.equal(greedy(model, ids), ref_tokens)
@@ -161,6 +180,7 @@ def test_llama_generate_from_auto_map(tmp_path):
 def test_materialize_restores_ties():
     quiet_transformers()
     from transformers import GPT2LMHeadModel
+
     with init_empty_weights():
         model = GPT2LMHeadModel(gpt2_config())
     model.to_empty(device="cpu")  # torch alone breaks the tie here
@@ -173,6 +193,7 @@ def test_materialize_restores_ties():
 
 def test_accelerator_exposes_big_model_inference(tmp_path):
     from trainforge.trainer.accelerator import Accelerator
+
     ref_model = _trained_plain()
     ref = ref_model(X)
     save_file(ref_model.state_dict(), str(tmp_path / "model.safetensors"))

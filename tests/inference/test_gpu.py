@@ -1,5 +1,6 @@
 """CUDA paths of offloading (pinned reused buffers, side-stream prefetch), run in a child process
 that sees the GPUs (tests/conftest.py may hide CUDA from the test process itself)."""
+
 import sys
 from pathlib import Path
 

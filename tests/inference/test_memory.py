@@ -1,5 +1,6 @@
 """Anonymous memory (RssAnon: memory-mapped file pages are not counted) of loading and running a
 16 MiB model in a child process, so the figure is clean of the test runner's own memory."""
+
 import json
 import sys
 from pathlib import Path

@@ -7,6 +7,7 @@ process's file size limit (RLIMIT_FSIZE) drops to 4 KB, so the background write 
 weights fails with EFBIG ("File too large"), as a full disk would with ENOSPC. The error must
 reach the main thread as a CheckpointError; this script prints it and exits with status 3.
 """
+
 import os
 import resource
 import signal
@@ -31,9 +32,15 @@ class FillTheDisk(Callback):
 def main() -> None:
     root = sys.argv[1]
     seed_everything(0)
-    trainer = Trainer(max_steps=4, default_root_dir=root, enable_progress_bar=False,
-                      callbacks=[ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"), every_n_steps=1,
-                                                 async_save=True), FillTheDisk()])
+    trainer = Trainer(
+        max_steps=4,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        callbacks=[
+            ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"), every_n_steps=1, async_save=True),
+            FillTheDisk(),
+        ],
+    )
     try:
         trainer.fit(Regressor(make_net(dim=64)), DataLoader(regression_data(dim=64), batch_size=4))
     except CheckpointError as e:

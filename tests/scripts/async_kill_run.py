@@ -11,6 +11,7 @@ The child's output goes to LOG: ``started`` when the loop starts, ``committed N`
 to ROOT/final.safetensors. A few MB of weights and AdamW state, dropout on, 12 steps,
 ModelCheckpoint(every_n_steps=1, keep_last_k=2, async_save=True).
 """
+
 from __future__ import annotations
 
 import os
@@ -69,10 +70,17 @@ def run(root: Path, resume: bool) -> None:
     data = TensorDataset(torch.randn(64, DIM, generator=g), torch.randn(64, DIM, generator=g))
     model = Model()
     ckpts = root / "checkpoints"
-    trainer = Trainer(max_steps=12, default_root_dir=str(root), enable_progress_bar=False, log_every_n_steps=1,
-                      resume="auto" if resume else None,
-                      callbacks=[ModelCheckpoint(dirpath=str(ckpts), every_n_steps=1, keep_last_k=2, async_save=True),
-                                 ReportCommits(ckpts)])
+    trainer = Trainer(
+        max_steps=12,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        log_every_n_steps=1,
+        resume="auto" if resume else None,
+        callbacks=[
+            ModelCheckpoint(dirpath=str(ckpts), every_n_steps=1, keep_last_k=2, async_save=True),
+            ReportCommits(ckpts),
+        ],
+    )
     trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(root / "final.safetensors"))
     print("done", flush=True)

@@ -3,6 +3,7 @@
 The whole process group (agent and workers) is killed when the time runs out or on failure, and
 the JSON files the ranks wrote to ``$CB_OUT`` are returned.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -19,8 +20,11 @@ from tests.helpers import procs
 
 def torchrun(script: str, out_dir: Path, nproc: int = 2, timeout: float = 90.0) -> Dict[str, Any]:
     """``{file stem: parsed JSON}`` of what the ranks wrote; raises with the output on failure."""
-    env = procs.test_env(CB_OUT=str(out_dir), MASTER_ADDR="127.0.0.1",
-                         PYTHONPATH=os.pathsep.join([str(SCRIPTS.parent.parent), str(SCRIPTS)]))
+    env = procs.test_env(
+        CB_OUT=str(out_dir),
+        MASTER_ADDR="127.0.0.1",
+        PYTHONPATH=os.pathsep.join([str(SCRIPTS.parent.parent), str(SCRIPTS)]),
+    )
     output = procs.run(procs.torchrun(SCRIPTS / script, nproc=nproc), env=env, timeout=timeout).stdout
     results = {p.stem: json.loads(p.read_text()) for p in out_dir.glob("*.json")}
     results["_output"] = output
@@ -48,8 +52,9 @@ def multirank(scenario: str, timeout: float = 240.0) -> Any:
     ranks = [results.get(f"{scenario}_rank{r}") for r in range(2)]
     for r, res in enumerate(ranks):
         if res is None or "error" in res:
-            raise AssertionError(f"scenario {scenario!r} on rank {r} failed:\n"
-                                 f"{res['error'] if res else results['_output'][-6000:]}")
+            raise AssertionError(
+                f"scenario {scenario!r} on rank {r} failed:\n{res['error'] if res else results['_output'][-6000:]}"
+            )
     return ranks
 
 

@@ -4,6 +4,7 @@ Run by ``tests/scripts/cb_launch.py`` under torchrun; one launch serves every ca
 (torch + trainer import costs seconds per process). Each scenario writes ``<scenario>_rank<r>.json``
 to ``$CB_OUT``; an exception in one is recorded there and the next scenario still runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,13 @@ class Net(TrainingModule):
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
         if not self.step_size:
             return opt
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(
-            opt, step_size=self.step_size, gamma=0.5), "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=self.step_size, gamma=0.5),
+                "interval": "step",
+            },
+        }
 
 
 class Recorder(Callback):
@@ -73,8 +79,9 @@ class Recorder(Callback):
         self.logged.setdefault(step, {}).update(metrics)
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
-        copies = [nn.Parameter(p.detach().clone()) for g in optimizer.param_groups for p in g["params"]
-                  if p.grad is not None]
+        copies = [
+            nn.Parameter(p.detach().clone()) for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
         for c, p in zip(copies, [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]):
             c.grad = p.grad.detach().clone()
         self.clip_norms[trainer.global_step + 1] = float(torch.nn.utils.clip_grad_norm_(copies, max_norm=1e9))
@@ -84,8 +91,14 @@ class Recorder(Callback):
 
 
 def trainer(name: str, callbacks, **kwargs) -> Trainer:
-    return Trainer(strategy="ddp", enable_progress_bar=False, enable_checkpointing=False, callbacks=callbacks,
-                   default_root_dir=os.path.join(OUT, "root", name), **kwargs)
+    return Trainer(
+        strategy="ddp",
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+        default_root_dir=os.path.join(OUT, "root", name),
+        **kwargs,
+    )
 
 
 def loader(n: int, batch: int = BATCH, shuffle: bool = False, dim: int = 4) -> DataLoader:
@@ -96,11 +109,16 @@ def loader(n: int, batch: int = BATCH, shuffle: bool = False, dim: int = 4) -> D
 def scenario_monitors(rank: int) -> dict:
     rec = Recorder()
     mem, tput = MemoryMonitor(every_n_steps=4, leak_intervals=50), ThroughputMonitor(window=8)
-    t = trainer("monitors", [mem, tput, LearningRateMonitor(), GradientNormMonitor(), rec],
-                max_steps=12, log_every_n_steps=4)
+    t = trainer(
+        "monitors", [mem, tput, LearningRateMonitor(), GradientNormMonitor(), rec], max_steps=12, log_every_n_steps=4
+    )
     t.fit(Net(sleep=SLEEP, extra_mb=64 if rank == 1 else 0, step_size=5), loader(2 * 12 * BATCH))
-    return {"logged": rec.logged, "clip_norms": rec.clip_norms, "ideal_per_device": BATCH / SLEEP,
-            "peaks": {str(r): v for r, v in mem.peaks.items()}}
+    return {
+        "logged": rec.logged,
+        "clip_norms": rec.clip_norms,
+        "ideal_per_device": BATCH / SLEEP,
+        "peaks": {str(r): v for r, v in mem.peaks.items()},
+    }
 
 
 class Index(Dataset):
@@ -128,9 +146,15 @@ def scenario_early_stopping(rank: int) -> dict:
     net = Net(val_value=(lambda epoch: 1.0 / (epoch + 1)) if rank == 0 else (lambda epoch: 1.0))
     t = trainer("es", [es], max_epochs=20)
     t.fit(net, loader(16), loader(8))
-    return {"should_stop": t.should_stop, "global_step": t.global_step, "epoch": t.current_epoch,
-            "batches_per_epoch": t.num_training_batches, "wait_count": es.wait_count, "patience": es.patience,
-            "stopped_epoch": es.stopped_epoch}
+    return {
+        "should_stop": t.should_stop,
+        "global_step": t.global_step,
+        "epoch": t.current_epoch,
+        "batches_per_epoch": t.num_training_batches,
+        "wait_count": es.wait_count,
+        "patience": es.patience,
+        "stopped_epoch": es.stopped_epoch,
+    }
 
 
 def scenario_timer(rank: int) -> dict:
@@ -144,8 +168,13 @@ def scenario_timer(rank: int) -> dict:
     resumed.load_state_dict(state)  # as a checkpoint restore does, before on_fit_start
     t2 = trainer("timer2", [resumed], max_steps=500)
     t2.fit(Net(sleep=0.05), loader(2 * 500 * BATCH))
-    return {"steps1": t1.global_step, "elapsed1": first.time_elapsed("fit") if rank == 0 else None,
-            "saved": state["time_elapsed"]["fit"], "steps2": t2.global_step, "elapsed2": resumed.time_elapsed("fit")}
+    return {
+        "steps1": t1.global_step,
+        "elapsed1": first.time_elapsed("fit") if rank == 0 else None,
+        "saved": state["time_elapsed"]["fit"],
+        "steps2": t2.global_step,
+        "elapsed2": resumed.time_elapsed("fit"),
+    }
 
 
 def scenario_dtensor_grad_norm(rank: int) -> dict:
@@ -168,16 +197,25 @@ def scenario_dtensor_grad_norm(rank: int) -> dict:
         plain = [nn.Parameter(full[n].clone()) for n in ("w", "b")]
         for p, n in zip(plain, ("w", "b")):
             p.grad = grads[n].clone()
-        local = torch.linalg.vector_norm(torch.cat([module.w.grad.to_local().flatten(),
-                                                    module.b.grad.to_local().flatten()]), norm_type)
-        out[str(norm_type)] = {"computed": computed, "local_shard_norm": float(local),
-                               "expected": float(torch.nn.utils.clip_grad_norm_(plain, 1e9, norm_type=norm_type)),
-                               "expected_w": float(torch.linalg.vector_norm(grads["w"], norm_type))}
+        local = torch.linalg.vector_norm(
+            torch.cat([module.w.grad.to_local().flatten(), module.b.grad.to_local().flatten()]), norm_type
+        )
+        out[str(norm_type)] = {
+            "computed": computed,
+            "local_shard_norm": float(local),
+            "expected": float(torch.nn.utils.clip_grad_norm_(plain, 1e9, norm_type=norm_type)),
+            "expected_w": float(torch.linalg.vector_norm(grads["w"], norm_type)),
+        }
     return out
 
 
-SCENARIOS = {"monitors": scenario_monitors, "rng": scenario_rng, "early_stopping": scenario_early_stopping,
-             "timer": scenario_timer, "dtensor_grad_norm": scenario_dtensor_grad_norm}
+SCENARIOS = {
+    "monitors": scenario_monitors,
+    "rng": scenario_rng,
+    "early_stopping": scenario_early_stopping,
+    "timer": scenario_timer,
+    "dtensor_grad_norm": scenario_dtensor_grad_norm,
+}
 
 
 def main() -> None:

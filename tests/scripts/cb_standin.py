@@ -3,6 +3,7 @@
 Collectives are real ``torch.distributed`` calls when a process group is up (gloo in the tests),
 identities otherwise. ``fit`` fires the events in the order of ``trainer/events.py``.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -79,9 +80,19 @@ class StandInTrainer:
     def series(self, name: str) -> Dict[int, float]:
         return {step: m[name] for m, step in self.logged if name in m}
 
-    def fit(self, module: torch.nn.Module, loader: Any, optimizer: torch.optim.Optimizer, *, max_steps: int,
-            max_epochs: int = 1000, scheduler: Any = None, loss_fn: Optional[Callable] = None,
-            val_every_n_steps: Optional[int] = None, val_metrics: Optional[Callable[[Any], Dict]] = None) -> None:
+    def fit(
+        self,
+        module: torch.nn.Module,
+        loader: Any,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_steps: int,
+        max_epochs: int = 1000,
+        scheduler: Any = None,
+        loss_fn: Optional[Callable] = None,
+        val_every_n_steps: Optional[int] = None,
+        val_metrics: Optional[Callable[[Any], Dict]] = None,
+    ) -> None:
         self.module, self.optimizers, self.train_dataloader = module, [optimizer], loader
         self.val_dataloaders = ["validation"] if val_every_n_steps else []  # as the Trainer: a validation loop runs
         if scheduler is not None:
@@ -113,4 +124,3 @@ class StandInTrainer:
             self.fire("on_train_epoch_end")
             self.current_epoch += 1
         self.fire("on_fit_end")
-

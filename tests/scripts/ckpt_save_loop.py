@@ -13,6 +13,7 @@ child that runs one loop with stdout and stderr going to LOGFILE and answers ``p
 ``reap P`` waits for that child and answers ``status S`` (the raw wait status). The server itself
 runs no torch op before forking, so the fork is safe; it exits at end of input.
 """
+
 from __future__ import annotations
 
 import argparse

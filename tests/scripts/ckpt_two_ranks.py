@@ -7,6 +7,7 @@ shard written without the writer, one of them tracked), rank 0 the model; rank 0
 Then both ranks overwrite ``last`` twice, and finally both try to write the same file name,
 which rank 0 refuses and rank 1 learns about. Prints ``rank R ok`` at the end.
 """
+
 from __future__ import annotations
 
 import sys

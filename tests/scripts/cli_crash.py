@@ -2,6 +2,7 @@
 
 Rank 1 writes the time of its crash to the file given as the first argument, if any.
 """
+
 import sys
 import time
 

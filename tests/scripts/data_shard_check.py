@@ -3,6 +3,7 @@
 Each rank prepares the same DataLoader, iterates epoch 0 and 1 (set_epoch between), then takes
 STEPS batches of epoch 2 and saves its data position; rank 0 writes what every rank saw.
 """
+
 import sys
 
 import torch
@@ -17,8 +18,9 @@ N, BATCH, STEPS = 44, 4, 3
 def main(out_path: str) -> None:
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
-    loader = prepare_dataloader(DataLoader(list(range(N)), batch_size=BATCH, shuffle=True, num_workers=2),
-                                rank=rank, world_size=world, seed=11)
+    loader = prepare_dataloader(
+        DataLoader(list(range(N)), batch_size=BATCH, shuffle=True, num_workers=2), rank=rank, world_size=world, seed=11
+    )
     record = {"rank": rank, "world_size": world, "epochs": []}
     for epoch in range(2):
         set_loader_epoch(loader, epoch)

@@ -1,4 +1,5 @@
 """Launched on 2 processes: gather_for_metrics over an odd-sized dataset, collectives, sync_dist."""
+
 import json
 import os
 import sys
@@ -67,7 +68,9 @@ def main(out):
     ragged = torch.arange(rank + 2)  # rank r has r + 2 elements
     padded = acc.pad_across_processes(ragged, pad_index=-1)
     result = {
-        "seen": seen, "doubled": doubled, "per_rank": acc.strategy.all_gather_object(per_rank),
+        "seen": seen,
+        "doubled": doubled,
+        "per_rank": acc.strategy.all_gather_object(per_rank),
         "gathered_scalar": acc.gather(torch.tensor(float(rank))).tolist(),
         "reduce_sum": float(acc.reduce(torch.tensor(float(rank + 1)), "sum")),
         "reduce_mean": float(acc.reduce(torch.tensor(float(rank + 1)), "mean")),

@@ -1,6 +1,7 @@
 """Launched on 2 processes: manual optimization with two optimizers under DDP (Lightning's GAN
 pattern; DDP needs find_unused_parameters=True, each backward touching one player). Rank 0 writes
 whether the ranks' weights agree, the global step and the raw-loop comparison to OUT."""
+
 import copy
 import json
 import os
@@ -23,8 +24,13 @@ def main(out):
     seed_everything(0)
     g0, d0 = make_net(), make_net()
     module = TwoNets(copy.deepcopy(g0), copy.deepcopy(d0))
-    trainer = Trainer(strategy=DDPStrategy(find_unused_parameters=True), max_epochs=1, default_root_dir=out + ".root",
-                      enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        strategy=DDPStrategy(find_unused_parameters=True),
+        max_epochs=1,
+        default_root_dir=out + ".root",
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     loader = DataLoader(regression_data(n=32), batch_size=4)  # unshuffled: the raw loop below shards the same way
     trainer.fit(module, loader)
     weights = torch.cat([p.detach().flatten() for p in module.parameters()])
@@ -51,8 +57,14 @@ def main(out):
     raw = torch.cat([p.detach().flatten() for p in [*g.module.parameters(), *d.module.parameters()]])
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"agree": bool(torch.equal(both[0], both[1])), "global_step": trainer.global_step,
-                       "matches_raw_ddp": bool(torch.equal(weights, raw))}, f)
+            json.dump(
+                {
+                    "agree": bool(torch.equal(both[0], both[1])),
+                    "global_step": trainer.global_step,
+                    "matches_raw_ddp": bool(torch.equal(weights, raw)),
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

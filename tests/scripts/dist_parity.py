@@ -1,5 +1,6 @@
 """Launched on 2 processes: a raw DDP loop, the Trainer (strategy auto -> DDP) and the Accelerator,
 same seed and sampler, with accumulation 1 and 2. Rank 0 writes each run's weights to OUT_DIR."""
+
 import copy
 import os
 import sys
@@ -36,16 +37,17 @@ class RandomShard(torch.utils.data.Sampler):
         seed = torch.empty((), dtype=torch.int64).random_()
         dist.broadcast(seed, 0)
         order = torch.randperm(self.n, generator=torch.Generator().manual_seed(int(seed))).tolist()
-        order += order[:self.total - self.n]
-        return iter(order[self.rank::self.world])
+        order += order[: self.total - self.n]
+        return iter(order[self.rank :: self.world])
 
 
 def raw_ddp(net, accum):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(net)
     ds = regression_data()
-    loader = DataLoader(ds, batch_size=BATCH, sampler=RandomShard(len(ds), rank, world),
-                        generator=torch.Generator())  # the sampler makes the global draws
+    loader = DataLoader(
+        ds, batch_size=BATCH, sampler=RandomShard(len(ds), rank, world), generator=torch.Generator()
+    )  # the sampler makes the global draws
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for epoch in range(EPOCHS):
         for i, (x, y) in enumerate(loader):
@@ -62,8 +64,13 @@ def raw_ddp(net, accum):
 
 def via_trainer(net, accum, root):
     module = Regressor(net)
-    trainer = Trainer(max_epochs=EPOCHS, accumulate_grad_batches=accum, default_root_dir=root,
-                      enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=accum,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, DataLoader(regression_data(), batch_size=BATCH, shuffle=True))
     assert trainer.strategy.name == "ddp" and trainer.world_size == 2
     return module.net
@@ -97,8 +104,12 @@ def main(out_dir):
         results[f"accelerator_accum{accum}"] = via_accelerator(copy.deepcopy(initial), accum)
     if dist.get_rank() == 0:
         for name, net in results.items():
-            save_file({k: v.contiguous() for k, v in net.state_dict().items()}, os.path.join(out_dir, name + ".safetensors"))
-        save_file({k: v.contiguous() for k, v in initial.state_dict().items()}, os.path.join(out_dir, "initial.safetensors"))
+            save_file(
+                {k: v.contiguous() for k, v in net.state_dict().items()}, os.path.join(out_dir, name + ".safetensors")
+            )
+        save_file(
+            {k: v.contiguous() for k, v in initial.state_dict().items()}, os.path.join(out_dir, "initial.safetensors")
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the DDP run with the same seed and data; a resume of "B" from a mid-epoch checkp
 weights through ``Trainer.save_weights``; ``load_module_state_dict``; and the ZeRO-3 per-rank
 model+optimizer state bytes. Writes ``OUT/rank{r}.json`` and ``OUT/weights/<run>/``.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,10 @@ class Tiny(TrainingModule):
         opt = torch.optim.Adam(self.parameters(), lr=1e-2)
         if not self.use_scheduler:
             return opt
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5),
-                                                   "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5), "interval": "step"},
+        }
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -60,10 +63,18 @@ def loader() -> torch.utils.data.DataLoader:
 def fit(strategy, config: str, root: Path, max_steps: int = STEPS, ckpt=None, model_seed: int = 0):
     torch.manual_seed(model_seed)
     module = Tiny(scheduler=config == "B")
-    trainer = Trainer(strategy=strategy, precision="32", max_steps=max_steps, seed=0,
-                      accumulate_grad_batches=2 if config == "B" else 1,
-                      gradient_clip_val=0.05 if config == "B" else None, default_root_dir=str(root),
-                      enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=1000)
+    trainer = Trainer(
+        strategy=strategy,
+        precision="32",
+        max_steps=max_steps,
+        seed=0,
+        accumulate_grad_batches=2 if config == "B" else 1,
+        gradient_clip_val=0.05 if config == "B" else None,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1000,
+    )
     trainer.fit(module, loader(), ckpt_path=ckpt)
     return trainer, module
 
@@ -110,15 +121,33 @@ def safety_checks(out: Path, trainer, ckpt: Path, rank: int) -> dict:
 def memory_run(root: Path) -> dict:
     torch.manual_seed(0)
     module = Tiny(scheduler=False, width=512)
-    trainer = Trainer(strategy=DeepSpeedStrategy(stage=3), precision="32", max_steps=2, seed=0,
-                      default_root_dir=str(root), enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        strategy=DeepSpeedStrategy(stage=3),
+        precision="32",
+        max_steps=2,
+        seed=0,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, loader())
     auto = DeepSpeedStrategy(stage="auto")
-    auto_trainer = Trainer(strategy=auto, precision="32", max_steps=2, seed=0, default_root_dir=str(root),
-                           enable_progress_bar=False, enable_checkpointing=False)
+    auto_trainer = Trainer(
+        strategy=auto,
+        precision="32",
+        max_steps=2,
+        seed=0,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     auto_trainer.fit(Tiny(scheduler=False), loader())
-    return {"zero3_bytes": zero3_state_bytes(trainer), "params": sum(p.ds_numel for p in module.parameters()),
-            "auto_stage": auto.config["zero_optimization"]["stage"], "auto_report": auto.auto_report}
+    return {
+        "zero3_bytes": zero3_state_bytes(trainer),
+        "params": sum(p.ds_numel for p in module.parameters()),
+        "auto_stage": auto.config["zero_optimization"]["stage"],
+        "auto_report": auto.auto_report,
+    }
 
 
 def main() -> None:
@@ -156,19 +185,25 @@ def main() -> None:
         first, _ = fit(DeepSpeedStrategy(stage=stage), "B", root, max_steps=7)
         ckpt = first.save_checkpoint(str(out / "ckpt" / f"zero{stage}"))
         resumed, module = fit(DeepSpeedStrategy(stage=stage), "B", root, ckpt=str(ckpt), model_seed=99)
-        result["runs"][f"zero{stage}-B-resumed"] = {"losses": module.losses, "lrs": module.lrs,
-                                                   "files": sorted(p.relative_to(ckpt).as_posix()
-                                                                   for p in Path(ckpt).rglob("*") if p.is_file())}
+        result["runs"][f"zero{stage}-B-resumed"] = {
+            "losses": module.losses,
+            "lrs": module.lrs,
+            "files": sorted(p.relative_to(ckpt).as_posix() for p in Path(ckpt).rglob("*") if p.is_file()),
+        }
         resumed.save_weights(str(out / "weights" / f"zero{stage}-B-resumed"))
         result["timings"][f"zero{stage}-resume"] = time.time() - start
     result["safety"] = safety_checks(out, resumed, Path(ckpt), rank)
-    for name, kwargs in (("zero2-offload", {"stage": 2, "offload_optimizer": True}),
-                         ("zero3-offload-all", {"stage": 3, "offload_optimizer": True, "offload_parameters": True})):
+    for name, kwargs in (
+        ("zero2-offload", {"stage": 2, "offload_optimizer": True}),
+        ("zero3-offload-all", {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+    ):
         trainer, module = fit(DeepSpeedStrategy(**kwargs), "B", root)
         zero = trainer.strategy.config["zero_optimization"]
-        result["runs"][f"{name}-B"] = {"losses": module.losses, "lrs": module.lrs,
-                                       "offload": [zero.get(k, {}).get("device") for k in ("offload_optimizer",
-                                                                                          "offload_param")]}
+        result["runs"][f"{name}-B"] = {
+            "losses": module.losses,
+            "lrs": module.lrs,
+            "offload": [zero.get(k, {}).get("device") for k in ("offload_optimizer", "offload_param")],
+        }
     trainer, module = fit(DeepSpeedStrategy(stage=3, activation_checkpointing={nn.Linear}), "A", root)
     wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in module.modules())
     result["runs"]["zero3-A-checkpointed"] = {"losses": module.losses, "wrapped": wrapped}

@@ -6,6 +6,7 @@ KIND: trainer-ddp, fsdp, megatron-pp, deepspeed, accelerator. Each trains a few 
 without any teardown call, as users' scripts do: the process must still end with exit code 0
 (strategies/clean_exit.py says why that needs care).
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,8 +23,14 @@ KINDS = ("trainer-ddp", "fsdp", "megatron-pp", "deepspeed", "accelerator")
 
 
 def fit(strategy, root: Path, module=None) -> None:
-    trainer = Trainer(strategy=strategy, max_steps=4, default_root_dir=str(root), enable_progress_bar=False,
-                      enable_checkpointing=False, seed=0)
+    trainer = Trainer(
+        strategy=strategy,
+        max_steps=4,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        seed=0,
+    )
     trainer.fit(module or LitLM(), loader())
 
 

@@ -4,6 +4,7 @@ A small transformer-like language model: embedding, a ``ModuleList`` of identica
 auto-wrap shards as units), final norm and head. fp32 on CPU so parity is exact up to the order of
 floating-point sums.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,12 +80,20 @@ def loader(batch_size: int = 4) -> DataLoader:
 
 def make_trainer(strategy: Any, root: Path, max_steps: int, **kwargs: Any) -> Trainer:
     kwargs.setdefault("gradient_clip_val", 0.5)  # small enough to clip: exercises the sharded norm
-    return Trainer(strategy=strategy, max_steps=max_steps, default_root_dir=str(root), enable_progress_bar=False,
-                   enable_checkpointing=False, seed=0, **kwargs)
+    return Trainer(
+        strategy=strategy,
+        max_steps=max_steps,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        seed=0,
+        **kwargs,
+    )
 
 
-def fit(strategy: Any, root: Path, max_steps: int = 20, ckpt_path: Any = None, batch_size: int = 4,
-        **kwargs: Any) -> "tuple[Trainer, LitLM]":
+def fit(
+    strategy: Any, root: Path, max_steps: int = 20, ckpt_path: Any = None, batch_size: int = 4, **kwargs: Any
+) -> "tuple[Trainer, LitLM]":
     module = LitLM()
     trainer = make_trainer(strategy, root, max_steps, **kwargs)
     trainer.fit(module, loader(batch_size), ckpt_path=ckpt_path)

@@ -6,6 +6,7 @@ No launcher: the single-process environment starts a world of 1 on a free port. 
 stays 8 (one process, batch 8 instead of two of 4), so the data continues at the same samples.
 Writes ``OUT/one.json`` and ``OUT/one_final.safetensors``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,8 +23,14 @@ def main(out: Path) -> None:
     trainer, module = fit(FSDPStrategy(), out / "one", ckpt_path=str(out / "ckpt" / "step-10"), batch_size=8)
     assert trainer.world_size == 1, trainer.world_size
     save_file({k: v.contiguous() for k, v in full_state(trainer).items()}, str(out / "one_final.safetensors"))
-    write_json(out / "one.json", {"losses": module.losses, "global_step": trainer.global_step,
-                                  "memory": local_state_bytes(trainer.model, trainer.optimizers)})
+    write_json(
+        out / "one.json",
+        {
+            "losses": module.losses,
+            "global_step": trainer.global_step,
+            "memory": local_state_bytes(trainer.model, trainer.optimizers),
+        },
+    )
     trainer.strategy.teardown()
     print("one ok", flush=True)
 

@@ -9,6 +9,7 @@ before ``prepare``. Rank 0 writes ``OUT/results.json`` (losses of both ranks, wr
 and safetensors of consolidated weights; ``OUT/ckpt/step-10`` (sharded) is left for
 tests/scripts/fsdp_one.py (one process) and ``trainforge merge-weights``.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ from trainforge.strategies import DDPStrategy, FSDPStrategy
 from trainforge.strategies.fsdp import local_state_bytes
 
 STEPS = 20  # the full runs; the Accelerator runs STEPS // 2 (compared with the step-10 weights)
-SHORT = 6   # hybrid/no_shard/activation checkpointing/accumulation (optimizer steps)
+SHORT = 6  # hybrid/no_shard/activation checkpointing/accumulation (optimizer steps)
 
 
 def gathered(obj: Any) -> Any:
@@ -40,15 +41,18 @@ def gathered(obj: Any) -> Any:
 
 def wrapping_report(trainer: Any) -> Dict[str, Any]:
     model = trainer.model
-    return {"wrapped": trainer.strategy.wrapped_modules,
-            "checkpointed": trainer.strategy.checkpointed_modules,
-            "units_are_fsdp": [isinstance(model.get_submodule(n), FSDPModule) for n in BLOCK_NAMES],
-            "root_is_fsdp": isinstance(model, FSDPModule),
-            "other_fsdp": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)
-                                 and n and n not in BLOCK_NAMES),
-            "params_are_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
-            "placements": [str(p.placements) for p in model.net.blocks[0].parameters()][:1],
-            "state_keys": sorted(trainer.strategy.module_state_dict(model))}
+    return {
+        "wrapped": trainer.strategy.wrapped_modules,
+        "checkpointed": trainer.strategy.checkpointed_modules,
+        "units_are_fsdp": [isinstance(model.get_submodule(n), FSDPModule) for n in BLOCK_NAMES],
+        "root_is_fsdp": isinstance(model, FSDPModule),
+        "other_fsdp": sorted(
+            n for n, m in model.named_modules() if isinstance(m, FSDPModule) and n and n not in BLOCK_NAMES
+        ),
+        "params_are_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+        "placements": [str(p.placements) for p in model.net.blocks[0].parameters()][:1],
+        "state_keys": sorted(trainer.strategy.module_state_dict(model)),
+    }
 
 
 def accelerator_run(out: Path, results: Dict[str, Any]) -> None:
@@ -58,15 +62,17 @@ def accelerator_run(out: Path, results: Dict[str, Any]) -> None:
     net = TinyLM()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
     net, opt, dl = acc.prepare(net, opt, loader())
-    results["acc_remapped"] = all(a is b for a, b in zip(opt.param_groups[0]["params"], net.parameters())) \
-        and all(isinstance(p, DTensor) for p in opt.param_groups[0]["params"])
+    results["acc_remapped"] = all(a is b for a, b in zip(opt.param_groups[0]["params"], net.parameters())) and all(
+        isinstance(p, DTensor) for p in opt.param_groups[0]["params"]
+    )
     losses, norms = [], []
     for _, batch in zip(range(STEPS // 2), dl):
         with acc.accumulate(net):
             loss = lm_loss(net, batch)
             acc.backward(loss)
-            full = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.full_tensor())
-                                                         for p in net.parameters()]))
+            full = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad.full_tensor()) for p in net.parameters()])
+            )
             norm = acc.clip_grad_norm_(net.parameters(), 0.5)
             norms.append([float(norm), float(full), type(norm).__name__])
             opt.step()
@@ -116,8 +122,9 @@ def main(out: Path) -> None:
     # the uninterrupted runs save at step 10; fresh runs resume from there (sharded, then full)
     for kind, sharding, ckpt in (("sharded", "full_shard", "ckpt"), ("full", "shard_grad_op", "ckpt_full")):
         saver = SaveAt(STEPS // 2, out / ckpt / "step-10")
-        trainer, module = fit(FSDPStrategy(sharding_strategy=sharding, state_dict_type=kind), out / sharding,
-                              callbacks=[saver])
+        trainer, module = fit(
+            FSDPStrategy(sharding_strategy=sharding, state_dict_type=kind), out / sharding, callbacks=[saver]
+        )
         results[sharding], states[sharding] = gathered(module.losses), full_state(trainer)
         if kind == "sharded":
             results["wrap"] = wrapping_report(trainer)
@@ -125,11 +132,15 @@ def main(out: Path) -> None:
             states["gathered_step10"] = saver.state
         trainer, module = fit(FSDPStrategy(state_dict_type=kind), out / f"resumed_{kind}", ckpt_path=str(saver.path))
         results[f"resumed_{kind}"], states[f"resumed_{kind}"] = gathered(module.losses), full_state(trainer)
-        results[f"resumed_{kind}_files"] = sorted(p.relative_to(saver.path).as_posix()
-                                                  for p in saver.path.rglob("*") if p.is_file())
+        results[f"resumed_{kind}_files"] = sorted(
+            p.relative_to(saver.path).as_posix() for p in saver.path.rglob("*") if p.is_file()
+        )
 
-    for kind, options in (("hybrid_shard", {"sharding_strategy": "hybrid_shard"}),
-                          ("no_shard", {"sharding_strategy": "no_shard"}), ("offload", {"cpu_offload": True})):
+    for kind, options in (
+        ("hybrid_shard", {"sharding_strategy": "hybrid_shard"}),
+        ("no_shard", {"sharding_strategy": "no_shard"}),
+        ("offload", {"cpu_offload": True}),
+    ):
         trainer, module = fit(FSDPStrategy(**options), out / kind, max_steps=SHORT)
         results[kind] = gathered(module.losses)
         results[f"{kind}_placements"] = str(next(trainer.model.parameters()).placements)

@@ -2,6 +2,7 @@
 writes what it observed as JSON to --out (rank 0). Run directly, or under `trainforge launch` for the
 process-group checks (ddp-nccl, fsdp-bf16, deepspeed-2, deepspeed-3).
 """
+
 import argparse
 import json
 import os
@@ -19,7 +20,7 @@ from trainforge.callbacks import Callback, MemoryMonitor  # noqa: E402
 def data(n=512, dim=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=g)
-    return TensorDataset(x, x @ torch.randn(dim, 1, generator=g) / dim ** 0.5)
+    return TensorDataset(x, x @ torch.randn(dim, 1, generator=g) / dim**0.5)
 
 
 class Net(TrainingModule):
@@ -70,8 +71,9 @@ class StepWatch(Callback):
 
 
 def fit(module, steps=40, **kwargs):
-    trainer = Trainer(max_steps=steps, enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=10,
-                      **kwargs)
+    trainer = Trainer(
+        max_steps=steps, enable_progress_bar=False, enable_checkpointing=False, log_every_n_steps=10, **kwargs
+    )
     trainer.fit(module, DataLoader(data(), batch_size=32, shuffle=True))
     return trainer
 
@@ -79,10 +81,16 @@ def fit(module, steps=40, **kwargs):
 def summary(trainer, module):
     losses = [float(v) for v in torch.stack(module.losses).float().cpu()]
     finite = [v for v in losses if v == v and abs(v) != float("inf")]
-    return {"first_loss": sum(finite[:5]) / 5, "last_loss": sum(finite[-5:]) / 5, "steps": trainer.global_step,
-            "device": str(trainer.device), "configure_optimizers_saw": module.seen,
-            "fused": bool(getattr(trainer.optimizers[0], "defaults", {}).get("fused")),
-            "param_dtype": str(next(module.parameters()).dtype), "precision": trainer.precision}
+    return {
+        "first_loss": sum(finite[:5]) / 5,
+        "last_loss": sum(finite[-5:]) / 5,
+        "steps": trainer.global_step,
+        "device": str(trainer.device),
+        "configure_optimizers_saw": module.seen,
+        "fused": bool(getattr(trainer.optimizers[0], "defaults", {}).get("fused")),
+        "param_dtype": str(next(module.parameters()).dtype),
+        "precision": trainer.precision,
+    }
 
 
 def check_fp16(out):
@@ -103,12 +111,12 @@ def check_fp8(out):
     trainer = fit(module, precision="fp8", steps=60)
     res = summary(trainer, module)
     res["float8"] = sorted(name for name, m in module.named_modules() if isinstance(m, Float8Linear))
-    res["plain_linear"] = sorted(name for name, m in module.named_modules()
-                                 if type(m) is nn.Linear)
+    res["plain_linear"] = sorted(name for name, m in module.named_modules() if type(m) is nn.Linear)
     path = trainer.save_checkpoint(os.path.join(os.path.dirname(out), "fp8-ckpt"))
     fresh = Net(dim=64)
-    again = Trainer(max_steps=trainer.global_step, precision="fp8", enable_progress_bar=False,
-                    enable_checkpointing=False)
+    again = Trainer(
+        max_steps=trainer.global_step, precision="fp8", enable_progress_bar=False, enable_checkpointing=False
+    )
     again.fit(fresh, DataLoader(data(), batch_size=32, shuffle=True), ckpt_path=str(path))
     a, b = module.state_dict(), fresh.state_dict()
     res["roundtrip_equal"] = a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
@@ -124,8 +132,12 @@ def check_memory(out):
         fit(module, precision="bf16-mixed", callbacks=[monitor], default_root_dir=root)
     except torch.OutOfMemoryError as exc:
         error = type(exc).__name__
-    return {"error": error, "metrics": monitor.last_metrics, "snapshots": monitor.snapshots,
-            "snapshot_sizes": [os.path.getsize(p) for p in monitor.snapshots if os.path.exists(p)]}
+    return {
+        "error": error,
+        "metrics": monitor.last_metrics,
+        "snapshots": monitor.snapshots,
+        "snapshot_sizes": [os.path.getsize(p) for p in monitor.snapshots if os.path.exists(p)],
+    }
 
 
 def check_async_ckpt(out):
@@ -136,8 +148,14 @@ def check_async_ckpt(out):
     root = os.path.join(os.path.dirname(out), "async")
     module = Net()
     ckpt = ModelCheckpoint(every_n_steps=10, keep_last_k=2)
-    trainer = Trainer(max_steps=40, enable_progress_bar=False, log_every_n_steps=10, default_root_dir=root,
-                      precision="bf16-mixed", callbacks=[ckpt])
+    trainer = Trainer(
+        max_steps=40,
+        enable_progress_bar=False,
+        log_every_n_steps=10,
+        default_root_dir=root,
+        precision="bf16-mixed",
+        callbacks=[ckpt],
+    )
     trainer.fit(module, DataLoader(data(), batch_size=32, shuffle=True))
     saver = trainer.accelerator._async_checkpointer
     staged = [t for t in _tensors(getattr(saver, "_last_staged", None) or [])]
@@ -178,6 +196,7 @@ def simple(**kwargs):
             mp = policy().get("mp_policy")
             res["fsdp_param_dtype"] = str(getattr(mp, "param_dtype", None))
         return res
+
     return check
 
 

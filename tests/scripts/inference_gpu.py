@@ -4,6 +4,7 @@ stream; outputs equal to the model run eagerly on the GPU.
 
     python tests/scripts/inference_gpu.py HOW TMP_DIR   # HOW: cpu_offload disk_offload mixed_map no_prefetch
 """
+
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from trainforge.trainer.inference import cpu_offload, disk_offload, init_empty_w
 def _gpt2():
     quiet_transformers()
     from transformers import GPT2LMHeadModel
+
     torch.manual_seed(5)
     return GPT2LMHeadModel(gpt2_config()).eval()
 
@@ -33,9 +35,21 @@ def check(tmp_path: Path, how: str) -> None:
         model.save_pretrained(tmp_path / "ckpt")
         with init_empty_weights():
             model = type(model)(gpt2_config()).eval()
-        model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", offload_folder=tmp_path / "off", device_map={
-            "transformer.wte": 0, "transformer.wpe": 0, "transformer.drop": 0, "transformer.h.0": "cpu",
-            "transformer.h.1": "disk", "transformer.h.2": 0, "transformer.ln_f": "cpu", "lm_head": 0})
+        model = load_checkpoint_and_dispatch(
+            model,
+            tmp_path / "ckpt",
+            offload_folder=tmp_path / "off",
+            device_map={
+                "transformer.wte": 0,
+                "transformer.wpe": 0,
+                "transformer.drop": 0,
+                "transformer.h.0": "cpu",
+                "transformer.h.1": "disk",
+                "transformer.h.2": 0,
+                "transformer.ln_f": "cpu",
+                "lm_head": 0,
+            },
+        )
         assert model.transformer.h[2].attn.c_attn.weight.is_cuda
     out = model(ids).logits
     assert out.device.type == "cuda"

@@ -3,6 +3,7 @@ count) above the baseline, while loading a checkpoint and over 10 forwards. Prin
 
     python inference_mem.py CKPT_DIR OFFLOAD_DIR MODE   # MODE: dispatch_cap | disk_offload
 """
+
 import json
 import sys
 import threading
@@ -50,8 +51,9 @@ def main() -> None:
     sampler = Peak()
     sampler.start()
     if mode == "dispatch_cap":
-        model = load_checkpoint_and_dispatch(model, ckpt, device_map="auto", max_memory={"cpu": "4MiB"},
-                                             offload_folder=offload)
+        model = load_checkpoint_and_dispatch(
+            model, ckpt, device_map="auto", max_memory={"cpu": "4MiB"}, offload_folder=offload
+        )
     else:
         model = disk_offload(model, ckpt, execution_device="cpu")
     sampler.stop = True
@@ -62,8 +64,16 @@ def main() -> None:
         for _ in range(10):
             model(x)
             per_forward.append(anon() - base)
-    print(json.dumps({"peak_load": sampler.peak - base, "after_load": after_load - base, "forwards": per_forward,
-                      "map": {k: str(v) for k, v in model.hf_device_map.items()}}))
+    print(
+        json.dumps(
+            {
+                "peak_load": sampler.peak - base,
+                "after_load": after_load - base,
+                "forwards": per_forward,
+                "map": {k: str(v) for k, v in model.hf_device_map.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

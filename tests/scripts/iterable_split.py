@@ -3,6 +3,7 @@
 IterableDatasets through Accelerator.prepare on two processes, split (dispatch_batches=False) and
 dispatched (dispatch_batches=None/True); rank 0 writes what every rank saw to argv[1].
 """
+
 import sys
 import warnings
 
@@ -98,23 +99,43 @@ class Recorder(TrainingModule):
 
 def via_trainer(root):
     module = Recorder()
-    trainer = Trainer(max_epochs=2, default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
-                      num_sanity_val_steps=0)
+    trainer = Trainer(
+        max_epochs=2,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, DataLoader(Pairs(), batch_size=3), DataLoader(Pairs(), batch_size=3))
-    return {"seen": module.seen, "val_seen": module.val_seen, "ends": module.ends,
-            "epoch": trainer.current_epoch, "global_step": trainer.global_step}
+    return {
+        "seen": module.seen,
+        "val_seen": module.val_seen,
+        "ends": module.ends,
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+    }
 
 
 def trainer_resume(root):
     """Stopped after one step, checkpointed, resumed: the rest of the epoch, nothing repeated."""
     first = Recorder()
-    trainer = Trainer(max_steps=1, default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
-                      num_sanity_val_steps=0)
+    trainer = Trainer(
+        max_steps=1,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(first, DataLoader(Pairs(), batch_size=3))
     trainer.save_checkpoint(root + "/step1")
     rest = Recorder()
-    Trainer(max_epochs=1, default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
-            num_sanity_val_steps=0).fit(rest, DataLoader(Pairs(), batch_size=3), ckpt_path=root + "/step1")
+    Trainer(
+        max_epochs=1,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    ).fit(rest, DataLoader(Pairs(), batch_size=3), ckpt_path=root + "/step1")
     return first.seen + rest.seen
 
 
@@ -128,18 +149,29 @@ class PairsByRank(Pairs):
 
 def trainer_by_rank(root):
     try:
-        Trainer(max_epochs=1, default_root_dir=root, enable_progress_bar=False, enable_checkpointing=False,
-                num_sanity_val_steps=0).fit(Recorder(), DataLoader(PairsByRank(), batch_size=3))
+        Trainer(
+            max_epochs=1,
+            default_root_dir=root,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+        ).fit(Recorder(), DataLoader(PairsByRank(), batch_size=3))
     except ConfigurationError as e:
         return str(e)
     return "trained"
 
 
 def main(out_path):
-    rec = {"trainer": via_trainer(out_path + ".trainer"), "trainer_resume": trainer_resume(out_path + ".resume"),
-           "trainer_by_rank": trainer_by_rank(out_path + ".by_rank")}
-    for name, ds, workers in (("naive", Naive(11), 0), ("naive_workers", Naive(11), 2),
-                              ("aware_workers", WorkerAware(11), 2)):
+    rec = {
+        "trainer": via_trainer(out_path + ".trainer"),
+        "trainer_resume": trainer_resume(out_path + ".resume"),
+        "trainer_by_rank": trainer_by_rank(out_path + ".by_rank"),
+    }
+    for name, ds, workers in (
+        ("naive", Naive(11), 0),
+        ("naive_workers", Naive(11), 2),
+        ("aware_workers", WorkerAware(11), 2),
+    ):
         acc = Accelerator(dispatch_batches=False)
         rec[f"split_{name}"] = epoch(acc, acc.prepare(DataLoader(ds, batch_size=3, num_workers=workers)))
     acc = Accelerator()  # dispatch_batches=None: an IterableDataset is dispatched, as in Accelerate
@@ -158,8 +190,10 @@ def main(out_path):
     acc = Accelerator(dispatch_batches=True, split_batches=True)
     rec["dispatch_split_batches"] = epoch(acc, acc.prepare(DataLoader(Naive(11), batch_size=4)))
     acc = Accelerator(dispatch_batches=True)
-    rec["dispatch_nested"] = [{"x": b["x"].tolist(), "pair": [t.tolist() for t in b["pair"]]}
-                              for b in acc.prepare(DataLoader(Records(), batch_size=2))]
+    rec["dispatch_nested"] = [
+        {"x": b["x"].tolist(), "pair": [t.tolist() for t in b["pair"]]}
+        for b in acc.prepare(DataLoader(Records(), batch_size=2))
+    ]
     acc = Accelerator(dispatch_batches=True)  # a map-style dataset can be dispatched too
     rec["dispatch_map"] = epoch(acc, acc.prepare(DataLoader(list(range(10)), batch_size=2)))
     # Mid-epoch save_state/load_state, split (Stateful: no re-reading) and dispatched.
@@ -191,6 +225,7 @@ def main(out_path):
         warnings.simplefilter("always")
         fresh.load_state(out_path + ".naive")
     rec["naive_resume"] = ([b.tolist() for b in resumed_loader], [str(w.message) for w in caught])
+
     # A dataset that shards itself by rank without saying so: the split would repeat and lose samples.
     class ByRank(Naive):
         def __iter__(self):

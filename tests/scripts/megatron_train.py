@@ -6,6 +6,7 @@
 Every rank also trains the unsharded reference itself (same seed, same global batches), so the
 parity numbers are computed in-process; rank 0 writes OUT/<mode>.json.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,13 +25,16 @@ from trainforge import Accelerator, TrainingModule
 from trainforge.callbacks.base import Callback
 from trainforge.strategies.megatron import MegatronStrategy
 
-PLAN = {"net.blocks.*.mix": "colwise_rep", "net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise",
-        "net.head": "colwise_rep"}
-NET_PLAN = {k[len("net."):]: v for k, v in PLAN.items()}
+PLAN = {
+    "net.blocks.*.mix": "colwise_rep",
+    "net.blocks.*.mlp.0": "colwise",
+    "net.blocks.*.mlp.2": "rowwise",
+    "net.head": "colwise_rep",
+}
+NET_PLAN = {k[len("net.") :]: v for k, v in PLAN.items()}
 
 
-def fit(strategy: Any, root: Path, max_steps: int, ckpt_path: Any = None, module: Any = None,
-        **kwargs: Any) -> Any:
+def fit(strategy: Any, root: Path, max_steps: int, ckpt_path: Any = None, module: Any = None, **kwargs: Any) -> Any:
     module = module if module is not None else LitLM()
     trainer = make_trainer(strategy, root, max_steps, **kwargs)
     trainer.fit(module, loader(kwargs.pop("batch_size", 4)), ckpt_path=ckpt_path)
@@ -100,10 +104,15 @@ def grad_diff(make_net: Any, loss_fn: Any, plan: Any, **kwargs: Any) -> Any:
     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
     seen: List[str] = []
     tp.get_submodule("model.layers.0.input_layernorm").register_forward_hook(
-        lambda m, i, o: seen.append(str(getattr(o, "placements", None))))
+        lambda m, i, o: seen.append(str(getattr(o, "placements", None)))
+    )
     logits = tp(batch[0]).logits
-    return {"grad": diff, "loss": abs(float(loss) - float(ref_loss)), "logits": str(getattr(logits, "placements", None)),
-            "norm_out": seen[0]}
+    return {
+        "grad": diff,
+        "loss": abs(float(loss) - float(ref_loss)),
+        "logits": str(getattr(logits, "placements", None)),
+        "norm_out": seen[0],
+    }
 
 
 class LitLlama(TrainingModule):
@@ -112,8 +121,16 @@ class LitLlama(TrainingModule):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        self.net = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        self.net = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=32,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        )
         self.losses: List[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -131,19 +148,27 @@ def llama_loss(net: Any, batch: Any) -> torch.Tensor:
 
 
 def tp2dp2(out: Path) -> Dict[str, Any]:
-    trainer, module = fit(MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN), out / "run_tp2dp2", max_steps=20,
-                          callbacks=[SaveAt(20, out / "ckpt_tp2dp2")])
+    trainer, module = fit(
+        MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN),
+        out / "run_tp2dp2",
+        max_steps=20,
+        callbacks=[SaveAt(20, out / "ckpt_tp2dp2")],
+    )
     per_rank = gathered(module.losses)
     dims = trainer.strategy.dims
     weights = full_state(trainer)
     if dist.get_rank() == 0:
-        save_file({k[len("net."):]: v.contiguous() for k, v in weights.items()}, str(out / "tp2dp2.safetensors"))
+        save_file({k[len("net.") :]: v.contiguous() for k, v in weights.items()}, str(out / "tp2dp2.safetensors"))
     ref = reference(LitLM, lm_loss, 20, 8)
     # ranks 0,1 are dp rank 0 (tp 0,1), ranks 2,3 dp rank 1: the global loss is the mean over dp ranks
     mean = [(a + b) / 2 for a, b in zip(per_rank[0], per_rank[2])]
     # data_parallel="ddp": the same layout with replicated (not sharded) parameters on dp, same losses
-    trainer_ddp, ddp = fit(MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN, data_parallel="ddp"),
-                           out / "run_ddp", max_steps=5, callbacks=[SaveAt(5, out / "ckpt_ddp")])
+    trainer_ddp, ddp = fit(
+        MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN, data_parallel="ddp"),
+        out / "run_ddp",
+        max_steps=5,
+        callbacks=[SaveAt(5, out / "ckpt_ddp")],
+    )
     ddp_losses = gathered(ddp.losses)
     ddp_weights = full_state(trainer_ddp)
     fsdp = MegatronStrategy(tensor_parallel_size=2, tp_plan=NET_PLAN)  # its checkpoint loads under FSDP2 x TP
@@ -151,12 +176,17 @@ def tp2dp2(out: Path) -> Dict[str, Any]:
     wrapper = torch.nn.Module()
     wrapper.net = fsdp.setup_module(seeded_tinylm())
     fsdp.load_checkpoint(out / "ckpt_ddp", wrapper, [])
-    return {"ddp_loss_diff": max(abs(a - b) for r in (0, 2) for a, b in zip(ddp_losses[r], per_rank[r][:5])),
-            "ddp_steps": len(ddp.losses), "ddp_ckpt_diff": max_diff(fsdp.module_state_dict(wrapper), ddp_weights),
-            "ddp_placements": str(trainer_ddp.model.net.blocks[0].mlp[0].weight.placements),
-            "layout": str(dims), "tp_ranks_equal": per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3],
-            "loss_diff": max(abs(a - b) for a, b in zip(mean, ref["losses"])), "steps": len(mean),
-            "placements": str(trainer.model.net.blocks[0].mlp[0].weight.placements)}
+    return {
+        "ddp_loss_diff": max(abs(a - b) for r in (0, 2) for a, b in zip(ddp_losses[r], per_rank[r][:5])),
+        "ddp_steps": len(ddp.losses),
+        "ddp_ckpt_diff": max_diff(fsdp.module_state_dict(wrapper), ddp_weights),
+        "ddp_placements": str(trainer_ddp.model.net.blocks[0].mlp[0].weight.placements),
+        "layout": str(dims),
+        "tp_ranks_equal": per_rank[0] == per_rank[1] and per_rank[2] == per_rank[3],
+        "loss_diff": max(abs(a - b) for a, b in zip(mean, ref["losses"])),
+        "steps": len(mean),
+        "placements": str(trainer.model.net.blocks[0].mlp[0].weight.placements),
+    }
 
 
 def accelerator_run() -> float:
@@ -188,25 +218,36 @@ def tp2(out: Path) -> Dict[str, Any]:
     res["coverage"] = strategy.tp_coverage["fraction"]
     res["placements"] = str(trainer.model.net.blocks[0].mlp[0].weight.placements)
     full = full_state(trainer)
-    trainer2, module2 = fit(MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN), out / "resumed_tp2",
-                            max_steps=6, ckpt_path=str(out / "ckpt_tp2"))
+    trainer2, module2 = fit(
+        MegatronStrategy(tensor_parallel_size=2, tp_plan=PLAN),
+        out / "resumed_tp2",
+        max_steps=6,
+        ckpt_path=str(out / "ckpt_tp2"),
+    )
     res["resume_losses_equal"] = module2.losses == module.losses[3:]
     res["resume_weights_diff"] = max_diff(full_state(trainer2), full) if full else 0.0
     res["gpt_grad_diff"] = grad_diff(seeded_tinylm, lm_loss, NET_PLAN)
 
     res["accelerator_loss_diff"] = accelerator_run()
     res["llama_grad_diff"] = grad_diff(lambda: LitLlama().net, llama_loss, "auto")
-    trainer3, module3 = fit(MegatronStrategy(tensor_parallel_size=2), out / "run_llama", max_steps=3,
-                            module=LitLlama())
-    res["llama_loss_diff"] = max(abs(a - b) for a, b in zip(module3.losses,
-                                                            reference(LitLlama, llama_loss, 3, 4)["losses"]))
+    trainer3, module3 = fit(MegatronStrategy(tensor_parallel_size=2), out / "run_llama", max_steps=3, module=LitLlama())
+    res["llama_loss_diff"] = max(
+        abs(a - b) for a, b in zip(module3.losses, reference(LitLlama, llama_loss, 3, 4)["losses"])
+    )
 
     res.update(auto_layouts(out, module3.losses))
-    for name, kwargs in (("sp", {"sequence_parallel": True}), ("lp", {"loss_parallel": True}),
-                         ("splp", {"sequence_parallel": True, "loss_parallel": True})):
+    for name, kwargs in (
+        ("sp", {"sequence_parallel": True}),
+        ("lp", {"loss_parallel": True}),
+        ("splp", {"sequence_parallel": True, "loss_parallel": True}),
+    ):
         res[name] = grad_diff(lambda: LitLlama().net, llama_loss, "auto", **kwargs)
-    trainer4, module4 = fit(MegatronStrategy(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True),
-                            out / "run_splp", max_steps=3, module=LitLlama())
+    trainer4, module4 = fit(
+        MegatronStrategy(tensor_parallel_size=2, sequence_parallel=True, loss_parallel=True),
+        out / "run_splp",
+        max_steps=3,
+        module=LitLlama(),
+    )
     res["splp_trainer_loss_diff"] = max(abs(a - b) for a, b in zip(module4.losses, module3.losses))
     res["splp_trainer_steps"] = len(module4.losses)
 
@@ -220,7 +261,7 @@ def tp2(out: Path) -> Dict[str, Any]:
         wrapper = torch.nn.Module()
         wrapper.net = net
         dp2.load_checkpoint(ckpt, wrapper, [])
-        loaded = {k[len("net."):]: v for k, v in dp2.module_state_dict(wrapper).items()}
+        loaded = {k[len("net.") :]: v for k, v in dp2.module_state_dict(wrapper).items()}
         res["dp2_layout"] = str(dp2.dims)
         if dist.get_rank() == 0:
             res["dp2_load_diff"] = max_diff(loaded, load_file(str(out / "tp2dp2.safetensors")))
@@ -233,9 +274,18 @@ def forcing_tp2_memory() -> int:
     from trainforge.strategies.parallel.layout import ModelShape, estimate_layouts, measure_activation_bytes
 
     net = LitLlama().net
-    rows = {r.name: r.total for r in estimate_layouts(
-        ModelShape.of(net, sum(p.numel() for p in net.parameters())), 2, seq_len=SEQ, micro_batch_size=4,
-        precision="32", ranks_per_node=2, measured_activations=measure_activation_bytes(net, SEQ, 4, "32"))}
+    rows = {
+        r.name: r.total
+        for r in estimate_layouts(
+            ModelShape.of(net, sum(p.numel() for p in net.parameters())),
+            2,
+            seq_len=SEQ,
+            micro_batch_size=4,
+            precision="32",
+            ranks_per_node=2,
+            measured_activations=measure_activation_bytes(net, SEQ, 4, "32"),
+        )
+    }
     tp2, dp2 = rows["pp=1 x dp=1 x tp=2"], rows["pp=1 x dp=2 x tp=1"]
     assert tp2 < dp2, rows
     return int((tp2 + dp2) / 2 / (1 - DEFAULT_HEADROOM))
@@ -264,8 +314,9 @@ def auto_layouts(out: Path, explicit_tp2_losses: List[float]) -> Dict[str, Any]:
     res["auto_loss_diff"] = max(abs(a - b) for a, b in zip(module.losses, explicit_tp2_losses))
     res["auto_steps"] = len(module.losses)
 
-    acc = Accelerator(strategy=MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto",
-                                                device_memory=10 * memory))
+    acc = Accelerator(
+        strategy=MegatronStrategy(tensor_parallel_size="auto", pipeline_parallel_size="auto", device_memory=10 * memory)
+    )
     net = LitLlama().net
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     net, opt, dl = acc.prepare(net, opt, loader(4))
@@ -283,6 +334,7 @@ def auto_layouts(out: Path, explicit_tp2_losses: List[float]) -> Dict[str, Any]:
 
 def main(mode: str, out: Path) -> None:
     import faulthandler
+
     faulthandler.dump_traceback_later(int(os.environ.get("MEGATRON_DUMP_AFTER", "600")), exit=True)
     res = {"tp2dp2": tp2dp2, "tp2": tp2}[mode](out)
     if int(os.environ["RANK"]) == 0:

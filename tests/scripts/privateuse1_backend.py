@@ -2,6 +2,7 @@
 torch's own python-backend registration and a "tpu" process-group backend (built on gloo, since this
 machine has no TPU), then starts trainforge's strategies with accelerator='auto' and prints what they
 chose. Nothing of trainforge names "tpu": it must come from torch.accelerator."""
+
 import json
 import os
 import sys
@@ -24,8 +25,12 @@ from trainforge.strategies.devices import default_device, normalize_accelerator 
 from trainforge.strategies.environment import default_backend  # noqa: E402
 from trainforge.strategies.errors import ConfigurationError  # noqa: E402
 
-out = {"current": str(torch.accelerator.current_accelerator()), "normalized": normalize_accelerator("TPU"),
-       "auto_device": str(default_device("auto", 0)), "backend": default_backend("tpu:0")}
+out = {
+    "current": str(torch.accelerator.current_accelerator()),
+    "normalized": normalize_accelerator("TPU"),
+    "auto_device": str(default_device("auto", 0)),
+    "backend": default_backend("tpu:0"),
+}
 try:
     default_device("auto", local_rank=torch.accelerator.device_count())
 except ConfigurationError as error:
@@ -33,7 +38,9 @@ except ConfigurationError as error:
 single = SingleDeviceStrategy()
 single.setup_environment()
 out["single_device"] = str(single.root_device)
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+os.environ.update(
+    RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1]
+)
 ddp = DDPStrategy()
 ddp.setup_environment()
 out["ddp_device"], out["ddp_backend"] = str(ddp.root_device), dist.get_backend()

@@ -8,6 +8,7 @@
 The per-process batch is --global-batch // world size, so the global batch is preserved on any
 number of processes. Rank 0 writes the final weights to ROOT/final.safetensors.
 """
+
 import argparse
 import json
 import os
@@ -104,9 +105,17 @@ def main():
     callbacks = [ModelCheckpoint(every_n_steps=a.ckpt_every, async_save=a.async_save or None), Record(a.record)]
     if a.kill_at is not None:
         callbacks.append(KillSwitch(a.kill_at, a.kill_rank, a.kill_marker))
-    trainer = Trainer(max_steps=a.max_steps, max_epochs=a.max_epochs, log_every_n_steps=1, callbacks=callbacks,
-                      default_root_dir=a.root, enable_progress_bar=False, resume="auto" if a.resume else None,
-                      precision=a.precision, strategy=a.strategy)
+    trainer = Trainer(
+        max_steps=a.max_steps,
+        max_epochs=a.max_epochs,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+        default_root_dir=a.root,
+        enable_progress_bar=False,
+        resume="auto" if a.resume else None,
+        precision=a.precision,
+        strategy=a.strategy,
+    )
     if a.print_device:
         print(f"device: {trainer.device}")
     loader = DataLoader(Indexed(a.n), batch_size=a.global_batch // world, shuffle=True, num_workers=a.workers)

@@ -4,6 +4,7 @@ Must stop with trainforge's error on every rank instead of hanging until the pro
 
     torchrun --nproc-per-node 2 uneven_streams.py longer|empty ROOT
 """
+
 import os
 import sys
 
@@ -46,7 +47,8 @@ class Reg(TrainingModule):
 
 
 data = {"longer": Longer, "empty": EmptyOnRank1}[sys.argv[1]]()
-trainer = Trainer(strategy="ddp", max_epochs=1, default_root_dir=sys.argv[2], enable_progress_bar=False,
-                  enable_checkpointing=False)
+trainer = Trainer(
+    strategy="ddp", max_epochs=1, default_root_dir=sys.argv[2], enable_progress_bar=False, enable_checkpointing=False
+)
 trainer.fit(Reg(), DataLoader(data, batch_size=2))
 print("RANK", RANK, "finished", trainer.global_step, flush=True)

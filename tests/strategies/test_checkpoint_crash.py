@@ -1,4 +1,5 @@
 """Checkpoints under real SIGKILLs and real 2-process (gloo) saves."""
+
 from __future__ import annotations
 
 import os
@@ -63,9 +64,14 @@ def _check_resume_point(root: Path, log: Path) -> bool:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the fork server needs os.fork")
 def test_sigkill_during_save_never_loses_the_last_reported_checkpoint(tmp_path):
     rng = random.Random(20240611)
-    server = subprocess.Popen([sys.executable, str(SCRIPTS / "ckpt_save_loop.py"), "--serve"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "ckpt_save_loop.py"), "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        bufsize=0,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         assert _readline(server, 60) == "ready"
         killed_mid_write = 0
@@ -96,18 +102,30 @@ def test_sigkill_during_save_never_loses_the_last_reported_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_two_process_save_with_per_rank_files(tmp_path):
     root = tmp_path / "ckpts"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(SCRIPTS / "ckpt_two_ranks.py"), str(root)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / "ckpt_two_ranks.py"),
+        str(root),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "rank 0 ok" in output and "rank 1 ok" in output
     for step, name in ((2, "step-2"), (4, "last")):
         meta = verify_checkpoint(root / name)
         assert meta["step"] == step and meta["world_size"] == 2 and meta["strategy"] == "ddp"
-        assert set(meta["files"]) == {"model.safetensors", "rng/rank-00000.pt", "rng/rank-00001.pt",
-                                      "shards/__0_0.distcp", "shards/__1_0.distcp"}
+        assert set(meta["files"]) == {
+            "model.safetensors",
+            "rng/rank-00000.pt",
+            "rng/rank-00001.pt",
+            "shards/__0_0.distcp",
+            "shards/__1_0.distcp",
+        }
         for rank in (0, 1):
             obj = load_object(root / name, f"rng/rank-{rank:05d}")
             assert obj["rank"] == rank and obj["step"] == step

@@ -1,4 +1,5 @@
 """The checkpoint directory format on real files: round trips, corruption, unsafe pickles, pointers."""
+
 from __future__ import annotations
 
 import json
@@ -43,11 +44,12 @@ def _state() -> dict:
     torch.manual_seed(0)
     base = torch.randn(8, 8)
     return {
-        "mat_t": torch.randn(5, 7).t(),                  # non-contiguous
+        "mat_t": torch.randn(5, 7).t(),  # non-contiguous
         "bf16": torch.randn(4, 3).to(torch.bfloat16),
         "int64": torch.arange(-3, 9, dtype=torch.int64),
         "empty": torch.zeros(0, 4),
-        "row0": base[0], "row1": base[1],               # two different views of one storage
+        "row0": base[0],
+        "row1": base[1],  # two different views of one storage
     }
 
 
@@ -75,7 +77,13 @@ def test_round_trip_tensors_objects_and_tied_weights(tmp_path):
     assert obj["step"] == 1 and obj["lrs"] == [0.1, 0.01] and torch.equal(obj["exp_avg"], torch.full((300,), 1.0))
     meta = verify_checkpoint(path)
     assert (meta["step"], meta["epoch"], meta["world_size"], meta["strategy"], meta["precision"], meta["run"]) == (
-        1, 0, 1, "single", "32", "test")
+        1,
+        0,
+        1,
+        "single",
+        "32",
+        "test",
+    )
     assert set(meta["versions"]) == {"trainforge", "torch", "safetensors", "python"}
     assert set(meta["files"]) == {"model.safetensors", "optimizer.pt"}
     assert meta["files"]["optimizer.pt"]["size"] == (path / "optimizer.pt").stat().st_size
@@ -115,8 +123,9 @@ def test_sharded_save_writes_hf_index_and_loads_back(tmp_path):
 @pytest.mark.parametrize("max_shard_size", ["5GB", "20KB"])
 def test_transformers_reads_our_weights(tmp_path, max_shard_size):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     w = CheckpointWriter(tmp_path / "hf")
@@ -156,8 +165,11 @@ CORRUPTIONS = {
     "bad_metadata": ("metadata.json", lambda p: p.write_text('{"format_version": 1, "step": '), "unparsable metadata"),
     "no_metadata": ("metadata.json", Path.unlink, "missing file"),
     "future_version": ("metadata.json", _future_version, "unknown format_version=99"),
-    "edited_metadata": ("metadata.json", lambda p: p.write_text(p.read_text().replace('"step": 2', '"step": 7')),
-                        "checksum mismatch"),
+    "edited_metadata": (
+        "metadata.json",
+        lambda p: p.write_text(p.read_text().replace('"step": 2', '"step": 7')),
+        "checksum mismatch",
+    ),
 }
 
 
@@ -323,16 +335,24 @@ def test_bad_input_is_refused_before_writing(tmp_path):
     assert parse_size("2GiB") == 2 * 2**30 and parse_size("500MB") == 5 * 10**8 and parse_size(123) == 123
 
 
-@pytest.mark.parametrize("strategy,reader", [("fsdp", "FSDPStrategy or MegatronStrategy"),
-                                             ("megatron", "MegatronStrategy or FSDPStrategy"),
-                                             ("deepspeed", "DeepSpeedStrategy")])
+@pytest.mark.parametrize(
+    "strategy,reader",
+    [
+        ("fsdp", "FSDPStrategy or MegatronStrategy"),
+        ("megatron", "MegatronStrategy or FSDPStrategy"),
+        ("deepspeed", "DeepSpeedStrategy"),
+    ],
+)
 def test_a_sharded_checkpoint_given_to_a_whole_model_reader_says_what_it_is(tmp_path, strategy, reader):
     """Audit: DDP or single device resuming an FSDP/DeepSpeed checkpoint said only 'model.safetensors missing'."""
     writer = CheckpointWriter(tmp_path / "ckpt")
     writer.save_object("trainer_state", {"progress": {}})
     path = writer.finalize({"strategy": strategy})
-    with pytest.raises(CheckpointError, match=rf"sharded checkpoint written by strategy='{strategy}' "
-                                              rf"\(no model.safetensors\); load it with {reader}"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"sharded checkpoint written by strategy='{strategy}' "
+        rf"\(no model.safetensors\); load it with {reader}",
+    ):
         load_tensors(path)
     plain = CheckpointWriter(tmp_path / "plain")  # written by a whole-model strategy: the missing file is named
     plain.save_object("trainer_state", {"progress": {}})

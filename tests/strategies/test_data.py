@@ -1,5 +1,6 @@
 """Sharded, resumable data loading (strategies.data.loader), in one process: per-rank loaders for rank r of
 W are built side by side, which is pure logic (no process group needed)."""
+
 import collections
 import io
 from pathlib import Path
@@ -69,10 +70,10 @@ def test_sampler_matches_torch_distributed_sampler(n, shuffle, drop_last):
     for world in (1, 2, 3, 4, 8):
         for rank in range(world):
             for seed, epoch in ((0, 0), (5, 0), (5, 3)):
-                ref = DistributedSampler(range(n), world, rank, shuffle=shuffle, seed=seed,
-                                         drop_last=drop_last)
-                ours = ResumableDistributedSampler(range(n), world, rank, shuffle=shuffle, seed=seed,
-                                                   drop_last=drop_last)
+                ref = DistributedSampler(range(n), world, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+                ours = ResumableDistributedSampler(
+                    range(n), world, rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+                )
                 ref.set_epoch(epoch)
                 ours.set_epoch(epoch)
                 assert list(ours) == list(ref), (world, rank, seed, epoch)
@@ -88,8 +89,8 @@ def test_sampler_starts_at_a_global_position_for_any_world_size():
             sampler = ResumableDistributedSampler(range(50), world, rank, seed=3)
             sampler.load_state_dict(state)
             assert sampler.epoch == 4
-            assert list(sampler) == sampler.global_order()[12 + rank::world]
-            assert list(sampler)[:12 // world] == sampler.global_order()[rank:12:world]  # then a full pass
+            assert list(sampler) == sampler.global_order()[12 + rank :: world]
+            assert list(sampler)[: 12 // world] == sampler.global_order()[rank:12:world]  # then a full pass
 
 
 # -- mid-epoch resume on one process --------------------------------------------------------
@@ -150,7 +151,7 @@ def test_resume_cost_does_not_grow_with_the_position():
         resumed = make(n, 1, 0, batch, dataset=dataset)
         resumed.load_state_dict(state)
         got = next(iter(resumed)).tolist()
-        assert got == resumed.sampler.global_order()[taken * batch:(taken + 1) * batch]
+        assert got == resumed.sampler.global_order()[taken * batch : (taken + 1) * batch]
         costs[taken] = dataset.calls
     assert costs == {1: batch, 1_000: batch}
 
@@ -219,8 +220,12 @@ def test_saved_after_the_last_batch_resumes_empty_but_after_the_pass_resumes_ful
 
 
 def test_persistent_workers_follow_set_epoch_and_resume():
-    loader = prepare_dataloader(DataLoader(Ids(16), batch_size=2, shuffle=True, num_workers=2,
-                                           persistent_workers=True), rank=1, world_size=2, seed=4)
+    loader = prepare_dataloader(
+        DataLoader(Ids(16), batch_size=2, shuffle=True, num_workers=2, persistent_workers=True),
+        rank=1,
+        world_size=2,
+        seed=4,
+    )
     for epoch in range(2):
         loader.set_epoch(epoch)
         ref = DistributedSampler(range(16), 2, 1, seed=4)
@@ -272,9 +277,12 @@ def test_global_batch_that_cannot_be_kept_is_refused_with_what_would_work():
     global_steps(loaders, 3)
     state = loaders[0].state_dict()
     for batch in (2, 3, 4):
-        with pytest.raises(ConfigurationError, match=r"global sample 24 .*2 process\(es\) x batch_size 4 = "
-                                                     r"global batch 8.* 3 processes cannot share a global "
-                                                     r"batch of 8; use .*\(1, 2, 4, 8\)"):
+        with pytest.raises(
+            ConfigurationError,
+            match=r"global sample 24 .*2 process\(es\) x batch_size 4 = "
+            r"global batch 8.* 3 processes cannot share a global "
+            r"batch of 8; use .*\(1, 2, 4, 8\)",
+        ):
             make(96, 3, 0, batch).load_state_dict(state)
     one = make(96, 1, 0, 4)
     with pytest.raises(ConfigurationError, match="use batch_size=8 per process"):
@@ -306,9 +314,19 @@ def test_prepare_carries_the_loader_settings():
     def init(worker_id):
         return None
 
-    user = DataLoader(Ids(20), batch_size=3, shuffle=False, num_workers=2, collate_fn=collate, drop_last=True,
-                      timeout=7, worker_init_fn=init, prefetch_factor=3, persistent_workers=True,
-                      generator=generator)
+    user = DataLoader(
+        Ids(20),
+        batch_size=3,
+        shuffle=False,
+        num_workers=2,
+        collate_fn=collate,
+        drop_last=True,
+        timeout=7,
+        worker_init_fn=init,
+        prefetch_factor=3,
+        persistent_workers=True,
+        generator=generator,
+    )
     loader = prepare_dataloader(user, rank=1, world_size=2, seed=9)
     assert isinstance(loader, ResumableDataLoader) and loader.kind == "map"
     assert (loader.batch_size, loader.drop_last, loader.num_workers, loader.timeout) == (3, True, 2, 7)
@@ -341,8 +359,9 @@ def test_user_distributed_sampler_is_kept_and_resumes_with_the_same_layout():
     again.load_state_dict(state)
     assert [b.tolist() for b in again] == full[1:]
     with pytest.raises(ConfigurationError, match="cannot be re-sharded: it was saved with world_size=2"):
-        prepare_dataloader(DataLoader(Ids(30), batch_size=4, sampler=DistributedSampler(range(30), 1, 0)),
-                           rank=0, world_size=1).load_state_dict(state)
+        prepare_dataloader(
+            DataLoader(Ids(30), batch_size=4, sampler=DistributedSampler(range(30), 1, 0)), rank=0, world_size=1
+        ).load_state_dict(state)
     with pytest.raises(ConfigurationError, match="is for rank 1 of 2 but this process is rank 0 of 2"):
         prepare_dataloader(user, rank=0, world_size=2)
 
@@ -397,8 +416,10 @@ def test_iterable_dataset_resumes_through_its_own_state():
 
 
 # -- evaluation helpers ------------------------------------------------------------------------
-@pytest.mark.parametrize("n,world,batch,drop_last", [(10, 4, 2, False), (10, 4, 3, False), (7, 2, 2, False),
-                                                     (9, 3, 1, False), (12, 4, 2, False), (7, 2, 2, True)])
+@pytest.mark.parametrize(
+    "n,world,batch,drop_last",
+    [(10, 4, 2, False), (10, 4, 3, False), (7, 2, 2, False), (9, 3, 1, False), (12, 4, 2, False), (7, 2, 2, True)],
+)
 def test_padding_is_counted_and_dropped_from_gathered_batches(n, world, batch, drop_last):
     loaders = [make(n, world, r, batch, drop_last=drop_last) for r in range(world)]
     pad = num_padding_samples(loaders[0])

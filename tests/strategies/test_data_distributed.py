@@ -1,4 +1,5 @@
 """strategies.data.loader with real processes: torchrun, gloo, 2 ranks."""
+
 import os
 import signal
 import subprocess
@@ -16,10 +17,24 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "data_shard_check.py"
 
 def torchrun(script, *args, nproc=2, timeout=120):
     """The whole process group (torchrun and its workers) is killed on timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(script), *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(script),
+        *map(str, args),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -52,8 +67,9 @@ def test_two_ranks_get_disjoint_covering_shards_that_change_with_set_epoch_and_r
     states = [r["state"] for r in records]
     assert {(s["epoch"], s["consumed"]) for s in states} == {(2, steps * batch * 2)}
     taken = {i for r in records for b in r["epoch2_taken"] for i in b}
-    single = prepare_dataloader(DataLoader(list(range(n)), batch_size=2 * batch, shuffle=True),
-                                rank=0, world_size=1, seed=11)
+    single = prepare_dataloader(
+        DataLoader(list(range(n)), batch_size=2 * batch, shuffle=True), rank=0, world_size=1, seed=11
+    )
     single.load_state_dict(states[0])
     single.set_epoch(2)
     resumed_steps = [sorted(b.tolist()) for b in single]
@@ -65,5 +81,5 @@ def test_two_ranks_get_disjoint_covering_shards_that_change_with_set_epoch_and_r
         ref = DistributedSampler(range(n), 2, rank, seed=11)
         ref.set_epoch(2)
         refs.append(list(ref))
-    uninterrupted = [sorted(refs[0][s:s + batch] + refs[1][s:s + batch]) for s in range(0, n // 2, batch)]
+    uninterrupted = [sorted(refs[0][s : s + batch] + refs[1][s : s + batch]) for s in range(0, n // 2, batch)]
     assert resumed_steps == uninterrupted[steps:]  # the same global steps as two ranks would take

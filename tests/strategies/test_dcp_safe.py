@@ -5,6 +5,7 @@ payload that would create a marker file when unpickled, and asserts the load is 
 marker does not exist. The payload is planted inside a trainforge checkpoint whose manifest
 verifies (the attacker recomputes the crc32s: here the writer computes them for the planted file).
 """
+
 from __future__ import annotations
 
 import os
@@ -67,8 +68,16 @@ def _verified_checkpoint(root: Path, plant) -> Path:
     writer = CheckpointWriter(root / "step-1")
     _save_dcp(writer.tmp_dir / "dcp", _state(model, opt))
     plant(writer.tmp_dir / "dcp")
-    writer.save_object("trainer_state", {"progress": {"global_step": 1, "epoch": 0, "batch_idx": 1}, "schedulers": [],
-                                         "custom": [], "callbacks": {}, "loaders": 0})  # the parts a real one has
+    writer.save_object(
+        "trainer_state",
+        {
+            "progress": {"global_step": 1, "epoch": 0, "batch_idx": 1},
+            "schedulers": [],
+            "custom": [],
+            "callbacks": {},
+            "loaders": 0,
+        },
+    )  # the parts a real one has
     path = writer.finalize({"step": 1, "strategy": "fsdp"})
     verify_checkpoint(path)  # the manifest verifies: checksums cannot stop this attack
     return path
@@ -77,11 +86,13 @@ def _verified_checkpoint(root: Path, plant) -> Path:
 def _hostile_metadata(marker: Path):
     def plant(dcp_dir: Path) -> None:
         (dcp_dir / ".metadata").write_bytes(pickle.dumps(_payload(marker)))
+
     return plant
 
 
 def _hostile_bytes_entry(marker: Path):
     """A non-tensor entry (an optimizer's lr) whose bytes torch's planner would torch.load(weights_only=False)."""
+
     def plant(dcp_dir: Path) -> None:
         model, opt = _model_and_opt()
         state = _state(model, opt)
@@ -89,6 +100,7 @@ def _hostile_bytes_entry(marker: Path):
         for f in dcp_dir.iterdir():
             f.unlink()
         _save_dcp(dcp_dir, state)
+
     return plant
 
 

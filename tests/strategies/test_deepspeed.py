@@ -3,6 +3,7 @@
 The slow test starts two launches at once (2 processes: everything; 1 process: the ZeRO-3
 memory baseline) because DeepSpeed's import dominates the time; see tests/scripts/ds_parity.py.
 """
+
 import json
 import os
 import signal
@@ -25,10 +26,20 @@ TIMEOUT = 420
 def _launch(nproc, out, *extra):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     env.pop("TRAINFORGE_LAUNCH_CONFIG", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(SCRIPT), str(out), *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(SCRIPT),
+        str(out),
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _wait(proc):
@@ -156,18 +167,23 @@ def test_registry_and_launch_config_spellings():
     assert strategy_class("deepspeed") is DeepSpeedStrategy
     s = DeepSpeedStrategy(zero_stage=3, offload_optimizer_device="cpu", offload_param_device="nvme")
     assert (s.stage, s.zero.offload_optimizer_device, s.zero.offload_param_device) == (3, "cpu", "nvme")
-    assert DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_device="nvme").zero.offload_optimizer_device \
+    assert (
+        DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_device="nvme").zero.offload_optimizer_device
         == "nvme"
+    )
     assert DeepSpeedStrategy(offload_optimizer_device="none").zero.offload_optimizer_device is None
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"stage": 5}, ["stage=5", "0, 1, 2, 3, auto"]),
-    ({"offload_device": "disk"}, ["offload_device='disk'", "cpu, nvme"]),
-    ({"offload_parameters": True}, ["offload_parameters needs stage=3", "stage=2"]),
-    ({"offload_param_device": "gpu", "stage": 3}, ["offload_param_device='gpu'", "none, cpu, nvme"]),
-    ({"config": "/no/such/ds.json"}, ["/no/such/ds.json", "no such DeepSpeed config file"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"stage": 5}, ["stage=5", "0, 1, 2, 3, auto"]),
+        ({"offload_device": "disk"}, ["offload_device='disk'", "cpu, nvme"]),
+        ({"offload_parameters": True}, ["offload_parameters needs stage=3", "stage=2"]),
+        ({"offload_param_device": "gpu", "stage": 3}, ["offload_param_device='gpu'", "none, cpu, nvme"]),
+        ({"config": "/no/such/ds.json"}, ["/no/such/ds.json", "no such DeepSpeed config file"]),
+    ],
+)
 def test_bad_arguments_fail_at_construction(kwargs, words):
     with pytest.raises(ConfigurationError) as e:
         DeepSpeedStrategy(**kwargs)

@@ -1,4 +1,5 @@
 """The generated DeepSpeed config, user overrides, "auto" values and conflicts (no deepspeed import)."""
+
 import json
 
 import pytest
@@ -18,8 +19,9 @@ from trainforge.strategies.deepspeed_config import (
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.precision import Precision
 
-SETTINGS = TrainingSettings(micro_batch_size=8, accumulation_steps=4, world_size=2, gradient_clip_val=1.0,
-                            precision="bf16-mixed")
+SETTINGS = TrainingSettings(
+    micro_batch_size=8, accumulation_steps=4, world_size=2, gradient_clip_val=1.0, precision="bf16-mixed"
+)
 ZERO = ZeroSettings(stage=3, offload_optimizer_device="cpu", offload_param_device="nvme", nvme_path="/scratch")
 
 
@@ -31,9 +33,11 @@ def test_generated_config_for_trainer_settings():
         "gradient_clipping": 1.0,
         "fp16": {"enabled": False},
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3,
-                              "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                              "offload_param": {"device": "nvme", "pin_memory": True, "nvme_path": "/scratch"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "nvme", "pin_memory": True, "nvme_path": "/scratch"},
+        },
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": QUIET_STEPS,
@@ -62,11 +66,20 @@ def _merge(user, settings=SETTINGS, zero=ZERO, given=(), hidden=None):
 
 
 def test_auto_values_are_filled_from_the_trainer_settings():
-    user = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-            "zero_optimization": {"stage": "auto", "overlap_comm": True, "reduce_bucket_size": "auto",
-                                  "stage3_prefetch_bucket_size": "auto"}}
+    user = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": "auto",
+            "overlap_comm": True,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+        },
+    }
     merged = _merge(user, hidden=64)
     assert (merged["train_batch_size"], merged["train_micro_batch_size_per_gpu"]) == (64, 8)
     assert (merged["gradient_accumulation_steps"], merged["gradient_clipping"]) == (4, 1.0)
@@ -78,13 +91,16 @@ def test_auto_values_are_filled_from_the_trainer_settings():
     assert "reduce_bucket_size" not in _merge(user)["zero_optimization"]  # hidden size unknown: DeepSpeed default
 
 
-@pytest.mark.parametrize("user, words", [
-    ({"gradient_accumulation_steps": 8}, ["gradient_accumulation_steps=8", "accumulate_grad_batches", "=4"]),
-    ({"train_micro_batch_size_per_gpu": 16}, ["train_micro_batch_size_per_gpu=16", "batch_size=8", "DataLoader"]),
-    ({"train_batch_size": 32}, ["train_batch_size=32", "8 x 4 x 2", "=64"]),
-    ({"gradient_clipping": 0.5}, ["gradient_clipping=0.5", "gradient_clip_val=1.0"]),
-    ({"fp16": {"enabled": True}}, ["fp16.enabled=True", "precision='bf16-mixed'", "fp16.enabled=False"]),
-])
+@pytest.mark.parametrize(
+    "user, words",
+    [
+        ({"gradient_accumulation_steps": 8}, ["gradient_accumulation_steps=8", "accumulate_grad_batches", "=4"]),
+        ({"train_micro_batch_size_per_gpu": 16}, ["train_micro_batch_size_per_gpu=16", "batch_size=8", "DataLoader"]),
+        ({"train_batch_size": 32}, ["train_batch_size=32", "8 x 4 x 2", "=64"]),
+        ({"gradient_clipping": 0.5}, ["gradient_clipping=0.5", "gradient_clip_val=1.0"]),
+        ({"fp16": {"enabled": True}}, ["fp16.enabled=True", "precision='bf16-mixed'", "fp16.enabled=False"]),
+    ],
+)
 def test_conflicting_user_value_names_both_values_and_the_fix(user, words):
     with pytest.raises(ConfigurationError) as e:
         _merge(user)
@@ -103,12 +119,15 @@ def test_user_overrides_defaults_but_not_explicit_strategy_arguments():
     assert _merge({"gradient_clipping": 2.0}, settings=no_clip)["gradient_clipping"] == 2.0
 
 
-@pytest.mark.parametrize("user, match", [
-    ({"optimizer": {"type": "Adam"}}, "'optimizer' section.*configure_optimizers"),
-    ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section"),
-    ({"zero_optimization": {"sub_group_size": "auto"}}, "sub_group_size=\"auto\".*cannot fill"),
-    ({"checkpoint": {"load_universal": True}}, "weights_only=False"),
-])
+@pytest.mark.parametrize(
+    "user, match",
+    [
+        ({"optimizer": {"type": "Adam"}}, "'optimizer' section.*configure_optimizers"),
+        ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section"),
+        ({"zero_optimization": {"sub_group_size": "auto"}}, 'sub_group_size="auto".*cannot fill'),
+        ({"checkpoint": {"load_universal": True}}, "weights_only=False"),
+    ],
+)
 def test_unsupported_user_keys(user, match):
     with pytest.raises(ConfigurationError, match=match):
         _merge(user)
@@ -134,15 +153,21 @@ def test_strategy_reads_the_run_settings_it_is_configured_with(tmp_path):
     """The RunSettings the Accelerator/Trainer hand over (accumulation_steps, micro_batch_size,
     gradient_clip_val, precision) end up in the config handed to deepspeed.initialize."""
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": "auto",
-                                                                                 "overlap_comm": True}}))
+    path.write_text(
+        json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": "auto", "overlap_comm": True}})
+    )
     strategy = DeepSpeedStrategy(stage=3, offload_optimizer=True, config=path)
-    strategy.configure(RunSettings(precision=Precision("bf16-mixed"), accumulation_steps=2, micro_batch_size=4,
-                                   gradient_clip_val=0.5))
+    strategy.configure(
+        RunSettings(precision=Precision("bf16-mixed"), accumulation_steps=2, micro_batch_size=4, gradient_clip_val=0.5)
+    )
     config = strategy.build_config(nn.Linear(2, 2))
     assert (config["train_batch_size"], config["gradient_accumulation_steps"]) == (8, 2)  # world size 1
     assert (config["gradient_clipping"], config["bf16"]["enabled"]) == (0.5, True)
-    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 6,
-                                           "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert config["zero_optimization"] == {
+        "stage": 3,
+        "overlap_comm": True,
+        "reduce_bucket_size": 6,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    }
     with pytest.raises(ConfigurationError, match="accumulate_grad_batches"):
         DeepSpeedStrategy(config={"gradient_accumulation_steps": 2}).build_config(nn.Linear(2, 2))

@@ -11,6 +11,7 @@ exact tensors, the data position and RNG states are restored, and the same colle
 same order. On another world size only rounding differs (the loss is a mean over the same 8
 samples split differently), so 1e-5.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def _run(cmd: list, timeout: int) -> str:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -52,8 +54,19 @@ def _run(cmd: list, timeout: int) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    output = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(SCRIPTS / "fsdp_train.py"), str(out)], timeout=240)
+    output = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPTS / "fsdp_train.py"),
+            str(out),
+        ],
+        timeout=240,
+    )
     assert "rank 0 ok" in output and "rank 1 ok" in output
     assert "one ok" in _run([sys.executable, str(SCRIPTS / "fsdp_one.py"), str(out)], timeout=120)
     return out, json.loads((out / "results.json").read_text()), json.loads((out / "one.json").read_text())
@@ -87,7 +100,7 @@ def test_loss_curve_matches_ddp(runs):
         for rank in (0, 1):
             assert _rel(r[kind][rank], r["ddp"][rank][:6]) <= 1e-5, kind
     assert r["hybrid_shard_placements"] == "(Replicate(), Shard(dim=0))"  # mesh (1 node, 2 ranks)
-    assert r["no_shard_placements"] == "(Replicate(), Shard(dim=0))"      # mesh (2, 1): replicas
+    assert r["no_shard_placements"] == "(Replicate(), Shard(dim=0))"  # mesh (2, 1): replicas
     assert r["wrap"]["placements"] == ["(Shard(dim=0),)"]
 
 
@@ -180,8 +193,11 @@ def test_accelerator_prepare_remaps_optimizer_and_matches_trainer(runs):
 
 # ---- one process, no process group ---------------------------------------------------------------
 def test_bad_settings_name_the_choices():
-    with pytest.raises(ConfigurationError, match=r"sharding_strategy='zero3' is not one of: full_shard, "
-                                                 r"shard_grad_op, hybrid_shard, no_shard"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"sharding_strategy='zero3' is not one of: full_shard, "
+        r"shard_grad_op, hybrid_shard, no_shard",
+    ):
         FSDPStrategy(sharding_strategy="zero3")
     with pytest.raises(ConfigurationError, match=r"state_dict_type='pt' is not one of: sharded, full"):
         FSDPStrategy(state_dict_type="pt")
@@ -206,8 +222,9 @@ def test_select_modules_policies():
 @pytest.mark.slow
 def test_auto_wrap_finds_hf_gpt2_blocks():
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(config)
     assert [n for n, _ in repeated_blocks(model)] == ["transformer.h.0", "transformer.h.1"]
 
@@ -221,4 +238,5 @@ def test_merge_weights_refuses_what_is_not_a_sharded_checkpoint(tmp_path, capsys
     assert "is not a directory" in err and "no sharded checkpoint here" in err and "--max-shard-size='x'" in err
     with pytest.raises(CheckpointError):
         from trainforge.trainer.merge_weights import find_dcp_dir
+
         find_dcp_dir(tmp_path / "empty")

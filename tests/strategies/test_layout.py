@@ -1,5 +1,6 @@
 """Per-rank memory of (pp, dp, tp) layouts and the choice MegatronStrategy's "auto" sizes make
 (strategies/parallel/layout.py), and `trainforge estimate-memory --layouts`."""
+
 import pytest
 import torch
 
@@ -71,8 +72,10 @@ def test_choose_takes_the_fewest_model_parallel_ranks_that_fit_and_errors_with_t
 def test_formula_counts_attention_scores_only_for_eager_attention():
     fused = layer_activation_bytes(SHAPE, 1024, 1, "bf16-mixed")
     assert fused == 1024 * SHAPE.hidden * 34
-    assert layer_activation_bytes(SHAPE, 1024, 1, "bf16-mixed", eager_attention=True) == \
-        fused + 5 * SHAPE.heads * 1024 * 1024
+    assert (
+        layer_activation_bytes(SHAPE, 1024, 1, "bf16-mixed", eager_attention=True)
+        == fused + 5 * SHAPE.heads * 1024 * 1024
+    )
     assert layer_activation_bytes(SHAPE, 1024, 1, "32") == 2 * fused
 
 
@@ -91,8 +94,9 @@ def _saved_bytes_on_cpu(model, ids):
 
 def test_meta_measurement_equals_what_autograd_saves_on_the_cpu():
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
-                                     attn_implementation="eager")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=96, n_positions=64, attn_implementation="eager"
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).train()
     real = _saved_bytes_on_cpu(model, torch.randint(0, 96, (2, 32)))
@@ -114,18 +118,35 @@ def test_shape_of_a_model_without_a_config_is_a_clear_error():
 
 def test_cli_layouts_for_a_transformers_model(capsys):
     pytest.importorskip("transformers")
-    assert cli.main(["estimate-memory", "gpt2", "--layouts", "--seq-len", "1024", "--num-processes", "4",
-                     "--device-memory", "6GB"]) == 0
+    assert (
+        cli.main(
+            [
+                "estimate-memory",
+                "gpt2",
+                "--layouts",
+                "--seq-len",
+                "1024",
+                "--num-processes",
+                "4",
+                "--device-memory",
+                "6GB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "activations of one micro-batch measured on the meta device" in out
     assert "pp=1 x dp=4 x tp=1" in out and "pp=1 x dp=1 x tp=4" in out and "<- chosen" in out
     assert "choice: MegatronStrategy(tensor_parallel_size=" in out
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["gpt2", "--layouts"], ["--layouts needs --seq-len"]),
-    (["gpt2", "--layouts", "--seq-len", "64", "--layers", "2"], ["--layers, --hidden and --heads go together"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["gpt2", "--layouts"], ["--layouts needs --seq-len"]),
+        (["gpt2", "--layouts", "--seq-len", "64", "--layers", "2"], ["--layers, --hidden and --heads go together"]),
+    ],
+)
 def test_cli_layouts_bad_input(argv, words, capsys):
     pytest.importorskip("transformers")
     assert cli.main(["estimate-memory", *argv]) == 2

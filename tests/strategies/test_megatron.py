@@ -6,6 +6,7 @@ saves a checkpoint), then on 2 (tp2: GPT of blocks and transformers Llama with t
 resume, and loading the 4-process checkpoint on dp2). Every rank trains the unsharded reference
 itself, so the numbers are computed in the child processes and checked here.
 """
+
 from __future__ import annotations
 
 import json
@@ -99,17 +100,23 @@ def test_checkpoint_exact_resume_and_reshard(runs, tmp_path):
     assert cli_main(["merge-weights", str(out / "ckpt_tp2dp2"), str(tmp_path / "merged")]) == 0
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
     saved = load_file(str(out / "tp2dp2.safetensors"))
-    assert sorted(k[len("net."):] for k in merged) == sorted(saved)
+    assert sorted(k[len("net.") :] for k in merged) == sorted(saved)
     assert all(torch.equal(merged["net." + k], v) for k, v in saved.items())
 
 
 # ---- bad input: each a clear error before any process starts or any weight moves ----------------
 def test_sizes_that_do_not_multiply_to_the_world():
-    with pytest.raises(ConfigurationError, match=r"pipeline_parallel_size=1 x data_parallel_size=3 x "
-                                                 r"tensor_parallel_size=2 = 6, but world_size=4"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"pipeline_parallel_size=1 x data_parallel_size=3 x "
+        r"tensor_parallel_size=2 = 6, but world_size=4",
+    ):
         ParallelDims.resolve(tp=2, pp=1, dp=3, world_size=4)
-    with pytest.raises(ConfigurationError, match=r"tensor_parallel_size=4 x pipeline_parallel_size=1 = 4 does not "
-                                                 r"divide world_size=6"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"tensor_parallel_size=4 x pipeline_parallel_size=1 = 4 does not "
+        r"divide world_size=6",
+    ):
         ParallelDims.resolve(tp=4, pp=1, dp="auto", world_size=6)
     with pytest.raises(ConfigurationError, match=r"tensor_parallel_size=0 must be a positive int"):
         MegatronStrategy(tensor_parallel_size=0)
@@ -131,35 +138,77 @@ def test_auto_layout_bad_inputs():
 
     from trainforge.strategies.parallel.auto import choose_auto_layout
 
-    for kwargs, match in (({"seq_len": 0}, r"seq_len=0 must be None or an int >= 1"),
-                          ({"device_memory": "80GB"}, r"device_memory='80GB' must be None or an int >= 1 \(bytes"),
-                          ({"model_shape": {"layers": 2}}, r"model_shape=\{'layers': 2\} must be a dict of positive "
-                                                           r"ints with keys layers, hidden, heads"),
-                          ({"tensor_parallel_size": "max"}, r"tensor_parallel_size='max' must be a positive int or "
-                                                            r"'auto'")):
+    for kwargs, match in (
+        ({"seq_len": 0}, r"seq_len=0 must be None or an int >= 1"),
+        ({"device_memory": "80GB"}, r"device_memory='80GB' must be None or an int >= 1 \(bytes"),
+        (
+            {"model_shape": {"layers": 2}},
+            r"model_shape=\{'layers': 2\} must be a dict of positive "
+            r"ints with keys layers, hidden, heads",
+        ),
+        (
+            {"tensor_parallel_size": "max"},
+            r"tensor_parallel_size='max' must be a positive int or "
+            r"'auto'",
+        ),
+    ):
         with pytest.raises(ConfigurationError, match=match):
             MegatronStrategy(**kwargs)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    common = dict(world_size=2, device="cpu", precision="32", device_memory=None, model_shape=None, schedule="1f1b",
-                  num_microbatches=None, activation_checkpointing=False, sequence_parallel=False, log_table=False)
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    common = dict(
+        world_size=2,
+        device="cpu",
+        precision="32",
+        device_memory=None,
+        model_shape=None,
+        schedule="1f1b",
+        num_microbatches=None,
+        activation_checkpointing=False,
+        sequence_parallel=False,
+        log_table=False,
+    )
     auto = {"tp": "auto", "pp": "auto", "dp": "auto"}
-    with pytest.raises(ConfigurationError, match=r"sequence length \(None\).*pass MegatronStrategy\(\.\.\., "
-                                                 r"seq_len=TOKENS\)"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"sequence length \(None\).*pass MegatronStrategy\(\.\.\., "
+        r"seq_len=TOKENS\)",
+    ):
         choose_auto_layout(llama, auto, seq_len=None, micro_batch_size=4, **common)
     with pytest.raises(ConfigurationError, match=r"TinyLM holds no transformers model.*model_shape="):
         choose_auto_layout(TinyLM(), auto, seq_len=8, micro_batch_size=4, **common)
     with pytest.raises(ConfigurationError, match=r"(?s)no \(pp, dp, tp\) layout fits .*pp=1 x dp=2 x tp=1 .* no\n"):
         choose_auto_layout(llama, auto, seq_len=8, micro_batch_size=4, **{**common, "device_memory": 1000})
-    with pytest.raises(ConfigurationError, match=r"no \(pp, dp, tp\) layout of world_size=2 matches the sizes given "
-                                                 r"\(tp=3"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"no \(pp, dp, tp\) layout of world_size=2 matches the sizes given "
+        r"\(tp=3",
+    ):
         choose_auto_layout(llama, {**auto, "tp": 3}, seq_len=8, micro_batch_size=4, **common)
     # plenty of memory: the fastest (data parallel); a plain model with model_shape uses the formula
-    assert str(choose_auto_layout(llama, auto, seq_len=8, micro_batch_size=4, **{**common, "device_memory": 2**30})) \
+    assert (
+        str(choose_auto_layout(llama, auto, seq_len=8, micro_batch_size=4, **{**common, "device_memory": 2**30}))
         == "pp=1 x dp=2 x tp=1"
+    )
     shape = {"layers": 3, "hidden": 16, "heads": 2}
-    assert choose_auto_layout(TinyLM(), {**auto, "tp": 2}, seq_len=8, micro_batch_size=4,
-                              **{**common, "device_memory": 2**30, "model_shape": shape}).tp == 2
+    assert (
+        choose_auto_layout(
+            TinyLM(),
+            {**auto, "tp": 2},
+            seq_len=8,
+            micro_batch_size=4,
+            **{**common, "device_memory": 2**30, "model_shape": shape},
+        ).tp
+        == 2
+    )
 
 
 def test_sequence_and_loss_parallel_bad_inputs():
@@ -167,27 +216,39 @@ def test_sequence_and_loss_parallel_bad_inputs():
 
     with pytest.raises(ConfigurationError, match=r"sequence_parallel='yes' must be True or False"):
         MegatronStrategy(tensor_parallel_size=2, sequence_parallel="yes")
-    with pytest.raises(ConfigurationError, match=r"loss_parallel=True .* tensor_parallel_size=1; set "
-                                                 r"tensor_parallel_size > 1"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"loss_parallel=True .* tensor_parallel_size=1; set "
+        r"tensor_parallel_size > 1",
+    ):
         MegatronStrategy(loss_parallel=True)
     with pytest.raises(ConfigurationError, match=r"sequence_parallel=True with pipeline_parallel_size=2 is not built"):
         MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True)
     plan = resolve_plan(TinyLM(), {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}, 2)
-    with pytest.raises(ConfigurationError, match=r"loss_parallel=True .* no colwise layer with a replicated output.*"
-                                                 r"\{'lm_head': 'colwise_rep'\}"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"loss_parallel=True .* no colwise layer with a replicated output.*"
+        r"\{'lm_head': 'colwise_rep'\}",
+    ):
         rewrite_plan(TinyLM(), plan, sequence_parallel=False, loss_parallel=True)
     with pytest.raises(ConfigurationError, match=r"sequence_parallel=True .* tp_plan has no rowwise Linear"):
-        rewrite_plan(TinyLM(), resolve_plan(TinyLM(), {"head": "colwise_rep"}, 2), sequence_parallel=True,
-                     loss_parallel=False)
+        rewrite_plan(
+            TinyLM(), resolve_plan(TinyLM(), {"head": "colwise_rep"}, 2), sequence_parallel=True, loss_parallel=False
+        )
     sp = rewrite_plan(TinyLM(), plan, sequence_parallel=True, loss_parallel=False)
     assert {type(sp[n]).__name__ for n in ("ln_f", "blocks.0.ln1", "blocks.2.ln2")} == {"SequenceParallel"}
-    assert type(sp["embed"]).__name__ == "PrepareModuleOutput" and str(sp["blocks.0.mlp.2"].output_layouts) == \
-        "(Shard(dim=1),)"
+    assert (
+        type(sp["embed"]).__name__ == "PrepareModuleOutput"
+        and str(sp["blocks.0.mlp.2"].output_layouts) == "(Shard(dim=1),)"
+    )
 
 
 def test_model_without_plan_lists_its_linear_layers():
-    with pytest.raises(ConfigurationError, match=r"TinyLM has no tensor-parallel plan.*blocks\.0\.mix.*head.*"
-                                                 r"Example: \{\"blocks"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"TinyLM has no tensor-parallel plan.*blocks\.0\.mix.*head.*"
+        r"Example: \{\"blocks",
+    ):
         resolve_plan(TinyLM(), "auto", 2)
 
 
@@ -199,13 +260,24 @@ def test_plan_glob_that_matches_nothing_and_unknown_style():
 
 
 def test_tp_size_that_does_not_divide_the_hidden_size_or_heads():
-    with pytest.raises(ConfigurationError, match=r"tensor_parallel_size=3 does not divide blocks\.0\.mlp\.0\."
-                                                 r"out_features=64"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"tensor_parallel_size=3 does not divide blocks\.0\.mlp\.0\."
+        r"out_features=64",
+    ):
         resolve_plan(TinyLM(), {"blocks.*.mlp.0": "colwise"}, 3)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=36, hidden_size=24, intermediate_size=48, num_hidden_layers=1,
-                                         num_attention_heads=6, num_key_value_heads=3))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=36,
+            hidden_size=24,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+        )
+    )
     with pytest.raises(ConfigurationError, match=r"tensor_parallel_size=2 does not divide num_key_value_heads=3"):
         resolve_plan(llama, "auto", 2)
     plan = resolve_plan(llama, "auto", 3)
@@ -223,15 +295,37 @@ def test_megatron_section_of_the_launch_config():
     kwargs = strategy_kwargs("megatron", {"megatron": {"tensor_parallel_size": 2, "schedule": "gpipe"}})
     assert kwargs == {"tensor_parallel_size": 2, "schedule": "gpipe"}
     assert MegatronStrategy(**kwargs).sizes["tp"] == 2
-    with pytest.raises(ConfigurationError, match=r"megatron.tp_size is not a MegatronStrategy setting; valid keys: "
-                                                 r"tensor_parallel_size"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"megatron.tp_size is not a MegatronStrategy setting; valid keys: "
+        r"tensor_parallel_size",
+    ):
         strategy_kwargs("megatron", {"megatron": {"tp_size": 2}})
 
 
 @pytest.mark.slow
 def test_parallel_benchmark_smoke():
-    out = run([sys.executable, str(SCRIPTS.parents[1] / "benchmarks" / "parallel.py"), "--processes", "2", "--dim", "16",
-               "--depth", "2", "--vocab", "32", "--seq", "8", "--steps", "1", "--warmup", "0"], timeout=300).stdout
+    out = run(
+        [
+            sys.executable,
+            str(SCRIPTS.parents[1] / "benchmarks" / "parallel.py"),
+            "--processes",
+            "2",
+            "--dim",
+            "16",
+            "--depth",
+            "2",
+            "--vocab",
+            "32",
+            "--seq",
+            "8",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ],
+        timeout=300,
+    ).stdout
     for layout in ("dp2 ", "tp2 ", "pp2 "):
         line = next(line for line in out.splitlines() if line.startswith(layout))
         assert "per-rank MiB [" in line and "formula" in line and " ms" in line, out[-2000:]
@@ -241,6 +335,8 @@ def test_parallel_benchmark_smoke():
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_parallel_benchmark_on_gpus_reports_tokens_per_second():
-    out = run([sys.executable, str(SCRIPTS.parents[1] / "benchmarks" / "parallel.py"), "--processes", "2", "--steps", "2"],
-              timeout=300).stdout
+    out = run(
+        [sys.executable, str(SCRIPTS.parents[1] / "benchmarks" / "parallel.py"), "--processes", "2", "--steps", "2"],
+        timeout=300,
+    ).stdout
     assert "tok/s" in out and "tp2 " in out, out[-2000:]

@@ -8,6 +8,7 @@ gpipe, 1f1b, interleaved_1f1b, validation, activation checkpointing, tied embedd
 4-process checkpoint on pp2 and dp2, pp2 -> tp2 resume, refusals). Every rank trains the
 single-process reference itself, so the numbers are computed in the child processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,8 +84,11 @@ def test_tied_embeddings_stay_tied_across_stages(runs):
     assert tp["pp2dp2_ddp_placements"] == "(Replicate(),)" and tp["pp2dp2_ddp_steps"] == 3
     assert tp["pp2dp2_ddp_loss_diff"] < 1e-6
     assert tp["tied_tp2pp2_loss_diff"] < 1e-5 and tp["tied_tp2pp2_weights_diff"] < 1e-4  # TP-sharded tied copies
-    assert "tied parameter 'net.embed.weight' is sharded differently on the stages sharing it" in \
-        tp["tied_tp2pp2_mismatch"] or "'net.head.weight' is sharded differently" in tp["tied_tp2pp2_mismatch"]
+    assert (
+        "tied parameter 'net.embed.weight' is sharded differently on the stages sharing it"
+        in tp["tied_tp2pp2_mismatch"]
+        or "'net.head.weight' is sharded differently" in tp["tied_tp2pp2_mismatch"]
+    )
 
 
 @pytest.mark.slow
@@ -126,8 +130,11 @@ def test_refusals_inside_a_run(runs):
     assert "reads 10 samples an epoch, so its last batch holds 2 instead of batch_size=4" in res["last_batch"]
     assert "compile=True with pipeline parallelism is not built yet" in res["compile"]
     assert "automatic_optimization=False with pipeline parallelism" in res["manual"]
-    assert "schedule='interleaved_1f1b' with num_microbatches=5 on pipeline_parallel_size=2" in \
-        res["schedule_microbatches"] and "choose num_microbatches as a multiple of 2" in res["schedule_microbatches"]
+    assert (
+        "schedule='interleaved_1f1b' with num_microbatches=5 on pipeline_parallel_size=2"
+        in res["schedule_microbatches"]
+        and "choose num_microbatches as a multiple of 2" in res["schedule_microbatches"]
+    )
 
 
 # ---- the split, and bad input: clear errors before any process starts or any weight moves --------
@@ -144,8 +151,11 @@ def test_split_balanced_by_parameter_count_and_by_cut_points():
     assert tied.tied == [[(0, "net.embed.weight"), (1, "net.head.weight")]]
     check_tied_placement(tied, 2, "1f1b")  # first and last stage on two ranks: fine
     assert stage_ids(0, 2, 4, "zbv") == [0, 3] and stage_ids(1, 2, 4, "interleaved_1f1b") == [1, 3]
-    with pytest.raises(ConfigurationError, match=r"tied parameter net.embed.weight = net.head.weight is used by "
-                                                 r"stages \[0, 3\], which run on pipeline ranks \[0, 0\]"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"tied parameter net.embed.weight = net.head.weight is used by "
+        r"stages \[0, 3\], which run on pipeline ranks \[0, 0\]",
+    ):
         check_tied_placement(plan_split(LitGPT(tied=True), 4), 2, "zbv")
 
 
@@ -161,8 +171,11 @@ def test_stage_modules_keep_original_names_and_compute_the_model():
 
 
 def test_bad_pipeline_settings():
-    with pytest.raises(ConfigurationError, match=r"makes 2 stages; schedule='zbv' runs two stages per rank: give "
-                                                 r"2 x pipeline_parallel_size - 1 = 3 cut points"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"makes 2 stages; schedule='zbv' runs two stages per rank: give "
+        r"2 x pipeline_parallel_size - 1 = 3 cut points",
+    ):
         MegatronStrategy(pipeline_parallel_size=2, schedule="zbv", pp_split=["net.blocks.2"])
     with pytest.raises(ConfigurationError, match=r"schedule='fifo' is not one of: gpipe, 1f1b"):
         MegatronStrategy(pipeline_parallel_size=2, schedule="fifo")
@@ -177,8 +190,11 @@ def test_bad_pipeline_settings():
         MegatronStrategy(pipeline_parallel_size=2, pp_split="net.blocks.2")
     with pytest.raises(ConfigurationError, match=r"need pipeline_parallel_size > 1"):
         MegatronStrategy(pp_split=["net.blocks.2"])
-    with pytest.raises(ConfigurationError, match=r"makes 3 stages, but schedule='1f1b' runs one stage per rank: "
-                                                 r"give pipeline_parallel_size - 1 = 1 cut point"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"makes 3 stages, but schedule='1f1b' runs one stage per rank: "
+        r"give pipeline_parallel_size - 1 = 1 cut point",
+    ):
         MegatronStrategy(pipeline_parallel_size=2, pp_split=["net.blocks.1", "net.blocks.2"])
     with pytest.raises(ConfigurationError, match=r"makes 2 stages; schedule='interleaved_1f1b' runs several"):
         MegatronStrategy(pipeline_parallel_size=2, schedule="interleaved_1f1b", pp_split=["net.blocks.1"])
@@ -187,8 +203,11 @@ def test_bad_pipeline_settings():
 def test_bad_splits_of_the_model():
     with pytest.raises(ConfigurationError, match=r"5 pipeline stages but net.blocks has only 4 block\(s\)"):
         plan_split(LitGPT(), 5)
-    with pytest.raises(ConfigurationError, match=r"pp_split entry 'net.layers.2' is not a block that can begin a "
-                                                 r"stage; valid cut points: net.blocks.1, net.blocks.2, net.blocks.3"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"pp_split entry 'net.layers.2' is not a block that can begin a "
+        r"stage; valid cut points: net.blocks.1, net.blocks.2, net.blocks.3",
+    ):
         plan_split(LitGPT(), 2, ["net.layers.2"])
     with pytest.raises(ConfigurationError, match=r"valid cut points"):
         plan_split(LitGPT(), 2, ["net.blocks.0"])  # the first block cannot begin a later stage
@@ -220,8 +239,16 @@ def test_causal_lm_split_puts_the_head_on_the_last_stage():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     lit = TrainingModule()
-    lit.net = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                                           num_attention_heads=4, num_key_value_heads=2))
+    lit.net = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     split = plan_split(lit, 2)
     assert (split.prefix, split.blocks, split.heads) == ("net.model", "layers", ["net.lm_head"])
     assert split.stages == [["embed_tokens", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "net.lm_head"]]
@@ -248,10 +275,17 @@ class NoLoss(TrainingModule):
 def test_pipeline_settings_from_the_launch_config():
     from trainforge.trainer.launch_config import strategy_kwargs
 
-    kwargs = strategy_kwargs("megatron", {"megatron": {"pipeline_parallel_size": 2, "schedule": "interleaved_1f1b",
-                                                       "num_microbatches": 4, "pp_split": ["net.blocks.1",
-                                                                                           "net.blocks.2",
-                                                                                           "net.blocks.3"]}})
+    kwargs = strategy_kwargs(
+        "megatron",
+        {
+            "megatron": {
+                "pipeline_parallel_size": 2,
+                "schedule": "interleaved_1f1b",
+                "num_microbatches": 4,
+                "pp_split": ["net.blocks.1", "net.blocks.2", "net.blocks.3"],
+            }
+        },
+    )
     strategy = MegatronStrategy(**kwargs)
     assert strategy.sizes["pp"] == 2 and strategy.num_microbatches == 4 and len(strategy.pp_split) == 3
 
@@ -262,8 +296,11 @@ def test_pipeline_needs_loss_fn_and_no_extra_accumulation():
     with pytest.raises(ConfigurationError, match=r"NoLoss must define loss_fn\(self, output, target\)"):
         strategy.setup(NoLoss(), lambda: [])
     strategy.configure(RunSettings(accumulation_steps=2))
-    with pytest.raises(ConfigurationError, match=r"accumulate_grad_batches=2: with pipeline parallelism the "
-                                                 r"micro-batches are the accumulation"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"accumulate_grad_batches=2: with pipeline parallelism the "
+        r"micro-batches are the accumulation",
+    ):
         strategy.setup(LitGPT(), lambda: [])
 
 
@@ -274,8 +311,13 @@ def test_base_forward_backward_is_the_plain_step():
     strategy, net = SingleDeviceStrategy(), nn.Linear(3, 1)
     assert not strategy.pipelined
     seen = []
-    out = strategy.forward_backward(net, lambda batch, i: net(batch).sum(), torch.ones(2, 3), 0,
-                                    backward=lambda loss: (seen.append(loss), loss.backward()))
+    out = strategy.forward_backward(
+        net,
+        lambda batch, i: net(batch).sum(),
+        torch.ones(2, 3),
+        0,
+        backward=lambda loss: (seen.append(loss), loss.backward()),
+    )
     assert seen == [out] and torch.equal(net.weight.grad, torch.full((1, 3), 2.0))
 
 

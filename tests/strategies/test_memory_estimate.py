@@ -1,4 +1,5 @@
 """The ZeRO memory arithmetic, the recommendation, and `trainforge estimate-memory`."""
+
 import sys
 import textwrap
 
@@ -29,12 +30,12 @@ def _by_name(rows):
 def test_mixed_precision_adam_matches_the_zero_paper():
     rows = _by_name(estimate_memory(PSI, N, "bf16-mixed", "adam"))
     assert bytes_per_param("bf16-mixed") == bytes_per_param("16-mixed") == (2, 2, 12)
-    assert rows["DDP"].device == 16 * PSI == 120 * 10**9                            # paper: 120 GB
-    assert rows["ZeRO-1"].device == 2 * PSI + 2 * PSI + 12 * PSI // N               # paper: 31.4 GB
+    assert rows["DDP"].device == 16 * PSI == 120 * 10**9  # paper: 120 GB
+    assert rows["ZeRO-1"].device == 2 * PSI + 2 * PSI + 12 * PSI // N  # paper: 31.4 GB
     assert round(rows["ZeRO-1"].device / 1e9, 1) == 31.4
-    assert rows["ZeRO-2"].device == 2 * PSI + 14 * PSI // N                         # paper: 16.6 GB
+    assert rows["ZeRO-2"].device == 2 * PSI + 14 * PSI // N  # paper: 16.6 GB
     assert round(rows["ZeRO-2"].device / 1e9, 1) == 16.6
-    assert rows["ZeRO-3"].device == 16 * PSI // N                                   # paper: 1.9 GB
+    assert rows["ZeRO-3"].device == 16 * PSI // N  # paper: 1.9 GB
     assert round(rows["ZeRO-3"].device / 1e9, 1) == 1.9
     assert rows["FSDP full"].device == rows["ZeRO-3"].device
     assert rows["FSDP grad-op"].device == rows["ZeRO-2"].device
@@ -81,7 +82,7 @@ def test_recommend_takes_the_fastest_row_that_fits():
     rows = estimate_memory(10**9, 8, "bf16-mixed")  # DDP 16 GB, ZeRO-1 5.5 GB, ZeRO-2 3.75 GB, ZeRO-3 2 GB
     assert [r.name for r in rows][0] == "DDP" and len(rows) == len(SPEED_ORDER)
     assert recommend(rows, 24 * 10**9).name == "DDP"
-    assert recommend(rows, 8 * 10**9).name == "ZeRO-1"          # 5.5 GB <= 75% of 8 GB
+    assert recommend(rows, 8 * 10**9).name == "ZeRO-1"  # 5.5 GB <= 75% of 8 GB
     # 4 GB: ZeRO-2 (3.75 GB) > 3 GB; ZeRO-2 + offload needs 8 ranks x 1.75 GB of host memory
     assert recommend(rows, 4 * 10**9, cpu_memory=10**12, ranks_per_node=8).name == "ZeRO-2 + offload opt"
     assert recommend(rows, 4 * 10**9, cpu_memory=10**10, ranks_per_node=8).name == "ZeRO-3"
@@ -102,11 +103,14 @@ def test_choose_deepspeed_for_stage_auto():
     assert {r for r in DEEPSPEED_ROWS} <= set(SPEED_ORDER)
 
 
-@pytest.mark.parametrize("args, match", [
-    ((100, 2, "fp17"), "precision='fp17'"),
-    ((100, 0, "32"), "world_size=0"),
-    ((-1, 2, "32"), "parameter count"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((100, 2, "fp17"), "precision='fp17'"),
+        ((100, 0, "32"), "world_size=0"),
+        ((-1, 2, "32"), "parameter count"),
+    ],
+)
 def test_bad_inputs(args, match):
     with pytest.raises(ConfigurationError, match=match):
         estimate_memory(*args)
@@ -127,27 +131,45 @@ def test_cli_on_gpt2_prints_a_table_per_process_count_and_a_recommendation(capsy
 
 
 def test_cli_on_a_module_factory_path(tmp_path, monkeypatch, capsys):
-    (tmp_path / "my_models.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_models.py").write_text(
+        textwrap.dedent("""
         import torch
         def build():
             assert torch.empty(1).device.type == "meta"  # built without allocating
             return torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert cli.main(["estimate-memory", "my_models:build", "--num-processes", "2", "--precision", "fp32",
-                     "--device-memory", "1GiB"]) == 0
+    assert (
+        cli.main(
+            [
+                "estimate-memory",
+                "my_models:build",
+                "--num-processes",
+                "2",
+                "--precision",
+                "fp32",
+                "--device-memory",
+                "1GiB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "my_models:build: 1,011,010 parameters; precision 32" in out
     assert "recommendation: DDP: strategy='ddp'" in out
     sys.modules.pop("my_models", None)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["no_such_module:build"], ["no_such_module", "package.module:factory"]),
-    (["not-a-model-type"], ["not-a-model-type", "gpt2", "model type"]),
-    (["gpt2", "--precision", "fp17"], ["fp17", "bf16-mixed"]),
-    (["gpt2", "--device-memory", "lots"], ["--device-memory='lots'", "5GB"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["no_such_module:build"], ["no_such_module", "package.module:factory"]),
+        (["not-a-model-type"], ["not-a-model-type", "gpt2", "model type"]),
+        (["gpt2", "--precision", "fp17"], ["fp17", "bf16-mixed"]),
+        (["gpt2", "--device-memory", "lots"], ["--device-memory='lots'", "5GB"]),
+    ],
+)
 def test_cli_bad_input_exits_2_with_the_reason(argv, words, capsys):
     if "gpt2" in argv or "not-a" in argv[0]:
         pytest.importorskip("transformers")

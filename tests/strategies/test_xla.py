@@ -1,6 +1,7 @@
 """strategy='xla' where torch_xla is absent (default CI): torch_xla is imported only when the strategy is
 chosen, and every way it cannot work is a clear error before anything starts. The runs on an XLA:CPU
 device are in test_xla_device.py (``pytest -m xla``, scripts/xla-env.sh)."""
+
 import importlib.util
 import json
 import sys
@@ -55,8 +56,11 @@ def test_xla_without_torch_xla_names_torch_version_and_the_matching_pair():
 
 
 def test_mismatched_torch_and_torch_xla_versions_are_refused():
-    with pytest.raises(ConfigurationError, match=r"torch_xla 2\.9\.0 is built for torch 2\.9\.x but this process "
-                                                 r"has torch 2\.13\.0\+cpu.*pip install torch==2\.9\.\* torch_xla==2\.9\.0"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"torch_xla 2\.9\.0 is built for torch 2\.9\.x but this process "
+        r"has torch 2\.13\.0\+cpu.*pip install torch==2\.9\.\* torch_xla==2\.9\.0",
+    ):
         check_torch_xla_versions("2.13.0+cpu", "2.9.0")
     check_torch_xla_versions("2.9.0+cu128", "2.9.0")  # a matching pair passes (local build tags ignored)
     check_torch_xla_versions("2.9.1", "2.9.0+git1234")
@@ -71,10 +75,13 @@ def test_installed_torch_xla_of_another_torch_is_refused_before_its_import(tmp_p
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_xla\nVersion: 2.9.0\n")
     (tmp_path / "torch_xla").mkdir()
     (tmp_path / "torch_xla" / "__init__.py").write_text("raise SystemExit('torch_xla must not be imported')\n")
-    code = ("from trainforge import Accelerator, ConfigurationError\n"
-            "try:\n    Accelerator(strategy='xla')\nexcept ConfigurationError as e:\n    print('ERROR', e)\n")
-    out = procs.run([sys.executable, "-c", code], timeout=120, env=procs.test_env(
-        PYTHONPATH=f"{procs.REPO}:{tmp_path}"))
+    code = (
+        "from trainforge import Accelerator, ConfigurationError\n"
+        "try:\n    Accelerator(strategy='xla')\nexcept ConfigurationError as e:\n    print('ERROR', e)\n"
+    )
+    out = procs.run(
+        [sys.executable, "-c", code], timeout=120, env=procs.test_env(PYTHONPATH=f"{procs.REPO}:{tmp_path}")
+    )
     assert f"torch_xla 2.9.0 is built for torch 2.9.x but this process has torch {torch.__version__}" in out.stdout
 
 
@@ -94,8 +101,9 @@ def test_bad_xla_strategy_arguments_fail_before_any_import():
 
 
 def _launch(*args, **env):
-    return procs.run([sys.executable, "-m", "trainforge", "launch", *args], timeout=120, check=False,
-                     env=procs.test_env(**env))
+    return procs.run(
+        [sys.executable, "-m", "trainforge", "launch", *args], timeout=120, check=False, env=procs.test_env(**env)
+    )
 
 
 def test_launch_xla_refuses_what_cannot_apply(tmp_path):

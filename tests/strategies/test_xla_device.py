@@ -5,6 +5,7 @@ The CPU strategy is the reference: same seed, same data, the losses agree within
 compiles its own kernels, so bit equality is not expected across devices), a checkpoint written on
 XLA loads on the CPU with equal weights, and a run resumed on XLA from a mid-epoch checkpoint is the
 uninterrupted XLA run exactly."""
+
 from __future__ import annotations
 
 import copy
@@ -40,8 +41,16 @@ def _fit(strategy, root, initial, max_steps=12, ckpt_path=None, every=0, **kwarg
     module = Regressor(copy.deepcopy(initial))
     callbacks = [ModelCheckpoint(every_n_steps=every, save_last=True)] if every else []
     extra = {"accelerator": "cpu"} if strategy == "single" else {}
-    trainer = Trainer(strategy=strategy, max_steps=max_steps, default_root_dir=str(root), enable_progress_bar=False,
-                      enable_checkpointing=bool(every), callbacks=callbacks, **extra, **kwargs)
+    trainer = Trainer(
+        strategy=strategy,
+        max_steps=max_steps,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=bool(every),
+        callbacks=callbacks,
+        **extra,
+        **kwargs,
+    )
     trainer.fit(module, DataLoader(regression_data(), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
     weights = {k: v.detach().cpu() for k, v in module.state_dict().items()}
     return trainer, [float(loss.cpu()) for loss in module.losses], weights
@@ -49,10 +58,12 @@ def _fit(strategy, root, initial, max_steps=12, ckpt_path=None, every=0, **kwarg
 
 def test_trainer_fit_on_xla_matches_the_cpu_strategy(tmp_path):
     initial = _initial()
-    cpu_trainer, cpu_losses, cpu_weights = _fit("single", tmp_path / "cpu", initial, accumulate_grad_batches=2,
-                                                gradient_clip_val=1.0)
-    xla_trainer, xla_losses, xla_weights = _fit("xla", tmp_path / "xla", initial, accumulate_grad_batches=2,
-                                                gradient_clip_val=1.0)
+    cpu_trainer, cpu_losses, cpu_weights = _fit(
+        "single", tmp_path / "cpu", initial, accumulate_grad_batches=2, gradient_clip_val=1.0
+    )
+    xla_trainer, xla_losses, xla_weights = _fit(
+        "xla", tmp_path / "xla", initial, accumulate_grad_batches=2, gradient_clip_val=1.0
+    )
     assert xla_trainer.strategy.root_device.type == "xla" and type(xla_trainer.strategy).__name__ == "XLAStrategy"
     assert xla_trainer.global_step == cpu_trainer.global_step == 12 and len(xla_losses) == 24
     assert max(abs(a - b) for a, b in zip(cpu_losses, xla_losses)) < 1e-5
@@ -67,8 +78,7 @@ def _accelerator_loop(strategy, initial, steps=8):
     acc = Accelerator(strategy=strategy, gradient_accumulation_steps=2, **kwargs)
     model = copy.deepcopy(initial)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer, loader = acc.prepare(model, optimizer, DataLoader(regression_data(), batch_size=8,
-                                                                        shuffle=True))
+    model, optimizer, loader = acc.prepare(model, optimizer, DataLoader(regression_data(), batch_size=8, shuffle=True))
     losses = []
     for i, (x, y) in enumerate(loader):
         with acc.accumulate(model):
@@ -148,8 +158,13 @@ def test_collectives_on_one_xla_device():
 
 def test_launch_xla_runs_the_script_on_the_xla_device(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("from trainforge import Accelerator\nacc = Accelerator()\n"
-                      "print('STRATEGY', acc.strategy.name, acc.device.type, acc.num_processes)\n")
-    out = procs.run([sys.executable, "-m", "trainforge", "launch", "--xla", str(script)], timeout=300,
-                    env=procs.test_env(PJRT_DEVICE="CPU"))
+    script.write_text(
+        "from trainforge import Accelerator\nacc = Accelerator()\n"
+        "print('STRATEGY', acc.strategy.name, acc.device.type, acc.num_processes)\n"
+    )
+    out = procs.run(
+        [sys.executable, "-m", "trainforge", "launch", "--xla", str(script)],
+        timeout=300,
+        env=procs.test_env(PJRT_DEVICE="CPU"),
+    )
     assert "STRATEGY xla xla 1" in out.stdout

@@ -1,5 +1,6 @@
 """Accelerator behaviours Accelerate users rely on (one process; the multi-process ones are in
 tests/scripts/dist_collectives.py via tests/trainer/test_distributed.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,9 @@ def _prepared(acc):
 def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
     """Accelerate test_state_checkpointing: ProjectConfiguration(automatic_checkpoint_naming=True,
     total_limit=2): save_state() writes checkpoints/checkpoint_<i>, keeps 2; load_state() loads the newest."""
-    acc = Accelerator(project_config=ProjectConfiguration(str(tmp_path), automatic_checkpoint_naming=True,
-                                                          total_limit=2))
+    acc = Accelerator(
+        project_config=ProjectConfiguration(str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    )
     model, opt = _prepared(acc)
     for i in range(3):
         with torch.no_grad():

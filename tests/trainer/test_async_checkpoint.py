@@ -1,6 +1,7 @@
 """Asynchronous checkpoints (strategies/checkpoint/async_save.py): exact staged state, one save in flight,
 pruning after the commit, errors raised in the main thread, SIGKILLs during background writes,
 and bit-identical resume on 1 process and on 2 (DDP, FSDP, DeepSpeed) processes. CPU, fp32."""
+
 from __future__ import annotations
 
 import logging
@@ -124,8 +125,11 @@ def test_a_failed_background_write_is_raised_naming_the_checkpoint(tmp_path):
     pruned = []
     saver.after_commit(lambda: pruned.append(True))
     time.sleep(0.2)
-    with pytest.raises(CheckpointError, match=r"save of .*bad failed .*No space left.*previous checkpoint .*good "
-                                              r"is intact"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"save of .*bad failed .*No space left.*previous checkpoint .*good "
+        r"is intact",
+    ):
         saver.check()
     assert not pruned, "pruning must not follow a failed save"
     assert read_latest_pointer(tmp_path) == "good" and not (tmp_path / "bad").exists()
@@ -137,8 +141,12 @@ def test_a_failed_background_write_is_raised_naming_the_checkpoint(tmp_path):
 def _fit(root: Path, ckpt_path=None, keep_last_k=None, max_steps=8):
     seed_everything(0)
     module = Regressor(make_net(dropout=0.2), step_lr=True)
-    trainer = Trainer(max_steps=max_steps, default_root_dir=str(root), enable_progress_bar=False,
-                      callbacks=[ModelCheckpoint(every_n_steps=2, keep_last_k=keep_last_k, async_save=True)])
+    trainer = Trainer(
+        max_steps=max_steps,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(every_n_steps=2, keep_last_k=keep_last_k, async_save=True)],
+    )
     trainer.fit(module, DataLoader(regression_data(), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
     return module.state_dict()
 
@@ -163,8 +171,14 @@ def _final(root: Path) -> dict:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the fork server needs os.fork")
 def test_sigkill_while_async_writes_are_in_flight_then_resume_is_bit_identical(tmp_path):
     rng = random.Random(12)
-    server = subprocess.Popen([sys.executable, str(SCRIPTS / "async_kill_run.py")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, env=procs.test_env())
+    server = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "async_kill_run.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        bufsize=0,
+        env=procs.test_env(),
+    )
 
     def fit(root: Path, log: Path, resume: bool, kill_after: float = 0.0) -> int:
         server.stdin.write(f"run {root} {log} {int(resume)}\n".encode())
@@ -229,13 +243,32 @@ def test_two_processes_async_saves_killed_and_restarted_resume_bit_identical(tmp
         pytest.importorskip("deepspeed")
     script = SCRIPTS / "resume_run.py"
     common = ["--strategy", strategy, "--ckpt-every", "2"]
-    procs.run(procs.trainforge_launch(script, "--root", tmp_path / "full", "--record", tmp_path / "full.rec",
-                                      *common), timeout=240)
+    procs.run(
+        procs.trainforge_launch(script, "--root", tmp_path / "full", "--record", tmp_path / "full.rec", *common),
+        timeout=240,
+    )
     marker = tmp_path / "killed-once"
     # rank 1 is killed at step 7, while rank 0 may still be writing the step-6 save; torchrun restarts both
-    procs.run(procs.trainforge_launch(script, "--root", tmp_path / "cut", "--record", tmp_path / "cut.rec", *common,
-                                      "--async-save", "--kill-at", "7", "--kill-rank", "1", "--kill-marker", marker,
-                                      "--resume", launch_args=("--max-restarts", "1")), timeout=240)
+    procs.run(
+        procs.trainforge_launch(
+            script,
+            "--root",
+            tmp_path / "cut",
+            "--record",
+            tmp_path / "cut.rec",
+            *common,
+            "--async-save",
+            "--kill-at",
+            "7",
+            "--kill-rank",
+            "1",
+            "--kill-marker",
+            marker,
+            "--resume",
+            launch_args=("--max-restarts", "1"),
+        ),
+        timeout=240,
+    )
     assert marker.exists(), "the kill never happened"
     full, cut = _final(tmp_path / "full"), _final(tmp_path / "cut")
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
@@ -245,12 +278,14 @@ def test_two_processes_async_saves_killed_and_restarted_resume_bit_identical(tmp
 
 @pytest.mark.slow
 def test_the_process_does_not_exit_before_an_async_save_state_is_committed(tmp_path):
-    script = ("import sys, torch\n"
-              "from trainforge import Accelerator\n"
-              "acc = Accelerator()\n"
-              "model, opt = acc.prepare(torch.nn.Linear(512, 512), torch.optim.AdamW([torch.zeros(1)]))\n"
-              "acc.save_state(sys.argv[1], async_save=True)\n"
-              "print('returned', flush=True)\n")  # and the interpreter exits at once
+    script = (
+        "import sys, torch\n"
+        "from trainforge import Accelerator\n"
+        "acc = Accelerator()\n"
+        "model, opt = acc.prepare(torch.nn.Linear(512, 512), torch.optim.AdamW([torch.zeros(1)]))\n"
+        "acc.save_state(sys.argv[1], async_save=True)\n"
+        "print('returned', flush=True)\n"
+    )  # and the interpreter exits at once
     out = procs.run([sys.executable, "-c", script, str(tmp_path / "state")], timeout=120).stdout
     assert "returned" in out
     assert verify_checkpoint(tmp_path / "state")["kind"] == "accelerator"

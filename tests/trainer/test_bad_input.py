@@ -1,4 +1,5 @@
 """Bad input: a clear error that names the value, the choices and the fix, before any work."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,10 @@ from trainforge import Accelerator, CheckpointError, ConfigurationError, Trainer
 def fit(tmp_path, module=None, loader=None, **kwargs):
     kwargs.setdefault("max_epochs", 1)
     trainer = Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False, **kwargs)
-    trainer.fit(module if module is not None else Regressor(make_net()),
-                loader if loader is not None else DataLoader(regression_data(), batch_size=8))
+    trainer.fit(
+        module if module is not None else Regressor(make_net()),
+        loader if loader is not None else DataLoader(regression_data(), batch_size=8),
+    )
     return trainer
 
 
@@ -25,7 +28,9 @@ def test_unknown_strategy_lists_valid_ones(tmp_path):
 
 
 def test_unknown_precision_lists_valid_ones():
-    with pytest.raises(ConfigurationError, match=r"precision='fp17' is not one of: 32, 16-mixed, bf16-mixed, bf16-true, fp8"):
+    with pytest.raises(
+        ConfigurationError, match=r"precision='fp17' is not one of: 32, 16-mixed, bf16-mixed, bf16-true, fp8"
+    ):
         Trainer(precision="fp17", max_epochs=1)
 
 
@@ -34,7 +39,9 @@ def test_fp16_on_cpu_suggests_bf16():
         Accelerator(precision="16-mixed")
 
 
-@pytest.mark.parametrize("alias,name", [("no", "32"), ("fp32", "32"), ("bf16", "bf16-mixed"), ("bf16-true", "bf16-true")])
+@pytest.mark.parametrize(
+    "alias,name", [("no", "32"), ("fp32", "32"), ("bf16", "bf16-mixed"), ("bf16-true", "bf16-true")]
+)
 def test_precision_aliases(alias, name):
     assert Accelerator(precision=alias).precision.name == name
 
@@ -67,8 +74,9 @@ def test_empty_dataloader(tmp_path):
     empty = DataLoader(TensorDataset(torch.zeros(0, 8), torch.zeros(0, 1)), batch_size=8)
     with pytest.raises(ConfigurationError, match="train_dataloaders is empty"):
         fit(tmp_path, loader=empty)
-    trainer = Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False,
-                      max_epochs=1)
+    trainer = Trainer(
+        default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False, max_epochs=1
+    )
     good = DataLoader(regression_data(), batch_size=8)
     with pytest.raises(ConfigurationError, match=r"val_dataloaders\[1\] is empty \(len == 0, dataset of 0 samples"):
         trainer.fit(Regressor(make_net()), good, [good, empty])  # would validate on nothing

@@ -1,5 +1,6 @@
 """The bad-input audit (issue 10): each mistake is a clear error before training starts (naming the
 value and the fix) or a warning once, never silence, a late ZeroDivisionError or a deep TypeError."""
+
 from __future__ import annotations
 
 import logging
@@ -34,22 +35,31 @@ def fit(tmp_path, module=None, **kwargs):
 
 
 # ---- Trainer arguments: errors at construction ---------------------------------------------------
-@pytest.mark.parametrize("kwargs,message", [
-    ({"check_val_every_n_epoch": 0}, r"check_val_every_n_epoch=0 must be an int >= 1 .* or None"),
-    ({"val_check_interval": 0}, r"val_check_interval=0 .* pass an int >= 1"),
-    ({"gradient_clip_val": "1.0"}, r"gradient_clip_val='1.0' is a string; pass a number: gradient_clip_val=1.0"),
-    ({"check_val_every_n_epoch": "2"}, r"check_val_every_n_epoch='2' is a string; .*=2"),
-    ({"max_epochs": True}, r"max_epochs=True is a bool"),
-    ({"max_steps": "100"}, r"max_steps='100' is a string"),
-    ({"limit_val_batches": "0.5"}, r"limit_val_batches='0.5' is a string"),
-    ({"callbacks": ModelCheckpoint()}, r"callbacks=ModelCheckpoint\(...\) is not a list; pass a list: "
-                                       r"callbacks=\[ModelCheckpoint\(...\)\]"),
-    ({"callbacks": [EarlyStopping]}, r"callbacks\[0\] is the class EarlyStopping, not an instance"),
-    ({"callbacks": ["ckpt"]}, r"callbacks\[0\]='ckpt' is a str, not a Callback"),
-    ({"strategy": DDPStrategy}, r"strategy=DDPStrategy is a class; pass an instance, strategy=DDPStrategy\(...\), "
-                                r"or its name 'ddp'"),
-    ({"strategy": 3}, r"strategy=3 is neither a name"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"check_val_every_n_epoch": 0}, r"check_val_every_n_epoch=0 must be an int >= 1 .* or None"),
+        ({"val_check_interval": 0}, r"val_check_interval=0 .* pass an int >= 1"),
+        ({"gradient_clip_val": "1.0"}, r"gradient_clip_val='1.0' is a string; pass a number: gradient_clip_val=1.0"),
+        ({"check_val_every_n_epoch": "2"}, r"check_val_every_n_epoch='2' is a string; .*=2"),
+        ({"max_epochs": True}, r"max_epochs=True is a bool"),
+        ({"max_steps": "100"}, r"max_steps='100' is a string"),
+        ({"limit_val_batches": "0.5"}, r"limit_val_batches='0.5' is a string"),
+        (
+            {"callbacks": ModelCheckpoint()},
+            r"callbacks=ModelCheckpoint\(...\) is not a list; pass a list: "
+            r"callbacks=\[ModelCheckpoint\(...\)\]",
+        ),
+        ({"callbacks": [EarlyStopping]}, r"callbacks\[0\] is the class EarlyStopping, not an instance"),
+        ({"callbacks": ["ckpt"]}, r"callbacks\[0\]='ckpt' is a str, not a Callback"),
+        (
+            {"strategy": DDPStrategy},
+            r"strategy=DDPStrategy is a class; pass an instance, strategy=DDPStrategy\(...\), "
+            r"or its name 'ddp'",
+        ),
+        ({"strategy": 3}, r"strategy=3 is neither a name"),
+    ],
+)
 def test_constructor_mistakes_name_the_value_and_the_fix(tmp_path, kwargs, message):
     kwargs.setdefault("max_epochs", 1)
     with pytest.raises(ConfigurationError, match=message):
@@ -63,27 +73,39 @@ def test_default_root_dir_that_is_a_file(tmp_path):
             Trainer(default_root_dir=str(root), max_epochs=1)
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: DDPStrategy(timeout=30), r"DDPStrategy\(timeout=30\) must be a datetime.timedelta, e.g. "
-                                      r"timeout=timedelta\(seconds=30\)"),
-    (lambda: FSDPStrategy(timeout="30m"), r"FSDPStrategy\(timeout='30m'\) must be a datetime.timedelta"),
-    (lambda: DDPStrategy(timeout=timedelta(0)), r"must be positive"),
-    (lambda: DDPStrategy(find_unused_parameter=True), r"unknown keyword argument\(s\) \['find_unused_parameter'\].*"
-                                                       r"accepts: .*find_unused_parameters"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (
+            lambda: DDPStrategy(timeout=30),
+            r"DDPStrategy\(timeout=30\) must be a datetime.timedelta, e.g. "
+            r"timeout=timedelta\(seconds=30\)",
+        ),
+        (lambda: FSDPStrategy(timeout="30m"), r"FSDPStrategy\(timeout='30m'\) must be a datetime.timedelta"),
+        (lambda: DDPStrategy(timeout=timedelta(0)), r"must be positive"),
+        (
+            lambda: DDPStrategy(find_unused_parameter=True),
+            r"unknown keyword argument\(s\) \['find_unused_parameter'\].*"
+            r"accepts: .*find_unused_parameters",
+        ),
+    ],
+)
 def test_strategy_arguments_checked_at_construction(make, message):
     with pytest.raises(ConfigurationError, match=message):
         make()
 
 
 # ---- callbacks and metric names --------------------------------------------------------------------
-@pytest.mark.parametrize("make,message", [
-    (lambda: EarlyStopping("val/loss", patience=2.7), r"patience=2.7\) must be an integer >= 0"),
-    (lambda: EarlyStopping("val/loss", patience=True), r"patience=True\) must be an integer"),
-    (lambda: EarlyStopping(""), r"EarlyStopping\(monitor\)='': a metric name must be a non-empty string"),
-    (lambda: EarlyStopping(None), r"EarlyStopping\(monitor\)=None"),
-    (lambda: ModelCheckpoint(monitor=3), r"ModelCheckpoint\(monitor\)=3: a metric name"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: EarlyStopping("val/loss", patience=2.7), r"patience=2.7\) must be an integer >= 0"),
+        (lambda: EarlyStopping("val/loss", patience=True), r"patience=True\) must be an integer"),
+        (lambda: EarlyStopping(""), r"EarlyStopping\(monitor\)='': a metric name must be a non-empty string"),
+        (lambda: EarlyStopping(None), r"EarlyStopping\(monitor\)=None"),
+        (lambda: ModelCheckpoint(monitor=3), r"ModelCheckpoint\(monitor\)=3: a metric name"),
+    ],
+)
 def test_callback_arguments(make, message):
     with pytest.raises(ConfigurationError, match=message):
         make()
@@ -110,16 +132,24 @@ class Returns(Regressor):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         x, _ = batch
-        return {"dict": lambda: {"los": loss}, "detached": lambda: loss.detach(), "item": lambda: loss.item(),
-                "unreduced": lambda: (self.net(x) ** 2), "none": lambda: None}[self.what]()
+        return {
+            "dict": lambda: {"los": loss},
+            "detached": lambda: loss.detach(),
+            "item": lambda: loss.item(),
+            "unreduced": lambda: self.net(x) ** 2,
+            "none": lambda: None,
+        }[self.what]()
 
 
-@pytest.mark.parametrize("what,message", [
-    ("dict", r"batch 0\) returned a dict without a 'loss' key \(keys: \['los'\]\)"),
-    ("detached", r"batch 0\) returned a loss that does not require grad"),
-    ("item", r"batch 0\) returned a float .*not loss.item\(\)"),
-    ("unreduced", r"batch 0\) returned a loss of shape \(16, 1\); reduce it"),
-])
+@pytest.mark.parametrize(
+    "what,message",
+    [
+        ("dict", r"batch 0\) returned a dict without a 'loss' key \(keys: \['los'\]\)"),
+        ("detached", r"batch 0\) returned a loss that does not require grad"),
+        ("item", r"batch 0\) returned a float .*not loss.item\(\)"),
+        ("unreduced", r"batch 0\) returned a loss of shape \(16, 1\); reduce it"),
+    ],
+)
 def test_bad_training_step_output_fails_at_the_first_batch(tmp_path, what, message):
     module = Returns(what)
     before = [p.detach().clone() for p in module.parameters()]
@@ -152,11 +182,16 @@ def test_unknown_scheduler_key(tmp_path):
     class Typo(Regressor):
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=0.1)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
-                                                       "intreval": "step"}}
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1), "intreval": "step"},
+            }
 
-    with pytest.raises(ConfigurationError, match=r"unknown key\(s\) \['intreval'\]; valid keys: scheduler, "
-                                                 r"interval, frequency, name"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"unknown key\(s\) \['intreval'\]; valid keys: scheduler, "
+        r"interval, frequency, name",
+    ):
         fit(tmp_path, Typo(make_net()))
 
 
@@ -179,12 +214,17 @@ def _saved(tmp_path):
 
 def test_resume_into_another_model_shape_names_checkpoint_and_keys(tmp_path):
     path = _saved(tmp_path)
-    wider = Regressor(torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Dropout(0.0),
-                                          torch.nn.Linear(64, 1)))
-    trainer = Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, max_epochs=2,
-                      enable_checkpointing=False)
-    with pytest.raises(CheckpointError, match=r"ckpt does not fit this model \(different shapes: \['net.0.weight: "
-                                              r"checkpoint \(32, 8\) vs model \(64, 8\)'"):
+    wider = Regressor(
+        torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Dropout(0.0), torch.nn.Linear(64, 1))
+    )
+    trainer = Trainer(
+        default_root_dir=str(tmp_path), enable_progress_bar=False, max_epochs=2, enable_checkpointing=False
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"ckpt does not fit this model \(different shapes: \['net.0.weight: "
+        r"checkpoint \(32, 8\) vs model \(64, 8\)'",
+    ):
         trainer.fit(wider, loader(), ckpt_path=str(path))
 
 
@@ -195,18 +235,25 @@ def test_resume_with_another_optimizer_names_the_settings(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
-    trainer = Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, max_epochs=2,
-                      enable_checkpointing=False)
-    with pytest.raises(CheckpointError, match=r"optimizer 0 \(SGD\) group 0 does not match the checkpoint: "
-                                              r"settings differ: .*'betas'"):
+    trainer = Trainer(
+        default_root_dir=str(tmp_path), enable_progress_bar=False, max_epochs=2, enable_checkpointing=False
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer 0 \(SGD\) group 0 does not match the checkpoint: "
+        r"settings differ: .*'betas'",
+    ):
         trainer.fit(WithSGD(make_net()), loader(), ckpt_path=str(path))
 
 
 def test_ckpt_path_pointing_at_the_checkpoints_root(tmp_path):
     fit(tmp_path, callbacks=[ModelCheckpoint(every_n_epochs=1, save_top_k=0)], enable_checkpointing=True)
     trainer = Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, max_epochs=2)
-    with pytest.raises(CheckpointError, match=r"is a directory of checkpoints, not one checkpoint; pass one of "
-                                              r"them \(newest: \['epoch=0-step=4'\]\), or ckpt_path='last'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"is a directory of checkpoints, not one checkpoint; pass one of "
+        r"them \(newest: \['epoch=0-step=4'\]\), or ckpt_path='last'",
+    ):
         trainer.fit(Regressor(make_net()), loader(), ckpt_path=str(tmp_path / "checkpoints"))
 
 
@@ -219,8 +266,11 @@ def test_fsdp_load_failure_is_a_checkpoint_error_not_a_base_exception(tmp_path):
     writer = CheckpointWriter(tmp_path / "step-1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": {"other.weight": torch.ones(2)}, "optimizers": {}},
-                 checkpoint_id=str(writer.tmp_dir / "dcp"), no_dist=True)
+        dcp.save(
+            {"model": {"other.weight": torch.ones(2)}, "optimizers": {}},
+            checkpoint_id=str(writer.tmp_dir / "dcp"),
+            no_dist=True,
+        )
     path = writer.finalize({"step": 1, "strategy": "fsdp"})
     model = torch.nn.Linear(3, 2)
     with pytest.raises(CheckpointError, match=r"step-1/dcp: cannot load the sharded checkpoint into Linear"):
@@ -232,23 +282,29 @@ def test_fsdp_load_failure_is_a_checkpoint_error_not_a_base_exception(tmp_path):
 # ---- processes and launch settings -----------------------------------------------------------------
 def test_single_strategy_in_a_multi_process_launch(tmp_path):
     script = tmp_path / "single.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         from trainforge import Trainer, ConfigurationError
         try:
             Trainer(strategy="single", max_epochs=1)
         except ConfigurationError as e:
             print("refused:", e, flush=True)
-    """))
-    out = run([sys.executable, str(script)], timeout=120,
-              env=child_env(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1")).stdout
+    """)
+    )
+    out = run(
+        [sys.executable, str(script)], timeout=120, env=child_env(WORLD_SIZE="2", RANK="1", LOCAL_RANK="1")
+    ).stdout
     assert "refused: strategy='single' runs one process, but this one was launched as one of WORLD_SIZE=2" in out
 
 
-@pytest.mark.parametrize("settings,message", [
-    ({"strategy": "single", "nproc_per_node": 2}, r"strategy='single' runs one process, but nproc_per_node=2"),
-    ({"strategy": "single", "nproc_per_node": 1, "nnodes": 2}, r"nnodes=2"),
-    ({"accelerator": "cpu", "precision": "16-mixed"}, r"precision='16-mixed' needs a GPU, but accelerator='cpu'"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"strategy": "single", "nproc_per_node": 2}, r"strategy='single' runs one process, but nproc_per_node=2"),
+        ({"strategy": "single", "nproc_per_node": 1, "nnodes": 2}, r"nnodes=2"),
+        ({"accelerator": "cpu", "precision": "16-mixed"}, r"precision='16-mixed' needs a GPU, but accelerator='cpu'"),
+    ],
+)
 def test_config_never_writes_what_launch_refuses(settings, message):
     with pytest.raises(ConfigurationError, match=message):
         validate(settings)
@@ -273,8 +329,9 @@ class Plateau(Regressor):
 
 def test_reduce_lr_on_plateau_with_monitor_steps_on_the_metric_like_torch(tmp_path):
     module = Plateau(make_net(), {"monitor": "val/const"})
-    trainer = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False
+    )
     trainer.fit(module, DataLoader(regression_data(16), batch_size=4), DataLoader(regression_data(8), batch_size=4))
     reference = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(reference, mode="min", factor=0.5, patience=0)
@@ -286,9 +343,13 @@ def test_reduce_lr_on_plateau_with_monitor_steps_on_the_metric_like_torch(tmp_pa
 def test_reduce_lr_on_plateau_needs_a_monitor_and_strict_false_skips_with_a_warning(tmp_path):
     with pytest.raises(ConfigurationError, match=r"ReduceLROnPlateau steps on a metric; name it"):
         fit(tmp_path / "a", Plateau(make_net(), {}))
-    trainer = Trainer(max_epochs=2, default_root_dir=str(tmp_path / "b"), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=2, default_root_dir=str(tmp_path / "b"), enable_progress_bar=False, enable_checkpointing=False
+    )
     with pytest.warns(UserWarning, match=r"monitors 'val/missing'.*skipped \('strict': False\)"):
-        trainer.fit(Plateau(make_net(), {"monitor": "val/missing", "strict": False}),
-                    DataLoader(regression_data(16), batch_size=4), DataLoader(regression_data(8), batch_size=4))
+        trainer.fit(
+            Plateau(make_net(), {"monitor": "val/missing", "strict": False}),
+            DataLoader(regression_data(16), batch_size=4),
+            DataLoader(regression_data(8), batch_size=4),
+        )
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1

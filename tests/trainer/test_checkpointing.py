@@ -1,4 +1,5 @@
 """Accelerator.save_state/load_state and consolidated weights (safetensors, transformers)."""
+
 from __future__ import annotations
 
 import copy

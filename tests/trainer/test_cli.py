@@ -1,4 +1,5 @@
 """The trainforge CLI, run as `python -m trainforge ...` subprocesses (real torchrun, gloo, 2 ranks)."""
+
 import json
 import os
 import signal
@@ -24,9 +25,16 @@ def run_cli(args, tmp_path, timeout=120, stdin=None, **env_extra):
     """`python -m trainforge ARGS` with an isolated config home; the whole process group dies on timeout."""
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg"), **env_extra}
     env.pop(LAUNCH_CONFIG_ENV, None)
-    proc = subprocess.Popen([sys.executable, "-m", "trainforge", *map(str, args)], cwd=tmp_path, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainforge", *map(str, args)],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -38,20 +46,23 @@ def run_cli(args, tmp_path, timeout=120, stdin=None, **env_extra):
 
 @pytest.mark.slow
 def test_launch_two_ranks_all_reduce_with_config_defaults_and_flag_overrides(tmp_path):
-    save_config({"nproc_per_node": 1, "strategy": "ddp", "precision": "bf16-mixed",
-                 "gradient_accumulation_steps": 4}, tmp_path / "xdg" / "trainforge" / "default_config.yaml")
+    save_config(
+        {"nproc_per_node": 1, "strategy": "ddp", "precision": "bf16-mixed", "gradient_accumulation_steps": 4},
+        tmp_path / "xdg" / "trainforge" / "default_config.yaml",
+    )
     out = tmp_path / "out"
     out.mkdir()
-    result = run_cli(["launch", "--nproc-per-node", "2", "--precision", "16-mixed",
-                      SCRIPTS / "cli_allreduce.py", "--out", out], tmp_path)
+    result = run_cli(
+        ["launch", "--nproc-per-node", "2", "--precision", "16-mixed", SCRIPTS / "cli_allreduce.py", "--out", out],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, record in enumerate(records):
         assert (record["rank"], record["world_size"], record["kind"]) == (rank, 2, "torchrun")
         assert record["sum"] == 1.0 + 2.0  # ranks contribute rank + 1
         # strategy and accumulation from the file, precision from the flag that overrides it
-        assert record["defaults"] == {"strategy": "ddp", "precision": "16-mixed",
-                                      "gradient_accumulation_steps": 4}
+        assert record["defaults"] == {"strategy": "ddp", "precision": "16-mixed", "gradient_accumulation_steps": 4}
         assert record["argv"] == [str(SCRIPTS / "cli_allreduce.py"), "--out", str(out)]
         assert record["sys_path0"] == str(SCRIPTS)
 
@@ -75,8 +86,7 @@ def test_master_port_in_use_is_refused_before_start(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_cli(["launch", "--nproc-per-node", "2", "--master-port", port,
-                          SCRIPTS / "cli_crash.py"], tmp_path)
+        result = run_cli(["launch", "--nproc-per-node", "2", "--master-port", port, SCRIPTS / "cli_crash.py"], tmp_path)
     assert result.returncode == 2
     assert f"master port {port} is already in use" in result.stderr
     assert "--master-port" in result.stderr
@@ -86,20 +96,59 @@ def test_master_port_in_use_is_refused_before_start(tmp_path):
 
 def test_config_non_interactive_writes_flags_and_defaults(tmp_path):
     target = tmp_path / "cfg.yaml"
-    result = run_cli(["config", "--non-interactive", "--config-file", target, "--strategy", "deepspeed",
-                      "--zero-stage", "3", "--offload-param-device", "cpu", "--precision", "bf16",
-                      "--nproc-per-node", "2", "--accelerator", "cpu"], tmp_path)
+    result = run_cli(
+        [
+            "config",
+            "--non-interactive",
+            "--config-file",
+            target,
+            "--strategy",
+            "deepspeed",
+            "--zero-stage",
+            "3",
+            "--offload-param-device",
+            "cpu",
+            "--precision",
+            "bf16",
+            "--nproc-per-node",
+            "2",
+            "--accelerator",
+            "cpu",
+        ],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(target.read_text()) == {
-        "compute_environment": "this_machine", "accelerator": "cpu", "nproc_per_node": 2,
+        "compute_environment": "this_machine",
+        "accelerator": "cpu",
+        "nproc_per_node": 2,
         "strategy": "deepspeed",
         "deepspeed": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "cpu"},
-        "precision": "bf16-mixed", "gradient_accumulation_steps": 1}
+        "precision": "bf16-mixed",
+        "gradient_accumulation_steps": 1,
+    }
 
 
 def test_config_interactive_reasks_bad_answers_and_writes_default_location(tmp_path):
-    answers = ["multi_node", "3", "3", "1", "head-node", "", "c10d", "cpu", "0", "4", "zero", "fsdp",
-               "SHARD_GRAD_OP", "fp17", "fp16", "bf16", "8"]  # "" takes the default; bad answers are re-asked
+    answers = [
+        "multi_node",
+        "3",
+        "3",
+        "1",
+        "head-node",
+        "",
+        "c10d",
+        "cpu",
+        "0",
+        "4",
+        "zero",
+        "fsdp",
+        "SHARD_GRAD_OP",
+        "fp17",
+        "fp16",
+        "bf16",
+        "8",
+    ]  # "" takes the default; bad answers are re-asked
     result = run_cli(["config", "--interactive"], tmp_path, stdin="\n".join(answers) + "\n")
     assert result.returncode == 0, result.stderr
     assert "node_rank=3 must be < nnodes=3" in result.stdout
@@ -108,11 +157,20 @@ def test_config_interactive_reasks_bad_answers_and_writes_default_location(tmp_p
     assert "precision='fp17' is not one of" in result.stdout
     assert "precision='16-mixed' needs a GPU, but accelerator='cpu'" in result.stdout  # launch would refuse it
     written = yaml.safe_load((tmp_path / "xdg" / "trainforge" / "default_config.yaml").read_text())
-    assert written == {"compute_environment": "multi_node", "nnodes": 3, "node_rank": 1,
-                       "master_addr": "head-node", "master_port": 29500, "rdzv_backend": "c10d",
-                       "accelerator": "cpu", "nproc_per_node": 4, "strategy": "fsdp",
-                       "fsdp": {"sharding_strategy": "SHARD_GRAD_OP"}, "precision": "bf16-mixed",
-                       "gradient_accumulation_steps": 8}
+    assert written == {
+        "compute_environment": "multi_node",
+        "nnodes": 3,
+        "node_rank": 1,
+        "master_addr": "head-node",
+        "master_port": 29500,
+        "rdzv_backend": "c10d",
+        "accelerator": "cpu",
+        "nproc_per_node": 4,
+        "strategy": "fsdp",
+        "fsdp": {"sharding_strategy": "SHARD_GRAD_OP"},
+        "precision": "bf16-mixed",
+        "gradient_accumulation_steps": 8,
+    }
 
 
 def test_interactive_questions_give_up_after_bounded_bad_answers():
@@ -132,22 +190,29 @@ def test_env_reports_versions_and_config(tmp_path, monkeypatch, capsys):
     assert "    strategy: ddp" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["launch", "--strategy", "ddpp", "s.py"], "--strategy='ddpp' is not one of: auto, single, ddp, fsdp"),
-    (["launch", "--precision", "fp17", "s.py"], "--precision='fp17' is not one of: 32, 16-mixed, bf16-mixed"),
-    (["launch", "--nproc-per-node", "0", "s.py"], "--nproc-per-node='0' must be an integer >= 1"),
-    (["launch", "--nproc-per-node", "two", "s.py"], "--nproc-per-node='two' must be an integer >= 1"),
-    (["launch"], "no training script given"),
-    (["launch", "missing_script.py"], "script 'missing_script.py' does not exist"),
-    (["launch", "--config-file", "nope.yaml", "s.py"], "config file 'nope.yaml' does not exist"),
-    (["launch", "--nnodes", "2", "--node-rank", "2", "s.py"], "node_rank=2 must be < nnodes=2"),
-    (["config", "--non-interactive", "--zero-stage", "4"], "--zero-stage='4' must be an integer >= 0 and <= 3"),
-    (["config", "--non-interactive", "--strategy", "deepspeed", "--offload-param-device", "cpu"],
-     "offload_param_device='cpu' needs zero_stage=3"),
-    (["launch", "--strategy", "fsdp", "--zero-stage", "3", "s.py"],  # audit N-LC2: was ignored
-     "--zero-stage is a DeepSpeed setting, but strategy='fsdp'"),
-    (["launch", "--zero-stage", "2", "s.py"], "--zero-stage is a DeepSpeed setting, but strategy=None"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["launch", "--strategy", "ddpp", "s.py"], "--strategy='ddpp' is not one of: auto, single, ddp, fsdp"),
+        (["launch", "--precision", "fp17", "s.py"], "--precision='fp17' is not one of: 32, 16-mixed, bf16-mixed"),
+        (["launch", "--nproc-per-node", "0", "s.py"], "--nproc-per-node='0' must be an integer >= 1"),
+        (["launch", "--nproc-per-node", "two", "s.py"], "--nproc-per-node='two' must be an integer >= 1"),
+        (["launch"], "no training script given"),
+        (["launch", "missing_script.py"], "script 'missing_script.py' does not exist"),
+        (["launch", "--config-file", "nope.yaml", "s.py"], "config file 'nope.yaml' does not exist"),
+        (["launch", "--nnodes", "2", "--node-rank", "2", "s.py"], "node_rank=2 must be < nnodes=2"),
+        (["config", "--non-interactive", "--zero-stage", "4"], "--zero-stage='4' must be an integer >= 0 and <= 3"),
+        (
+            ["config", "--non-interactive", "--strategy", "deepspeed", "--offload-param-device", "cpu"],
+            "offload_param_device='cpu' needs zero_stage=3",
+        ),
+        (
+            ["launch", "--strategy", "fsdp", "--zero-stage", "3", "s.py"],  # audit N-LC2: was ignored
+            "--zero-stage is a DeepSpeed setting, but strategy='fsdp'",
+        ),
+        (["launch", "--zero-stage", "2", "s.py"], "--zero-stage is a DeepSpeed setting, but strategy=None"),
+    ],
+)
 def test_bad_inputs_are_reported_without_traceback(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)
@@ -171,15 +236,19 @@ def test_torchrun_arguments_are_torchruns_own(tmp_path, monkeypatch):
     for name in ("PET_NNODES", "PET_MASTER_PORT", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND"):
         monkeypatch.delenv(name, raising=False)
     parser = cli.build_parser()
-    args = parser.parse_args(["launch", "--nproc-per-node", "2", "--max-restarts", "3",
-                              "--monitor-interval", "0.5", "train.py", "--lr", "1"])
+    args = parser.parse_args(
+        ["launch", "--nproc-per-node", "2", "--max-restarts", "3", "--monitor-interval", "0.5", "train.py", "--lr", "1"]
+    )
     parsed = torchrun.parse_args(torchrun_argv(resolve_settings(args), args.script, args.script_args))
     assert (parsed.nproc_per_node, parsed.max_restarts, parsed.monitor_interval) == ("2", 3, 0.5)
     assert parsed.standalone and parsed.module  # free port on one node; script under the bootstrap
-    assert (parsed.training_script, parsed.training_script_args) == ("trainforge.trainer._bootstrap",
-                                                                     ["train.py", "--lr", "1"])
-    args = parser.parse_args(["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0",
-                              "--master-port", "1234", "train.py"])
+    assert (parsed.training_script, parsed.training_script_args) == (
+        "trainforge.trainer._bootstrap",
+        ["train.py", "--lr", "1"],
+    )
+    args = parser.parse_args(
+        ["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "1234", "train.py"]
+    )
     parsed = torchrun.parse_args(torchrun_argv(resolve_settings(args), args.script, args.script_args))
     assert not parsed.standalone
     assert (parsed.nnodes, parsed.node_rank, parsed.master_addr, parsed.master_port) == ("2", 1, "h0", 1234)
@@ -187,10 +256,10 @@ def test_torchrun_arguments_are_torchruns_own(tmp_path, monkeypatch):
 
 def test_launch_defaults_empty_outside_launch_and_read_inside(tmp_path):
     assert launch_defaults({}) == {}
-    path = save_config({"nproc_per_node": 2, "strategy": "deepspeed", "deepspeed.zero_stage": 2},
-                       tmp_path / "resolved.yaml")
-    assert launch_defaults({LAUNCH_CONFIG_ENV: str(path)}) == {"strategy": "deepspeed",
-                                                              "deepspeed": {"zero_stage": 2}}
+    path = save_config(
+        {"nproc_per_node": 2, "strategy": "deepspeed", "deepspeed.zero_stage": 2}, tmp_path / "resolved.yaml"
+    )
+    assert launch_defaults({LAUNCH_CONFIG_ENV: str(path)}) == {"strategy": "deepspeed", "deepspeed": {"zero_stage": 2}}
     with pytest.raises(ConfigurationError, match="does not exist"):
         launch_defaults({LAUNCH_CONFIG_ENV: str(tmp_path / "gone.yaml")})
 
@@ -215,10 +284,31 @@ def test_launch_of_two_nodes_says_what_it_waits_for_before_waiting(tmp_path):
     (tmp_path / "train.py").write_text("print('never started')\n")
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     env.pop(LAUNCH_CONFIG_ENV, None)
-    proc = subprocess.Popen([sys.executable, "-m", "trainforge", "launch", "--nnodes", "2", "--node-rank", "0",
-                             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                             "train.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainforge",
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "train.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline, seen = time.monotonic() + 90, ""
         while "waiting for all 2 nodes" not in seen and time.monotonic() < deadline and proc.poll() is None:
@@ -235,15 +325,19 @@ def test_launch_reads_the_megatron_section_the_readme_documents(tmp_path):
     """Audit: `megatron: {tensor_parallel_size: 2}` in a config file was refused by launch."""
     config = tmp_path / "mg.yaml"
     config.write_text("strategy: megatron\nnproc_per_node: 2\nmegatron: {tensor_parallel_size: 2}\n")
-    (tmp_path / "s.py").write_text("from trainforge import Accelerator\na = Accelerator()\n"
-                                   "print('STRAT', type(a.strategy).__name__, a.strategy.sizes['tp'], flush=True)\n")
+    (tmp_path / "s.py").write_text(
+        "from trainforge import Accelerator\na = Accelerator()\n"
+        "print('STRAT', type(a.strategy).__name__, a.strategy.sizes['tp'], flush=True)\n"
+    )
     result = run_cli(["launch", "--config-file", config, "s.py"], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("STRAT MegatronStrategy 2") == 2
     (tmp_path / "bad.yaml").write_text("strategy: ddp\nmegatron: {tensor_parallel_size: 2}\n")
     refused = run_cli(["launch", "--config-file", tmp_path / "bad.yaml", "s.py"], tmp_path)
-    assert refused.returncode == 2 and "a megatron section (MegatronStrategy arguments) needs strategy megatron" in \
-        refused.stderr
+    assert (
+        refused.returncode == 2
+        and "a megatron section (MegatronStrategy arguments) needs strategy megatron" in refused.stderr
+    )
     (tmp_path / "typo.yaml").write_text("strategy: megatron\nmegatron: {tp_size: 2}\n")
     typo = run_cli(["launch", "--config-file", tmp_path / "typo.yaml", "s.py"], tmp_path)
     assert typo.returncode == 2 and "megatron.tp_size" in typo.stderr and "tensor_parallel_size" in typo.stderr

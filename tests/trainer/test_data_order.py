@@ -5,6 +5,7 @@ plain DataLoader's, and the random stream after the loop is the plain loop's too
 Accelerate: on one process a prepared loader iterates like the DataLoader it was given
 (test_data_loader / test_script "dl_preparation"); Lightning: ``seed_everything(s)`` decides the
 shuffle order."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ def _plain(epochs: int, generator=None, workers: int = 0):
 
 
 def _prepared(epochs: int, generator=None, workers: int = 0):
-    loader = Accelerator().prepare(DataLoader(DATA, batch_size=4, shuffle=True, generator=generator,
-                                              num_workers=workers))
+    loader = Accelerator().prepare(
+        DataLoader(DATA, batch_size=4, shuffle=True, generator=generator, num_workers=workers)
+    )
     return [b[0].tolist() for _ in range(epochs) for b in loader]
 
 
@@ -71,7 +73,11 @@ def test_trainer_order_is_the_plain_dataloaders(tmp_path):
     """Lightning: on one process the Trainer iterates the user's DataLoader as it is."""
     seed_everything(3)
     module = _Collect()  # no random draws in __init__: the plain loop below starts from the same state
-    Trainer(max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False,
-            ).fit(module, DataLoader(DATA, batch_size=4, shuffle=True))
+    Trainer(
+        max_epochs=2,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    ).fit(module, DataLoader(DATA, batch_size=4, shuffle=True))
     seed_everything(3)
     assert module.seen == _plain(2)

@@ -2,6 +2,7 @@
 reads ahead of the loop; a checkpoint must still hold the data position of the last batch the loop
 received, not of those prefetched. Checked on CPU with a deterministic read-ahead strategy (the same
 mechanism runs on XLA in test_xla_device.py)."""
+
 from __future__ import annotations
 
 import collections
@@ -37,9 +38,14 @@ class ReadAhead(SingleDeviceStrategy):
 def _fit(strategy, root, initial, max_steps, ckpt_path=None, every=0):
     seed_everything(1)
     module = Regressor(copy.deepcopy(initial))
-    trainer = Trainer(strategy=strategy, max_steps=max_steps, default_root_dir=str(root), enable_progress_bar=False,
-                      enable_checkpointing=bool(every),
-                      callbacks=[ModelCheckpoint(every_n_steps=every, save_last=True)] if every else [])
+    trainer = Trainer(
+        strategy=strategy,
+        max_steps=max_steps,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=bool(every),
+        callbacks=[ModelCheckpoint(every_n_steps=every, save_last=True)] if every else [],
+    )
     trainer.fit(module, DataLoader(regression_data(), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
     return [float(v) for v in module.losses], {k: v.clone() for k, v in module.state_dict().items()}
 

@@ -1,6 +1,7 @@
 """Where a run trains: the ``accelerator`` choice (Lightning's names), and the order in which the
 Trainer builds optimizers (after the strategy placed, converted and wrapped the module, as
 Lightning does), so ``configure_optimizers`` sees the final device, dtype and parameters."""
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -21,8 +22,9 @@ class Recording(Regressor):
 def test_configure_optimizers_sees_the_converted_module():
     """bf16-true converts the weights during setup; the optimizer is built on them afterwards."""
     module = Recording(make_net())
-    trainer = Trainer(accelerator="cpu", precision="bf16-true", max_steps=2, enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu", precision="bf16-true", max_steps=2, enable_progress_bar=False, enable_checkpointing=False
+    )
     trainer.fit(module, DataLoader(regression_data(), batch_size=16))
     device, dtype, ids = module.seen
     assert device == "cpu" and dtype == torch.bfloat16

@@ -1,4 +1,5 @@
 """Two real processes (gloo on CPU) through the launcher users use."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,8 @@ def test_gather_for_metrics_counts_each_sample_once_and_collectives(tmp_path):
     out = tmp_path / "result.json"
     launch("dist_collectives.py", str(out))
     r = json.loads(out.read_text())
-    assert sorted(r["seen"]) == list(range(13))          # 13 samples on 2 ranks: the padding dropped
-    assert r["doubled"] == [2 * i for i in r["seen"]]      # nested structures gathered in the same order
+    assert sorted(r["seen"]) == list(range(13))  # 13 samples on 2 ranks: the padding dropped
+    assert r["doubled"] == [2 * i for i in r["seen"]]  # nested structures gathered in the same order
     rank0, rank1 = r["per_rank"]
     assert len(rank0) == len(rank1) == 7 and not set(rank0[:6]) & set(rank1[:6])
     assert r["gathered_scalar"] == [0.0, 1.0]

@@ -1,4 +1,5 @@
 """The order of events in a fit with validation is the order trainer/events.py documents."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,19 +40,45 @@ class RecordingModule(Regressor):
 def test_fit_event_order_matches_documented_loop(tmp_path):
     rec = Recorder()
     module = RecordingModule(make_net())
-    trainer = Trainer(max_epochs=1, log_every_n_steps=1, callbacks=[rec], default_root_dir=str(tmp_path),
-                      enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=1,
+        log_every_n_steps=1,
+        callbacks=[rec],
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     data = regression_data(n=16)
     trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=16))
-    step = ["on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-            "on_before_zero_grad", "on_log"]
-    validation = ["on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
-                  "on_validation_batch_end", "on_log", "on_validation_epoch_end", "on_validation_end"]
+    step = [
+        "on_train_batch_start",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_before_zero_grad",
+        "on_log",
+    ]
+    validation = [
+        "on_validation_start",
+        "on_validation_epoch_start",
+        "on_validation_batch_start",
+        "on_validation_batch_end",
+        "on_log",
+        "on_validation_epoch_end",
+        "on_validation_end",
+    ]
     sanity = ["on_sanity_check_start"] + [e for e in validation if e != "on_log"] + ["on_sanity_check_end"]
-    expected = (["on_setup", "on_fit_start"] + sanity + ["on_train_start", "on_train_epoch_start"]
-                + step + ["on_train_batch_end"]
-                + step + validation + ["on_train_batch_end"]
-                + ["on_train_epoch_end", "on_train_end", "on_fit_end", "on_teardown"])
+    expected = (
+        ["on_setup", "on_fit_start"]
+        + sanity
+        + ["on_train_start", "on_train_epoch_start"]
+        + step
+        + ["on_train_batch_end"]
+        + step
+        + validation
+        + ["on_train_batch_end"]
+        + ["on_train_epoch_end", "on_train_end", "on_fit_end", "on_teardown"]
+    )
     assert rec.events == expected
     # the module receives the same events, and before the callbacks (one mechanism, module first)
     assert module.events == ["on_fit_start", "on_train_batch_end", "on_train_batch_end"]
@@ -66,8 +93,13 @@ def test_exception_fires_exception_then_teardown_and_reraises(tmp_path):
                 raise RuntimeError("boom at batch 1")
             return super().training_step(batch, batch_idx)
 
-    trainer = Trainer(max_epochs=1, callbacks=[rec], default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=1,
+        callbacks=[rec],
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     with pytest.raises(RuntimeError, match="boom at batch 1"):
         trainer.fit(Boom(make_net()), DataLoader(regression_data(n=32), batch_size=8))
     assert rec.events[-2:] == ["on_exception", "on_teardown"]

@@ -3,6 +3,7 @@ between ranks without rank logic in the dataset (Accelerate ``IterableDatasetSha
 ``test_iterable_dataset_shard``), or read by rank 0 and dispatched (``DataLoaderDispatcher``,
 ``dispatch_batches``; Accelerate's default for an IterableDataset); ``gather_for_metrics`` counts every
 sample once (test_utils/scripts/test_distributed_data_loop.py); both resume mid-epoch."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,13 +63,17 @@ class Pair(NamedTuple):
 def _ranks(dataset_fn, world, **kwargs):
     """Every rank's batches, each rank prepared in this process (the split needs no process group)."""
     even = kwargs.pop("even_batches", True)
-    loaders = [prepare_dataloader(DataLoader(dataset_fn(), **kwargs), rank=r, world_size=world, even_batches=even)
-               for r in range(world)]
+    loaders = [
+        prepare_dataloader(DataLoader(dataset_fn(), **kwargs), rank=r, world_size=world, even_batches=even)
+        for r in range(world)
+    ]
     return [[getattr(b, "tolist", lambda: b)() for b in loader] for loader in loaders]
 
 
-@pytest.mark.parametrize("n,batch,world,workers,aware", [(11, 3, 2, 0, False), (11, 3, 3, 2, False),
-                                                          (20, 2, 2, 2, True), (3, 2, 3, 0, False)])
+@pytest.mark.parametrize(
+    "n,batch,world,workers,aware",
+    [(11, 3, 2, 0, False), (11, 3, 3, 2, False), (20, 2, 2, 2, True), (3, 2, 3, 0, False)],
+)
 def test_split_reads_each_sample_once_padding_repeats_the_last_rounds_start(n, batch, world, workers, aware):
     """Accelerate IterableDatasetShard: batch-level round robin; the last round is completed so every
     rank gets the same full batches. With workers (a dataset that splits itself between them or not)
@@ -90,8 +95,9 @@ def test_split_length_batch_size_none_and_opt_out():
     """__len__ per rank when the dataset has one; batch_size=None splits items; shards_by_rank opts out."""
     for even in (True, False):
         for rank in range(3):
-            loader = prepare_dataloader(DataLoader(Counted(10), batch_size=3), rank=rank, world_size=3,
-                                        even_batches=even)
+            loader = prepare_dataloader(
+                DataLoader(Counted(10), batch_size=3), rank=rank, world_size=3, even_batches=even
+            )
             assert len(loader) == len(list(loader))
     items = _ranks(lambda: Count(5), 2, batch_size=None)
     assert items == [[0, 2, 4], [1, 3, 4]]  # the last round [4] completed by its own start
@@ -115,13 +121,16 @@ def test_split_stream_resumes_without_rereading_a_stateful_dataset():
     assert stream.reads == 13 - 8  # read from sample 8 on, nothing before
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"dispatch_batches": "yes"}, r"dispatch_batches='yes' must be None .*True or False"),
-    ({"dispatch_batches": 1}, r"dispatch_batches=1 must be None"),
-    ({"even_batches": None}, r"even_batches=None must be True or False"),
-    ({"split_batches": "no"}, r"split_batches='no' must be True or False"),
-    ({"dataloader_config": object()}, r"dataloader_config=.* has none of even_batches, split_batches, "),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"dispatch_batches": "yes"}, r"dispatch_batches='yes' must be None .*True or False"),
+        ({"dispatch_batches": 1}, r"dispatch_batches=1 must be None"),
+        ({"even_batches": None}, r"even_batches=None must be True or False"),
+        ({"split_batches": "no"}, r"split_batches='no' must be True or False"),
+        ({"dataloader_config": object()}, r"dataloader_config=.* has none of even_batches, split_batches, "),
+    ],
+)
 def test_bad_data_options_are_refused_before_any_work(kwargs, match):
     with pytest.raises(ConfigurationError, match=match):
         Accelerator(**kwargs)
@@ -147,10 +156,12 @@ def test_dataloader_config_values_are_taken_and_one_process_never_dispatches():
 def test_dispatcher_refuses_what_it_cannot_split_by_rows():
     """Strings, 0-d tensors and batches of different shapes get a clear error (on every rank: the
     message is broadcast)."""
+
     def first(batches):
         loader = prepare_dataloader(DataLoader(batches, batch_size=None), rank=0, world_size=1)
-        dispatcher = BatchDispatcher(loader, rank=0, world_size=2, device=torch.device("cpu"),
-                                     broadcast=lambda obj: obj)
+        dispatcher = BatchDispatcher(
+            loader, rank=0, world_size=2, device=torch.device("cpu"), broadcast=lambda obj: obj
+        )
         return next(iter(dispatcher))
 
     with pytest.raises(ConfigurationError, match=r"batch\['text'\] is a str.*dispatch_batches=False"):
@@ -198,8 +209,10 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
     assert r1["split_uneven"] == r1["dispatch_uneven"] == [[3, 4, 5], [9, 10]]
     assert (r0["dispatch_uneven_empty"], r1["dispatch_uneven_empty"]) == ([[0, 1, 2], [6]], [[3, 4, 5]])
     # drop_last: the incomplete last round is dropped on every rank
-    assert (r0["split_drop_last"], r1["split_drop_last"]) == (([[0, 1, 2]], list(range(6))),
-                                                              ([[3, 4, 5]], list(range(6))))
+    assert (r0["split_drop_last"], r1["split_drop_last"]) == (
+        ([[0, 1, 2]], list(range(6))),
+        ([[3, 4, 5]], list(range(6))),
+    )
     # split_batches: rank 0 reads one batch of 4 and each rank takes 2 rows; the last 3 rows are padded
     assert r0["dispatch_split_batches"][0] == [[0, 1], [4, 5], [8, 9]]
     assert r1["dispatch_split_batches"][0] == [[2, 3], [6, 7], [10, 8]]

@@ -1,4 +1,5 @@
 """Module hooks, sanity validation, train/eval modes and data sources as Lightning users expect."""
+
 from __future__ import annotations
 
 import pytest
@@ -92,8 +93,13 @@ def test_module_hooks_take_lightnings_signatures_and_callbacks_keep_trainer_modu
     assert order == [("callback", "on_train_epoch_end")]  # the module's hook ran first
     module.calls.clear()
     trainer.test(module, _loader())
-    assert module.calls == [("setup", "test"), ("on_test_batch_end", 0), ("on_test_batch_end", 1),
-                            ("on_test_epoch_end",), ("teardown", "test")]
+    assert module.calls == [
+        ("setup", "test"),
+        ("on_test_batch_end", 0),
+        ("on_test_batch_end", 1),
+        ("on_test_epoch_end",),
+        ("teardown", "test"),
+    ]
     module.calls.clear()
     trainer.predict(module, _loader())
     assert ("on_predict_batch_end", (8, 1)) in module.calls
@@ -128,8 +134,11 @@ def test_lightning_1x_epoch_end_hooks_are_refused_with_their_replacement(tmp_pat
         def training_epoch_end(self, outputs):
             raise AssertionError("never called")
 
-    with pytest.raises(ConfigurationError, match=r"Old defines training_epoch_end, validation_epoch_end, which "
-                                                 r"Lightning 2\.0 removed.*on_train_epoch_end, on_validation_epoch_end"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"Old defines training_epoch_end, validation_epoch_end, which "
+        r"Lightning 2\.0 removed.*on_train_epoch_end, on_validation_epoch_end",
+    ):
         _trainer(tmp_path).fit(Old(make_net()), _loader(), _loader())
 
 
@@ -238,7 +247,8 @@ def test_fit_takes_loaders_from_the_module_or_a_datamodule(tmp_path):
     assert dm.calls == ["prepare_data", "setup:fit"] and trainer.global_step == 2
     resumed_dm = DM()
     Trainer(max_epochs=2, default_root_dir=str(tmp_path / "dm"), enable_progress_bar=False).fit(
-        Regressor(make_net()), datamodule=resumed_dm, ckpt_path="last")
+        Regressor(make_net()), datamodule=resumed_dm, ckpt_path="last"
+    )
     assert resumed_dm.counter == 5  # its state came back with the checkpoint
     module = HookArgs()
     trainer.test(module, datamodule=DM())

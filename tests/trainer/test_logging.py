@@ -1,4 +1,5 @@
 """self.log: step values, weighted epoch means, precision modes on CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,9 @@ class MeanLogger(Regressor):
 
 def test_epoch_value_is_weighted_mean_over_uneven_batches(tmp_path):
     data = regression_data(n=20)
-    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False
+    )
     trainer.fit(MeanLogger(make_net()), DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
     expected = data.tensors[0][:, 0].double().mean()  # batches of 8, 8 and 4
     assert float(trainer.callback_metrics["val/xsum"]) == pytest.approx(float(expected), rel=1e-6)
@@ -31,8 +33,13 @@ def test_on_step_and_on_epoch_gives_both_names(tmp_path):
             self.log("loss", loss, on_step=True, on_epoch=True)
             return loss
 
-    trainer = Trainer(max_epochs=1, log_every_n_steps=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=1,
+        log_every_n_steps=1,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Both(make_net()), DataLoader(regression_data(), batch_size=8))
     assert {"loss_step", "loss_epoch"} <= set(trainer.callback_metrics)
 
@@ -43,13 +50,23 @@ class DtypeProbe(Regressor):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize("precision,param_dtype,compute_dtype", [("bf16-mixed", torch.float32, torch.bfloat16),
-                                                                 ("bf16-true", torch.bfloat16, torch.bfloat16),
-                                                                 ("32", torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    "precision,param_dtype,compute_dtype",
+    [
+        ("bf16-mixed", torch.float32, torch.bfloat16),
+        ("bf16-true", torch.bfloat16, torch.bfloat16),
+        ("32", torch.float32, torch.float32),
+    ],
+)
 def test_precision_modes_train_on_cpu(tmp_path, precision, param_dtype, compute_dtype):
     module = DtypeProbe(make_net())
-    trainer = Trainer(max_epochs=2, precision=precision, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=2,
+        precision=precision,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, DataLoader(regression_data(), batch_size=8))
     assert next(module.parameters()).dtype == param_dtype
     assert module.output_dtype == compute_dtype
@@ -88,8 +105,13 @@ def test_callback_metrics_are_current_after_every_step_and_lightning_log_options
     rank_zero_only; values logged in on_train_epoch_end are logged for that epoch; logged_metrics
     and progress_bar_metrics exist."""
     module = Probe()
-    trainer = Trainer(max_epochs=1, log_every_n_steps=3, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=1,
+        log_every_n_steps=3,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, DataLoader(regression_data(n=32), batch_size=8))
     assert [loss for loss, _ in module.seen] == [float(v) for v in module.losses]  # every step, not every 3
     assert [both for _, both in module.seen] == [0.0, 1.0, 2.0, 3.0]

@@ -1,5 +1,6 @@
 """Loop options: validation cadence, limits, epoch schedulers, clip by value, validate/test/predict,
 the progress display."""
+
 from __future__ import annotations
 
 import io
@@ -24,24 +25,35 @@ class CountValidations(Callback):
 
 def run(tmp_path, module=None, val=True, callbacks=(), **kwargs):
     kwargs.setdefault("max_epochs", 2)
-    trainer = Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False,
-                      callbacks=list(callbacks), **kwargs)
+    trainer = Trainer(
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
     data = regression_data(n=64)
-    trainer.fit(module if module is not None else Regressor(make_net()), DataLoader(data, batch_size=8),
-                DataLoader(data, batch_size=32) if val else None)
+    trainer.fit(
+        module if module is not None else Regressor(make_net()),
+        DataLoader(data, batch_size=8),
+        DataLoader(data, batch_size=32) if val else None,
+    )
     return trainer
 
 
-@pytest.mark.parametrize("kwargs,expected", [
-    ({"val_check_interval": 0.5}, [(0, 4), (0, 8), (1, 4), (1, 8)]),
-    # Lightning: validation where it is due, no extra run at the epoch end
-    ({"val_check_interval": 3}, [(0, 3), (0, 6), (1, 3), (1, 6)]),
-    ({"val_check_interval": 0.3}, [(0, 2), (0, 4), (0, 6), (0, 8), (1, 2), (1, 4), (1, 6), (1, 8)]),
-    ({"val_check_interval": 3, "check_val_every_n_epoch": None}, [(0, 3), (0, 6), (1, 1), (1, 4), (1, 7)]),
-    ({"check_val_every_n_epoch": 2}, [(1, 8)]),
-    ({"limit_train_batches": 5}, [(0, 5), (1, 5)]),
-    ({"limit_train_batches": 0.25, "max_epochs": 1}, [(0, 2)]),
-])
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        ({"val_check_interval": 0.5}, [(0, 4), (0, 8), (1, 4), (1, 8)]),
+        # Lightning: validation where it is due, no extra run at the epoch end
+        ({"val_check_interval": 3}, [(0, 3), (0, 6), (1, 3), (1, 6)]),
+        ({"val_check_interval": 0.3}, [(0, 2), (0, 4), (0, 6), (0, 8), (1, 2), (1, 4), (1, 6), (1, 8)]),
+        ({"val_check_interval": 3, "check_val_every_n_epoch": None}, [(0, 3), (0, 6), (1, 1), (1, 4), (1, 7)]),
+        ({"check_val_every_n_epoch": 2}, [(1, 8)]),
+        ({"limit_train_batches": 5}, [(0, 5), (1, 5)]),
+        ({"limit_train_batches": 0.25, "max_epochs": 1}, [(0, 2)]),
+    ],
+)
 def test_validation_cadence_and_limits(tmp_path, kwargs, expected):
     counter = CountValidations()
     run(tmp_path, callbacks=[counter], **kwargs)
@@ -56,8 +68,14 @@ def test_limit_val_batches_and_max_steps_cut(tmp_path):
             type(self).val_batches += 1
             super().validation_step(batch, batch_idx)
 
-    trainer = run(tmp_path, module=CountVal(make_net()), limit_val_batches=1, max_steps=11, max_epochs=None,
-                  num_sanity_val_steps=0)
+    trainer = run(
+        tmp_path,
+        module=CountVal(make_net()),
+        limit_val_batches=1,
+        max_steps=11,
+        max_epochs=None,
+        num_sanity_val_steps=0,
+    )
     assert trainer.global_step == 11 and trainer.current_epoch == 1
     assert CountVal.val_batches == 1  # one full epoch (validation at its end), one batch per validation
 
@@ -87,8 +105,15 @@ def test_clip_by_value_bounds_every_gradient(tmp_path):
         def on_before_optimizer_step(self, trainer, module, optimizer):
             before.append(largest_grad())
 
-    run(tmp_path, module=module, val=False, max_epochs=1, gradient_clip_val=1e-3, gradient_clip_algorithm="value",
-        callbacks=[Watch()])
+    run(
+        tmp_path,
+        module=module,
+        val=False,
+        max_epochs=1,
+        gradient_clip_val=1e-3,
+        gradient_clip_algorithm="value",
+        callbacks=[Watch()],
+    )
     assert max(before) > 1e-3, "gradients were already small: the test would prove nothing"
     assert len(after) == 8 and max(after) <= torch.tensor(1e-3).item()  # 1e-3 as float32
 
@@ -102,8 +127,9 @@ def test_validate_test_predict(tmp_path):
             return self.net(batch[0])
 
     module = Full(make_net())
-    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False
+    )
     data = regression_data(n=20)
     loader = DataLoader(data, batch_size=8)
     val = trainer.validate(module, loader)
@@ -118,8 +144,13 @@ def test_validate_test_predict(tmp_path):
 
 def test_progress_lines_when_not_a_terminal(tmp_path):
     stream = io.StringIO()
-    trainer = Trainer(max_epochs=1, log_every_n_steps=2, default_root_dir=str(tmp_path), enable_checkpointing=False,
-                      callbacks=[ProgressBar(stream=stream)])
+    trainer = Trainer(
+        max_epochs=1,
+        log_every_n_steps=2,
+        default_root_dir=str(tmp_path),
+        enable_checkpointing=False,
+        callbacks=[ProgressBar(stream=stream)],
+    )
     trainer.fit(Regressor(make_net()), DataLoader(regression_data(n=64), batch_size=8))
     lines = stream.getvalue().splitlines()
     assert len(lines) == 4 and lines[0].startswith("epoch 0 step 2 loss=") and lines[-1].endswith("it/s")
@@ -131,8 +162,12 @@ def test_progress_bar_on_a_terminal(tmp_path):
             return True
 
     stream = Terminal()
-    trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_checkpointing=False,
-                      callbacks=[ProgressBar(stream=stream, refresh_every_n_steps=1)])
+    trainer = Trainer(
+        max_epochs=1,
+        default_root_dir=str(tmp_path),
+        enable_checkpointing=False,
+        callbacks=[ProgressBar(stream=stream, refresh_every_n_steps=1)],
+    )
     trainer.fit(Regressor(make_net()), DataLoader(regression_data(n=64), batch_size=8))
     assert "8/8" in stream.getvalue() and "loss=" in stream.getvalue()
 

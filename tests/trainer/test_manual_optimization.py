@@ -1,5 +1,6 @@
 """Manual optimization and several optimizers (Lightning: automatic_optimization = False,
 self.optimizers(), self.lr_schedulers(), self.manual_backward(loss); a GAN-style step)."""
+
 from __future__ import annotations
 
 import copy
@@ -69,7 +70,7 @@ def test_two_optimizers_stepped_by_hand_match_the_raw_loop(tmp_path):
         for a, b in zip(ref.state_dict().values(), got.state_dict().values()):
             assert torch.equal(a, b)
     assert trainer.global_step == 8  # Lightning counts every optimizer step
-    assert trainer.optimizers[1].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 2)
+    assert trainer.optimizers[1].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
     assert "loss_g" in trainer.logged_metrics
     assert len(trainer.optimizers) == 2  # both saved in checkpoints (the default ModelCheckpoint wrote one)
 
@@ -114,15 +115,24 @@ class NeverSteps(TrainingModule):
 
 def test_an_epoch_without_an_optimizer_step_and_no_max_epochs_is_an_error_not_an_endless_run(tmp_path):
     module = NeverSteps()
-    trainer = Trainer(max_steps=4, max_epochs=None, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
-    with pytest.raises(TrainforgeError, match=r"epoch 0 ran its batches without an optimizer step.*max_steps=4.*"
-                                              r"call opt\.step\(\) in training_step"):
+    trainer = Trainer(
+        max_steps=4,
+        max_epochs=None,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    with pytest.raises(
+        TrainforgeError,
+        match=r"epoch 0 ran its batches without an optimizer step.*max_steps=4.*"
+        r"call opt\.step\(\) in training_step",
+    ):
         trainer.fit(module, DataLoader(regression_data(16), batch_size=4))
     assert module.batches == 4  # one epoch, then the error
     # with max_epochs the run ends on its own: no error
-    done = Trainer(max_steps=4, max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                   enable_checkpointing=False)
+    done = Trainer(
+        max_steps=4, max_epochs=2, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False
+    )
     done.fit(NeverSteps(), DataLoader(regression_data(16), batch_size=4))
     assert done.current_epoch == 2 and done.global_step == 0
 
@@ -152,16 +162,22 @@ class StepsTwice(NeverSteps):
 
 
 def test_optimizer_step_in_training_step_under_automatic_optimization_is_refused(tmp_path):
-    trainer = Trainer(max_steps=4, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_steps=4, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False
+    )
     with pytest.raises(ConfigurationError, match=r"calls self.optimizers\(\).step\(\) under automatic optimization"):
         trainer.fit(StepsInAutomatic(), DataLoader(regression_data(16), batch_size=4))
     assert trainer.global_step == 0
 
 
 def test_stepping_one_optimizer_twice_per_backward_warns_once(tmp_path):
-    trainer = Trainer(max_steps=8, max_epochs=None, default_root_dir=str(tmp_path), enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        max_steps=8,
+        max_epochs=None,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     with pytest.warns(UserWarning, match=r"SGD.step\(\) ran twice without a manual_backward in between") as seen:
         trainer.fit(StepsTwice(), DataLoader(regression_data(16), batch_size=4))
     assert sum("ran twice" in str(w.message) for w in seen) == 1

@@ -2,6 +2,7 @@
 
 Real files in tmp_path; each test asserts the bystander files are still there, byte for byte.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,11 @@ def _trainer(tmp_path, callbacks=None, **kwargs):
 def _fit(tmp_path, callbacks, **kwargs):
     torch.manual_seed(0)
     trainer = _trainer(tmp_path, callbacks, **kwargs)
-    trainer.fit(Regressor(make_net()), DataLoader(regression_data(), batch_size=16),
-                DataLoader(regression_data(32, seed=7), batch_size=16))
+    trainer.fit(
+        Regressor(make_net()),
+        DataLoader(regression_data(), batch_size=16),
+        DataLoader(regression_data(32, seed=7), batch_size=16),
+    )
     return trainer
 
 
@@ -49,8 +53,11 @@ def test_trainer_save_into_a_user_folder_is_refused(tmp_path):
     folder = tmp_path / "experiment"
     folder.mkdir()
     (folder / "notes.md").write_text("my notes")
-    with pytest.raises(ConfigurationError, match=r"refusing to save into .*experiment.*not a trainforge checkpoint"
-                                                 r".*notes\.md.*new directory"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"refusing to save into .*experiment.*not a trainforge checkpoint"
+        r".*notes\.md.*new directory",
+    ):
         trainer.save_checkpoint(str(folder))
     assert _snapshot(folder) == {"notes.md": b"my notes"}
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no partial left behind
@@ -111,11 +118,16 @@ def test_a_save_replaces_only_its_own_kind(tmp_path):
 
 
 def test_second_run_writes_versioned_names_and_says_how_to_resume(tmp_path, caplog):
-    _fit(tmp_path, [ModelCheckpoint(every_n_epochs=1, save_top_k=0, filename="e{epoch}", auto_insert_metric_name=False)])
+    _fit(
+        tmp_path, [ModelCheckpoint(every_n_epochs=1, save_top_k=0, filename="e{epoch}", auto_insert_metric_name=False)]
+    )
     root = tmp_path / "checkpoints"
     first = {name: (root / name / "metadata.json").read_bytes() for name in ("e0", "e1")}
     with caplog.at_level(logging.WARNING, logger="trainforge"):
-        _fit(tmp_path, [ModelCheckpoint(every_n_epochs=1, save_top_k=0, filename="e{epoch}", auto_insert_metric_name=False)])
+        _fit(
+            tmp_path,
+            [ModelCheckpoint(every_n_epochs=1, save_top_k=0, filename="e{epoch}", auto_insert_metric_name=False)],
+        )
     assert {name: (root / name / "metadata.json").read_bytes() for name in first} == first  # untouched
     assert sorted(p.name for p in list_checkpoints(root)) == ["e0", "e0-v1", "e1", "e1-v1"]
     assert read_latest_pointer(root) == "e1-v1"
@@ -127,8 +139,11 @@ def test_second_run_best_does_not_replace_the_first_runs_best(tmp_path):
     def run(lr):
         torch.manual_seed(0)
         trainer = _trainer(tmp_path, [ModelCheckpoint(monitor="val/loss", filename="best")], max_epochs=1)
-        trainer.fit(Regressor(make_net(), lr=lr), DataLoader(regression_data(), batch_size=16),
-                    DataLoader(regression_data(32, seed=7), batch_size=16))
+        trainer.fit(
+            Regressor(make_net(), lr=lr),
+            DataLoader(regression_data(), batch_size=16),
+            DataLoader(regression_data(32, seed=7), batch_size=16),
+        )
         return trainer
 
     run(1e-2)

@@ -1,4 +1,5 @@
 """notebook_launcher: real forked processes, gloo all_reduce, failures re-raised with the rank."""
+
 import json
 import os
 import socket
@@ -22,8 +23,13 @@ def test_two_processes_all_reduce_and_write_per_rank_files(tmp_path, capfd):
         print(f"hello from rank {rank}\n", end="", flush=True)  # one write: lines from 2 processes cannot interleave
         value = torch.tensor([scale * (rank + 1)])
         dist.all_reduce(value)
-        record = {"rank": rank, "world": dist.get_world_size(), "sum": value.item(),
-                  "local_rank": os.environ["LOCAL_RANK"], "local_world": os.environ["LOCAL_WORLD_SIZE"]}
+        record = {
+            "rank": rank,
+            "world": dist.get_world_size(),
+            "sum": value.item(),
+            "local_rank": os.environ["LOCAL_RANK"],
+            "local_world": os.environ["LOCAL_WORLD_SIZE"],
+        }
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(record))
         dist.destroy_process_group()
 
@@ -31,12 +37,16 @@ def test_two_processes_all_reduce_and_write_per_rank_files(tmp_path, capfd):
     assert notebook_launcher(train, args=(str(tmp_path),), num_processes=2, timeout=60) is None
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [(r["rank"], r["world"], r["local_rank"], r["local_world"]) for r in records] == [
-        (0, 2, "0", "2"), (1, 2, "1", "2")]
+        (0, 2, "0", "2"),
+        (1, 2, "1", "2"),
+    ]
     assert all(r["sum"] == scale * 1 + scale * 2 for r in records)
     assert dict(os.environ) == before  # the rendezvous variables were only set for the children
     printed = capfd.readouterr().out.splitlines()  # children write to the parent's stdout
     assert sorted(line for line in printed if line.startswith("hello from")) == [
-        "hello from rank 0", "hello from rank 1"]
+        "hello from rank 0",
+        "hello from rank 1",
+    ]
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """A fit that would train nothing says so (audit N-RE7, L5, N-IT3), a module or DataModule that would
 lose part of the run is refused (M18, N-DM3), and notebook_launcher's args must
 be a tuple (N-NB2): silent no-ops turned into a warning or an error before work is lost."""
+
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,7 @@
 """One checkpoint format for the Trainer and the Accelerator (trainer/checkpointing.py): a checkpoint
 written by either API resumes with the other, exactly, and a part one side needs that the
 checkpoint lacks is an error naming it."""
+
 from __future__ import annotations
 
 import copy
@@ -32,8 +33,10 @@ class Net(TrainingModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5),
-                                                   "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 3, 0.5), "interval": "step"},
+        }
 
 
 def loader():
@@ -41,8 +44,14 @@ def loader():
 
 
 def trainer(root, **kwargs):
-    return Trainer(max_epochs=2, seed=0, default_root_dir=str(root), enable_progress_bar=False,
-                   enable_checkpointing=False, **kwargs)
+    return Trainer(
+        max_epochs=2,
+        seed=0,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        **kwargs,
+    )
 
 
 def weights(module):

@@ -1,5 +1,6 @@
 """Parity: the same seed through a raw PyTorch loop, the Trainer and the Accelerator gives
 bit-identical weights on CPU in fp32."""
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,14 @@ def raw_loop(net: nn.Module, accum: int, clip: float | None, step_lr: bool) -> n
 
 def trainer_run(net: nn.Module, accum: int, clip: float | None, step_lr: bool, tmp_path) -> nn.Module:
     module = Regressor(net, step_lr=step_lr)
-    trainer = Trainer(max_epochs=EPOCHS, accumulate_grad_batches=accum, gradient_clip_val=clip,
-                      default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=accum,
+        gradient_clip_val=clip,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, DataLoader(regression_data(), batch_size=BATCH, shuffle=True))
     return module.net
 
@@ -48,13 +55,13 @@ def accelerator_run(net: nn.Module, accum: int, clip: float | None, step_lr: boo
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if step_lr else None
     loader = DataLoader(regression_data(), batch_size=BATCH, shuffle=True)
-    model, opt, loader = acc.prepare(net, opt, loader)          # changed line 1
-    sched = acc.prepare(sched) if sched is not None else None    # changed line 2
+    model, opt, loader = acc.prepare(net, opt, loader)  # changed line 1
+    sched = acc.prepare(sched) if sched is not None else None  # changed line 2
     for _ in range(EPOCHS):
         for x, y in loader:
-            with acc.accumulate(model):                          # changed line 3
+            with acc.accumulate(model):  # changed line 3
                 loss = nn.functional.mse_loss(model(x), y)
-                acc.backward(loss)                               # changed line 4
+                acc.backward(loss)  # changed line 4
                 if clip is not None and acc.sync_gradients:
                     acc.clip_grad_norm_(model.parameters(), clip)  # changed line 5
                 opt.step()
@@ -64,8 +71,13 @@ def accelerator_run(net: nn.Module, accum: int, clip: float | None, step_lr: boo
     return model
 
 
-CASES = {"plain": (1, None, False), "accumulate4": (4, None, False), "clip": (1, 0.05, False),
-         "step_scheduler": (1, None, True), "all": (3, 0.05, True)}
+CASES = {
+    "plain": (1, None, False),
+    "accumulate4": (4, None, False),
+    "clip": (1, 0.05, False),
+    "step_scheduler": (1, None, True),
+    "all": (3, 0.05, True),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -88,7 +100,12 @@ def test_trainer_and_accelerator_match_raw_loop_bit_for_bit(case, tmp_path):
 
 def test_accumulation_remainder_still_steps(tmp_path):
     """8 batches per epoch with accumulation 3: windows of 3, 3 and a remainder of 2 -> 3 steps/epoch."""
-    trainer = Trainer(max_epochs=2, accumulate_grad_batches=3, default_root_dir=str(tmp_path),
-                      enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=3,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Regressor(make_net()), DataLoader(regression_data(), batch_size=BATCH))
     assert trainer.global_step == 6

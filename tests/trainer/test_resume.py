@@ -2,6 +2,7 @@
 same final weights bit for bit and the same losses, on 1 and 2 processes, through torchrun's
 elastic restarts, and across a change in the number of processes (each sample exactly once).
 CPU, fp32, shuffle on, num_workers=2, dropout on."""
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 def test_sigkill_right_after_checkpoint_then_resume_is_bit_identical(tmp_path, nproc):
     full = run(tmp_path, "full", nproc=nproc)
     # 8 global steps per epoch; the kill at step 5 is mid-epoch; max_steps 12 crosses an epoch
-    run(tmp_path, "cut", "--ckpt-every", "5", "--kill-at", "5", "--kill-rank", str(nproc - 1), nproc=nproc,
-        killed=True)
+    run(tmp_path, "cut", "--ckpt-every", "5", "--kill-at", "5", "--kill-rank", str(nproc - 1), nproc=nproc, killed=True)
     cut_record = tmp_path / "cut.rec"
     assert max(steps(cut_record)) == 5
     run(tmp_path, "cut", "--ckpt-every", "5", "--resume", nproc=nproc)
@@ -71,8 +71,21 @@ def test_sigkill_right_after_checkpoint_then_resume_is_bit_identical(tmp_path, n
 def test_elastic_restart_after_sigkill_resumes_and_finishes_identically(tmp_path):
     run(tmp_path, "full", nproc=2)
     marker = tmp_path / "killed-once"
-    run(tmp_path, "elastic", "--ckpt-every", "3", "--kill-at", "7", "--kill-rank", "1", "--kill-marker", str(marker),
-        "--resume", nproc=2, launch_args=("--max-restarts", "1"))
+    run(
+        tmp_path,
+        "elastic",
+        "--ckpt-every",
+        "3",
+        "--kill-at",
+        "7",
+        "--kill-rank",
+        "1",
+        "--kill-marker",
+        str(marker),
+        "--resume",
+        nproc=2,
+        launch_args=("--max-restarts", "1"),
+    )
     assert marker.exists(), "the kill never happened"
     assert_same_weights(tmp_path / "full", tmp_path / "elastic")
 

@@ -4,6 +4,7 @@ DESIGN: "A checkpoint describes a state from which the rest of the run is exactl
 uninterrupted run, wherever it was written (mid-epoch, last batch of an epoch, epoch end)".
 Lightning: a step checkpoint taken on an epoch's last batch resumes with the epoch's scheduler
 step and epoch-end hooks still to come."""
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,12 @@ class EpochLR(TrainingModule):
 
 def _fit(initial, root, max_epochs, ckpt_path=None):
     module = EpochLR(copy.deepcopy(initial))
-    trainer = Trainer(max_epochs=max_epochs, default_root_dir=str(root), enable_progress_bar=False,
-                      callbacks=[ModelCheckpoint(every_n_steps=STEPS_PER_EPOCH, save_last=True)])
+    trainer = Trainer(
+        max_epochs=max_epochs,
+        default_root_dir=str(root),
+        enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(every_n_steps=STEPS_PER_EPOCH, save_last=True)],
+    )
     trainer.fit(module, DataLoader(regression_data(), batch_size=BATCH, shuffle=True), ckpt_path=ckpt_path)
     return trainer, module
 

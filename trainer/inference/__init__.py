@@ -6,16 +6,28 @@ without copies (memory-mapped safetensors), keep tied weights together. Knows no
     model = load_checkpoint_and_dispatch(model, "ckpt/", device_map="auto",
                                          max_memory={0: "10GiB", "cpu": "30GiB"}, offload_folder="off/")
 """
+
 from trainforge.trainer.inference.device_map import compute_module_sizes, get_max_memory, infer_auto_device_map
 from trainforge.trainer.inference.dispatch import (
-                                        cpu_offload,
-                                        disk_offload,
-                                        dispatch_model,
-                                        load_checkpoint_and_dispatch,
-                                        remove_dispatch,
+    cpu_offload,
+    disk_offload,
+    dispatch_model,
+    load_checkpoint_and_dispatch,
+    remove_dispatch,
 )
 from trainforge.trainer.inference.meta import init_empty_weights, materialize, retie, tie_groups
 
-__all__ = ["compute_module_sizes", "cpu_offload", "disk_offload", "dispatch_model", "get_max_memory",
-           "infer_auto_device_map", "init_empty_weights", "load_checkpoint_and_dispatch", "materialize",
-           "remove_dispatch", "retie", "tie_groups"]
+__all__ = [
+    "compute_module_sizes",
+    "cpu_offload",
+    "disk_offload",
+    "dispatch_model",
+    "get_max_memory",
+    "infer_auto_device_map",
+    "init_empty_weights",
+    "load_checkpoint_and_dispatch",
+    "materialize",
+    "remove_dispatch",
+    "retie",
+    "tie_groups",
+]

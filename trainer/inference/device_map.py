@@ -5,6 +5,7 @@ filled is split into its children (and its own direct tensors) unless its class 
 ``no_split_module_classes``. A tie group is placed with its first unit: the modules holding the other
 names are pulled onto the same device. Devices are filled in the order GPUs, ``"cpu"``, ``"disk"``.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
@@ -40,8 +41,10 @@ def normalize_device(dev: Device, what: str = "device") -> Device:
     if isinstance(dev, int) and not isinstance(dev, bool):
         n = torch.cuda.device_count()
         if not 0 <= dev < n:
-            raise ConfigurationError(f"{what}={dev!r}: there is no GPU {dev} (this machine has {n} GPU(s)); use one "
-                                     f"of {list(range(n)) + ['cpu', 'disk']}")
+            raise ConfigurationError(
+                f"{what}={dev!r}: there is no GPU {dev} (this machine has {n} GPU(s)); use one "
+                f"of {list(range(n)) + ['cpu', 'disk']}"
+            )
         return dev
     if dev in ("cpu", "disk", "meta"):
         return dev
@@ -76,8 +79,9 @@ def _direct(module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
 def _tensors(model: nn.Module, prefix: str) -> List[Tuple[str, torch.Tensor]]:
     module = model.get_submodule(prefix)
     p = prefix + "." if prefix else ""
-    return [(p + n, t) for n, t in module.named_parameters(remove_duplicate=False)] + \
-           [(p + n, t) for n, t in module.named_buffers(remove_duplicate=False)]
+    return [(p + n, t) for n, t in module.named_parameters(remove_duplicate=False)] + [
+        (p + n, t) for n, t in module.named_buffers(remove_duplicate=False)
+    ]
 
 
 def compute_module_sizes(model: nn.Module, dtype: Optional[torch.dtype] = None) -> Dict[str, int]:
@@ -106,20 +110,26 @@ def _balanced(model_size: int, unit_max: int, budgets: Dict[Device, int], low_0:
     return out
 
 
-def infer_auto_device_map(model: nn.Module, max_memory: Optional[Dict[Device, Union[int, str]]] = None,
-                          no_split_module_classes: Optional[Sequence[str]] = None,
-                          dtype: Optional[torch.dtype] = None, mode: str = "auto") -> Dict[str, Device]:
+def infer_auto_device_map(
+    model: nn.Module,
+    max_memory: Optional[Dict[Device, Union[int, str]]] = None,
+    no_split_module_classes: Optional[Sequence[str]] = None,
+    dtype: Optional[torch.dtype] = None,
+    mode: str = "auto",
+) -> Dict[str, Device]:
     """``{module name: device}`` covering every parameter and buffer of ``model`` (which may be on meta)."""
     if mode not in MODES:
-        raise invalid_choice("mode", mode, MODES, "'auto' and 'balanced' spread over GPUs evenly, 'sequential' "
-                             "fills them in order")
+        raise invalid_choice(
+            "mode", mode, MODES, "'auto' and 'balanced' spread over GPUs evenly, 'sequential' fills them in order"
+        )
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ConfigurationError(f"dtype={dtype!r} is not a torch.dtype; give e.g. torch.float16")
     if no_split_module_classes is None:
         no_split_module_classes = list(getattr(model, "_no_split_modules", None) or [])
     if isinstance(no_split_module_classes, str) or not all(isinstance(c, str) for c in no_split_module_classes):
-        raise ConfigurationError(f"no_split_module_classes={no_split_module_classes!r} must be a list of class names "
-                                 f"such as ['GPT2Block']")
+        raise ConfigurationError(
+            f"no_split_module_classes={no_split_module_classes!r} must be a list of class names such as ['GPT2Block']"
+        )
     no_split = set(no_split_module_classes)
     sizes = compute_module_sizes(model, dtype)
     budgets = get_max_memory(max_memory)
@@ -167,9 +177,11 @@ def infer_auto_device_map(model: nn.Module, max_memory: Optional[Dict[Device, Un
         group = closure(u)
         if d_i >= len(devices):
             biggest = max(((n, s) for n, s in sizes.items() if n), key=lambda x: x[1], default=("", 0))
-            raise ConfigurationError(f"the model does not fit: {u!r} ({sizes.get(u, 0)} bytes) has no room left; "
-                                     f"largest module {biggest[0]!r} is {biggest[1]} bytes; budgets "
-                                     f"{ {d: budgets[d] for d in devices} }; raise max_memory or add 'disk'")
+            raise ConfigurationError(
+                f"the model does not fit: {u!r} ({sizes.get(u, 0)} bytes) has no room left; "
+                f"largest module {biggest[0]!r} is {biggest[1]} bytes; budgets "
+                f"{ {d: budgets[d] for d in devices} }; raise max_memory or add 'disk'"
+            )
         dev = devices[d_i]
         new = {id(t): _nbytes(t, dtype) for x in group for _, t in unit_tensors(x) if id(t) not in placed_ids[dev]}
         need = sum(new.values())

@@ -5,6 +5,7 @@ GPU are copied there, weights mapped to ``"cpu"`` or ``"disk"`` stay views of th
 pages, zero copy). A safetensors source is never re-written; ``.bin`` shards and in-memory weights
 sent to disk are written once as safetensors in the offload folder and mapped from there.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,28 +31,35 @@ def _all_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
 def resolve_map(model: nn.Module, device_map: Dict[str, Device]) -> Dict[str, Device]:
     """{tensor name: device} from a module-level map; unplaced names and unknown keys are errors."""
     if not isinstance(device_map, dict) or not device_map:
-        raise ConfigurationError(f"device_map={device_map!r} must be a non-empty dict {{module name: device}} or one "
-                                 f"of {list(MODES)}")
+        raise ConfigurationError(
+            f"device_map={device_map!r} must be a non-empty dict {{module name: device}} or one of {list(MODES)}"
+        )
     names = list(_all_tensors(model))
     modules = {n for n, _ in model.named_modules(remove_duplicate=False)}
     out: Dict[str, Device] = {}
     for key in sorted(device_map, key=len):
         dev = normalize_device(device_map[key], f"device_map[{key!r}]")
         if key not in modules and key not in names:
-            raise ConfigurationError(f"device_map key {key!r} is neither a module nor a tensor of the model; module "
-                                     f"names look like {sorted(modules - {''})[:4]}")
+            raise ConfigurationError(
+                f"device_map key {key!r} is neither a module nor a tensor of the model; module "
+                f"names look like {sorted(modules - {''})[:4]}"
+            )
         for n in names:
             if key == "" or n == key or n.startswith(key + "."):
                 out[n] = dev
     missing = [n for n in names if n not in out]
     if missing:
-        raise ConfigurationError(f"device_map leaves {len(missing)} weight(s) unplaced, first {missing[:5]}; add "
-                                 f"their modules to the map (or map '' to a device)")
+        raise ConfigurationError(
+            f"device_map leaves {len(missing)} weight(s) unplaced, first {missing[:5]}; add "
+            f"their modules to the map (or map '' to a device)"
+        )
     for group in tie_groups(model):
         devs = {out[n] for n in group}
         if len(devs) > 1:
-            raise ConfigurationError(f"tied weights {group} are mapped to different devices {sorted(map(str, devs))}; "
-                                     f"a tie group must share one device")
+            raise ConfigurationError(
+                f"tied weights {group} are mapped to different devices {sorted(map(str, devs))}; "
+                f"a tie group must share one device"
+            )
     return out
 
 
@@ -69,9 +77,12 @@ def _torch_device(d: Device) -> torch.device:
 
 def _refuse_to(model: nn.Module) -> None:
     def refuse(*args, **kwargs):
-        raise ConfigurationError("this model was dispatched with a device map (model.hf_device_map); .to()/.cuda()/"
-                                 ".cpu() would undo it. Call trainforge.inference.remove_dispatch(model) first or "
-                                 "dispatch again with another map")
+        raise ConfigurationError(
+            "this model was dispatched with a device map (model.hf_device_map); .to()/.cuda()/"
+            ".cpu() would undo it. Call trainforge.inference.remove_dispatch(model) first or "
+            "dispatch again with another map"
+        )
+
     for attr in ("to", "cuda", "cpu"):
         setattr(model, attr, refuse)
 
@@ -88,12 +99,18 @@ def remove_dispatch(model: nn.Module) -> nn.Module:
     return model
 
 
-def attach(model: nn.Module, device_map: Dict[str, Device], per_tensor: Dict[str, Device],
-           execution_device=None, prefetch: bool = True) -> nn.Module:
+def attach(
+    model: nn.Module,
+    device_map: Dict[str, Device],
+    per_tensor: Dict[str, Device],
+    execution_device=None,
+    prefetch: bool = True,
+) -> nn.Module:
     """Hooks for the blocks of ``device_map`` whose weights are not on the execution device."""
     if not isinstance(prefetch, bool):
-        raise ConfigurationError(f"prefetch={prefetch!r} must be True or False (True: on CUDA, copy the next block "
-                                 f"while this one runs)")
+        raise ConfigurationError(
+            f"prefetch={prefetch!r} must be True or False (True: on CUDA, copy the next block while this one runs)"
+        )
     remove_dispatch(model)
     exec_dev = _exec_device(per_tensor, execution_device)
     runner = Runner(exec_dev, prefetch=prefetch)
@@ -115,17 +132,26 @@ def attach(model: nn.Module, device_map: Dict[str, Device], per_tensor: Dict[str
                         slots.append((sub, leaf, t))
         elif len(real) > 1:  # a block on a GPU of a multi-device map: its inputs must come along
             target = _torch_device(dev) if dev not in ("cpu", "disk") else exec_dev
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, k, t=target: (send_to(a, t), send_to(k, t)), with_kwargs=True))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, k, t=target: (send_to(a, t), send_to(k, t)), with_kwargs=True
+                )
+            )
     for module_name, slots in per_module.items():
         if slots:
             runner.add(modules[module_name], slots)
     if len(real) > 1:  # outputs come back where the inputs were
         state: Dict[str, Optional[torch.device]] = {"dev": None}
-        handles.append(model.register_forward_pre_hook(
-            lambda m, a, k: state.__setitem__("dev", first_device(a, k)), with_kwargs=True))
-        handles.append(model.register_forward_hook(
-            lambda m, a, k, o: send_to(o, state["dev"]) if state["dev"] is not None else o, with_kwargs=True))
+        handles.append(
+            model.register_forward_pre_hook(
+                lambda m, a, k: state.__setitem__("dev", first_device(a, k)), with_kwargs=True
+            )
+        )
+        handles.append(
+            model.register_forward_hook(
+                lambda m, a, k, o: send_to(o, state["dev"]) if state["dev"] is not None else o, with_kwargs=True
+            )
+        )
     # plain attributes (nn.Module's __setattr__ is typed for tensors and modules only)
     setattr(model, "_trainforge_runner", runner)
     setattr(model, "_trainforge_handles", handles)
@@ -134,8 +160,9 @@ def attach(model: nn.Module, device_map: Dict[str, Device], per_tensor: Dict[str
     return model
 
 
-def dispatch_model(model: nn.Module, device_map: Dict[str, Device], offload_dir=None,
-                   execution_device=None, prefetch: bool = True) -> nn.Module:
+def dispatch_model(
+    model: nn.Module, device_map: Dict[str, Device], offload_dir=None, execution_device=None, prefetch: bool = True
+) -> nn.Module:
     """Move an in-memory model's weights per ``device_map``; "disk" ones are written once to
     ``offload_dir`` as safetensors and memory-mapped back (ties kept)."""
     per_tensor = resolve_map(model, device_map)
@@ -143,8 +170,10 @@ def dispatch_model(model: nn.Module, device_map: Dict[str, Device], offload_dir=
     tensors = _all_tensors(model)
     metas = [n for n, t in tensors.items() if t.device.type == "meta"]
     if metas:
-        raise ConfigurationError(f"dispatch_model got weights still on meta, first {metas[:3]}; use "
-                                 f"load_checkpoint_and_dispatch to load them")
+        raise ConfigurationError(
+            f"dispatch_model got weights still on meta, first {metas[:3]}; use "
+            f"load_checkpoint_and_dispatch to load them"
+        )
     disk = {n: t for n, t in tensors.items() if per_tensor[n] == "disk"}
     if disk:
         folder = check_writable(offload_dir, "the device map sends weights to 'disk'")
@@ -173,8 +202,11 @@ def dispatch_model(model: nn.Module, device_map: Dict[str, Device], offload_dir=
 def _check_keys(model: nn.Module, source: Source, groups: List[List[str]], checkpoint) -> Dict[str, str]:
     """{model name: checkpoint name}; missing, unexpected or mis-shaped tensors are one clear error."""
     expected = {n: tuple(t.shape) for n, t in _all_tensors(model).items()}
-    volatile = {f"{m}.{b}" if m else b for m, mod in model.named_modules(remove_duplicate=False)
-                for b in mod._non_persistent_buffers_set}
+    volatile = {
+        f"{m}.{b}" if m else b
+        for m, mod in model.named_modules(remove_duplicate=False)
+        for b in mod._non_persistent_buffers_set
+    }
     have = set(source.entries) | set(source.aliases)
     take: Dict[str, str] = {}
     missing = []
@@ -191,21 +223,32 @@ def _check_keys(model: nn.Module, source: Source, groups: List[List[str]], check
             else:
                 missing.append(n)
     unexpected = sorted(set(source.entries) - set(take.values()))
-    shapes = [f"{n}: checkpoint {source.entries[c][2]} vs model {expected[n]}" for n, c in take.items()
-              if c in source.entries and source.entries[c][2] != expected[n]]
+    shapes = [
+        f"{n}: checkpoint {source.entries[c][2]} vs model {expected[n]}"
+        for n, c in take.items()
+        if c in source.entries and source.entries[c][2] != expected[n]
+    ]
     if missing or unexpected or shapes:
-        raise CheckpointError(f"checkpoint {str(checkpoint)!r} does not match the model: missing {missing[:5]}"
-                              f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                              f"{' ...' if len(unexpected) > 5 else ''}, shape mismatches {shapes[:5]}; load the "
-                              f"checkpoint saved from this model's config")
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint)!r} does not match the model: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}, shape mismatches {shapes[:5]}; load the "
+            f"checkpoint saved from this model's config"
+        )
     return take
 
 
-def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: Union[str, os.PathLike],
-                                 device_map: Union[str, Dict[str, Device], None] = "auto",
-                                 max_memory=None, no_split_module_classes: Optional[Sequence[str]] = None,
-                                 offload_folder=None, dtype: Optional[torch.dtype] = None,
-                                 execution_device=None, prefetch: bool = True) -> nn.Module:
+def load_checkpoint_and_dispatch(
+    model: nn.Module,
+    checkpoint: Union[str, os.PathLike],
+    device_map: Union[str, Dict[str, Device], None] = "auto",
+    max_memory=None,
+    no_split_module_classes: Optional[Sequence[str]] = None,
+    offload_folder=None,
+    dtype: Optional[torch.dtype] = None,
+    execution_device=None,
+    prefetch: bool = True,
+) -> nn.Module:
     """Load ``checkpoint`` (safetensors file, HF index, trainforge checkpoint directory) into ``model``
     (usually built under ``init_empty_weights``) and dispatch it per ``device_map``."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -217,16 +260,20 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: Union[str, os.Pat
         device_map = {"": "cpu"}
     if isinstance(device_map, str):
         if device_map not in MODES:
-            raise ConfigurationError(f"device_map={device_map!r} is not one of: {', '.join(MODES)} (or a dict "
-                                     f"{{module name: device}})")
+            raise ConfigurationError(
+                f"device_map={device_map!r} is not one of: {', '.join(MODES)} (or a dict {{module name: device}})"
+            )
         device_map = infer_auto_device_map(model, max_memory, no_split_module_classes, dtype, mode=device_map)
     per_tensor = resolve_map(model, device_map)
     wanted: Dict[str, List[str]] = {}
     for n, c in take.items():
         wanted.setdefault(c, []).append(n)
     convert = not source.is_safetensors and any(per_tensor[n] == "disk" for n in take)
-    folder = check_writable(offload_folder, "the checkpoint is not safetensors and weights go to 'disk'") \
-        if convert else None
+    folder = (
+        check_writable(offload_folder, "the checkpoint is not safetensors and weights go to 'disk'")
+        if convert
+        else None
+    )
     placed: Dict[tuple, torch.Tensor] = {}
     for i, (shard, tensors) in enumerate(source.tensors()):  # one shard mapped at a time
         if folder is not None and shard.suffix != ".safetensors":
@@ -249,9 +296,11 @@ def load_checkpoint_and_dispatch(model: nn.Module, checkpoint: Union[str, os.Pat
         if n in take:
             continue
         if t.device.type == "meta":  # a non-persistent buffer no checkpoint holds
-            raise CheckpointError(f"{n!r} is a non-persistent buffer still on meta, and no checkpoint holds it; build "
-                                  f"the model under trainforge.inference.init_empty_weights(), which keeps such "
-                                  f"buffers real")
+            raise CheckpointError(
+                f"{n!r} is a non-persistent buffer still on meta, and no checkpoint holds it; build "
+                f"the model under trainforge.inference.init_empty_weights(), which keeps such "
+                f"buffers real"
+            )
         if per_tensor[n] not in ("cpu", "disk"):
             set_tensor(model, n, t.to(_torch_device(per_tensor[n])))
     return attach(model, device_map, per_tensor, execution_device, prefetch)
@@ -267,10 +316,20 @@ def disk_offload(model: nn.Module, offload_dir, execution_device=None, prefetch:
     """Weights memory-mapped from safetensors in ``offload_dir``. A meta model is loaded from the
     checkpoint already there (nothing in memory); an in-memory one is written there once first."""
     if any(t.device.type == "meta" for t in _all_tensors(model).values()):
-        return load_checkpoint_and_dispatch(model, offload_dir, _leaf_map(model, "disk"),
-                                            execution_device=execution_device or _default_exec(), prefetch=prefetch)
-    return dispatch_model(model, _leaf_map(model, "disk"), offload_dir=offload_dir,
-                          execution_device=execution_device or _default_exec(), prefetch=prefetch)
+        return load_checkpoint_and_dispatch(
+            model,
+            offload_dir,
+            _leaf_map(model, "disk"),
+            execution_device=execution_device or _default_exec(),
+            prefetch=prefetch,
+        )
+    return dispatch_model(
+        model,
+        _leaf_map(model, "disk"),
+        offload_dir=offload_dir,
+        execution_device=execution_device or _default_exec(),
+        prefetch=prefetch,
+    )
 
 
 def _default_exec():

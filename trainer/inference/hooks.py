@@ -6,6 +6,7 @@ GPU on a side stream, and the next block (in the order recorded on the first for
 while the current one runs. On CPU execution the offloaded (memory-mapped) tensors are used as they
 are: nothing is copied.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple, cast
@@ -67,16 +68,16 @@ class Block:
         views = []
         for t, off in zip(self.uniq, self.offsets):
             n = t.numel() * t.element_size()
-            staging[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            staging[off : off + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
             views.append((t, off, n))
         ctx = torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(torch.cuda.current_stream(dev))
         with ctx:
             flat = torch.empty(self.nbytes, dtype=torch.uint8, device=dev)
-            flat.copy_(staging[:self.nbytes], non_blocking=True)
+            flat.copy_(staging[: self.nbytes], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         r.staged(event)
-        out = {id(t): flat[o:o + n].view(t.dtype).view(t.shape) for t, o, n in views}
+        out = {id(t): flat[o : o + n].view(t.dtype).view(t.shape) for t, o, n in views}
         return out, event
 
     def pre(self, module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
@@ -124,8 +125,10 @@ class Runner:
     def add(self, module: nn.Module, slots: List[Tuple[nn.Module, str, torch.Tensor]]) -> Block:
         block = Block(self, module, slots)
         self.blocks.append(block)
-        block.handles = [module.register_forward_pre_hook(block.pre, with_kwargs=True),
-                         module.register_forward_hook(block.post, with_kwargs=True)]
+        block.handles = [
+            module.register_forward_pre_hook(block.pre, with_kwargs=True),
+            module.register_forward_hook(block.post, with_kwargs=True),
+        ]
         return block
 
     def staging(self) -> Tuple[torch.Tensor, Any]:

@@ -5,6 +5,7 @@ own tensor. ``tie_groups`` records them beforehand (parameter identity, plus a t
 ``all_tied_weights_keys``/``_tied_weights_keys``) and ``retie`` makes every name of a group point to
 the group's first parameter again.
 """
+
 from __future__ import annotations
 
 import contextlib

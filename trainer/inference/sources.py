@@ -2,6 +2,7 @@
 shards), or a trainforge checkpoint directory. Only headers are read here; tensors are memory-mapped
 one shard at a time by the caller.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ OFFLOAD_TAG = "trainforge_offload"  # in the header of every file trainforge wri
 class Source:
     """``shards``: files in order; ``entries``: {name: (file, dtype, shape)}; ``aliases``: {alias: kept}."""
 
-    def __init__(self, shards: List[Path], entries: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]],
-                 aliases: Dict[str, str]) -> None:
+    def __init__(
+        self, shards: List[Path], entries: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]], aliases: Dict[str, str]
+    ) -> None:
         self.shards, self.entries, self.aliases = shards, entries, aliases
 
     @property
@@ -86,9 +88,11 @@ def open_source(checkpoint: Union[str, os.PathLike]) -> Source:
                 path = path / name
                 break
         else:
-            raise CheckpointError(f"checkpoint={str(checkpoint)!r}: a directory without model.safetensors, "
-                                  f"model.safetensors.index.json or pytorch_model.bin.index.json (found "
-                                  f"{sorted(p.name for p in path.iterdir())[:8]}); pass the weights file itself")
+            raise CheckpointError(
+                f"checkpoint={str(checkpoint)!r}: a directory without model.safetensors, "
+                f"model.safetensors.index.json or pytorch_model.bin.index.json (found "
+                f"{sorted(p.name for p in path.iterdir())[:8]}); pass the weights file itself"
+            )
     if path.name.endswith(".index.json"):
         return _index_source(path)
     if path.suffix == ".safetensors" and path.is_file():
@@ -97,9 +101,13 @@ def open_source(checkpoint: Union[str, os.PathLike]) -> Source:
             aliases = json.loads(meta.get("trainforge_aliases", "{}"))
         except ValueError:
             raise CheckpointError(f"{path}: unparsable trainforge_aliases in the header") from None
-        return Source([path], {k: (path, SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"])) for k, e in header.items()}, aliases)
-    raise CheckpointError(f"checkpoint={str(checkpoint)!r} is not a .safetensors file, an *.index.json or a directory "
-                          f"holding one; check the path")
+        return Source(
+            [path], {k: (path, SAFETENSORS_DTYPES[e["dtype"]], tuple(e["shape"])) for k, e in header.items()}, aliases
+        )
+    raise CheckpointError(
+        f"checkpoint={str(checkpoint)!r} is not a .safetensors file, an *.index.json or a directory "
+        f"holding one; check the path"
+    )
 
 
 def check_writable(folder: Union[str, os.PathLike, None], why: str) -> Path:
@@ -111,8 +119,9 @@ def check_writable(folder: Union[str, os.PathLike, None], why: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".trainforge-write-test"):
             pass
     except OSError as e:
-        raise ConfigurationError(f"offload_folder={str(folder)!r} is not writable ({e.strerror or e}); pass a "
-                                 f"directory you can write to") from None
+        raise ConfigurationError(
+            f"offload_folder={str(folder)!r} is not writable ({e.strerror or e}); pass a directory you can write to"
+        ) from None
     return folder
 
 
@@ -126,10 +135,15 @@ def write_offload(folder: Path, name: str, tensors: Mapping[str, torch.Tensor]) 
         except CheckpointError:
             ours = False
         if not ours:
-            raise ConfigurationError(f"offload_folder={str(folder)!r} already holds {path.name}, which trainforge did "
-                                     f"not write; use an empty folder")
+            raise ConfigurationError(
+                f"offload_folder={str(folder)!r} already holds {path.name}, which trainforge did "
+                f"not write; use an empty folder"
+            )
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(tmp),
-              metadata={"format": "pt", OFFLOAD_TAG: "1"})
+    save_file(
+        {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()},
+        str(tmp),
+        metadata={"format": "pt", OFFLOAD_TAG: "1"},
+    )
     os.replace(tmp, path)
     return path
