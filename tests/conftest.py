@@ -8,6 +8,7 @@ copies this environment). Tests marked ``xla`` are skipped where torch_xla is no
 ``procs.gpu_env()`` (the GPUs this session was started with) and are skipped where no CUDA device
 is there: ``pytest -m gpu`` runs just them.
 """
+
 from __future__ import annotations
 
 import importlib.util
