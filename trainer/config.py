@@ -26,6 +26,8 @@ class LoopConfig:
     check_val_every_n_epoch: Optional[int] = 1
     limit_train_batches: Union[int, float] = 1.0
     limit_val_batches: Union[int, float] = 1.0
+    limit_test_batches: Union[int, float] = 1.0
+    limit_predict_batches: Union[int, float] = 1.0
     log_every_n_steps: int = 50
     nonfinite_loss: str = "raise"
 
@@ -39,6 +41,8 @@ class LoopConfig:
             "val_check_interval",
             "limit_train_batches",
             "limit_val_batches",
+            "limit_test_batches",
+            "limit_predict_batches",
         ):
             _check_number(name, getattr(self, name))
         if self.max_epochs is None and self.max_steps in (-1, None):
@@ -68,7 +72,13 @@ class LoopConfig:
             raise ConfigurationError(f"gradient_clip_val={self.gradient_clip_val!r} must be a positive number or None")
         if self.nonfinite_loss not in NONFINITE_POLICIES:
             raise invalid_choice("nonfinite_loss", self.nonfinite_loss, NONFINITE_POLICIES)
-        for name in ("limit_train_batches", "limit_val_batches", "val_check_interval"):
+        for name in (
+            "limit_train_batches",
+            "limit_val_batches",
+            "limit_test_batches",
+            "limit_predict_batches",
+            "val_check_interval",
+        ):
             _check_fraction_or_count(name, getattr(self, name))
         if self.val_check_interval == 0:
             raise ConfigurationError(

@@ -14,6 +14,7 @@ from torch import nn
 
 from trainforge.trainer.config import limited
 from trainforge.trainer.events import EVAL_EVENTS, Event
+from trainforge.trainer.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
@@ -30,6 +31,9 @@ def module_modes(module: nn.Module) -> Dict[nn.Module, bool]:
 def restore_modes(modes: Dict[nn.Module, bool]) -> None:
     for m, training in modes.items():
         m.training = training
+
+
+_LIMITS = {"validation_step": "limit_val_batches", "test_step": "limit_test_batches"}
 
 
 class Evaluation:
@@ -56,6 +60,7 @@ class Evaluation:
         def _loaders_for(self, stage: str, given: Any, datamodule: Any, required: bool = True) -> List[Any]: ...
         @staticmethod
         def _check_loader(loader: Any, name: str) -> None: ...
+        def _setup_hooks(self, stage: str, datamodule: Any) -> None: ...
         def _pipeline_loss_name(self, step_name: str) -> str: ...
 
     def _run_validation(self, loaders: List[Any], step_name: str, max_batches: Optional[int] = None) -> None:
@@ -74,7 +79,8 @@ class Evaluation:
                     count: Optional[int] = len(loader)
                 except TypeError:  # an IterableDataset without __len__
                     count = None
-                limit = limited(count, self.config.limit_val_batches, "limit_val_batches")
+                name = _LIMITS[step_name]  # each loop its own limit (Lightning): test is not cut by validation's
+                limit = limited(count, getattr(self.config, name), name)
                 if max_batches is not None and max_batches >= 0:
                     limit = min(limit, max_batches)
                 for batch_idx, batch in enumerate(loader):
@@ -101,12 +107,14 @@ class Evaluation:
         if n == 0 or not self.val_dataloaders or self.config.limit_val_batches == 0:
             return
         self.stage = "sanity_check"
+        state = rng_state()  # isolated, as Lightning does: the same seed trains the same with or without it
         try:
             self._fire(Event.SANITY_CHECK_START)
             self._run_validation(self.val_dataloaders, "validation_step", max_batches=n)
             self._fire(Event.SANITY_CHECK_END)
         finally:
             self.stage = "fit"
+            set_rng_state(state)
 
     @property
     def sanity_checking(self) -> bool:
@@ -124,12 +132,12 @@ class Evaluation:
         self, module: "TrainingModule", dataloaders: Any, stage: str, step_name: str, datamodule: Any
     ) -> Dict[str, float]:
         self._attach(module, stage)
+        self._setup_hooks(stage, datamodule)
         loaders = self._loaders_for(stage, dataloaders, datamodule)
         for i, dl in enumerate(loaders):
             self._check_loader(dl, f"dataloaders[{i}]")
         try:
             self._prepare_eval(module, loaders)
-            self._fire(Event.SETUP, stage)
             before = dict(self.callback_metrics)
             self._run_validation([self.accelerator.prepare_data_loader(dl) for dl in loaders], step_name)
             self._fire(Event.TEARDOWN, stage)
@@ -141,9 +149,9 @@ class Evaluation:
 
     def predict(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> List[Any]:
         self._attach(module, "predict")
+        self._setup_hooks("predict", datamodule)
         loaders = self._loaders_for("predict", dataloaders, datamodule)
         self._prepare_eval(module, loaders)
-        self._fire(Event.SETUP, "predict")
         start, epoch_start, batch_start, batch_end, epoch_end, end = EVAL_EVENTS["predict_step"]
         outputs: List[Any] = []
         modes = module_modes(module)
@@ -153,7 +161,11 @@ class Evaluation:
         step = self.accelerator.step_function(self.model, "predict_step")
         with torch.no_grad():
             for loader in loaders:
-                for batch_idx, batch in enumerate(self.accelerator.prepare_data_loader(loader)):
+                prepared = self.accelerator.prepare_data_loader(loader)
+                limit = limited(_length(prepared), self.config.limit_predict_batches, "limit_predict_batches")
+                for batch_idx, batch in enumerate(prepared):
+                    if batch_idx >= limit:
+                        break
                     self._fire(batch_start, batch, batch_idx)
                     with self.accelerator.autocast():
                         out = step(batch, batch_idx)
@@ -170,3 +182,10 @@ class Evaluation:
             if loaders:  # a layout chosen from the model and the first loader's batches ("auto" sizes)
                 self.strategy.plan_layout(module, loaders[0])
             self.model = self.accelerator.prepare(module)
+
+
+def _length(loader: Any) -> Optional[int]:
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return None

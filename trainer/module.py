@@ -49,6 +49,11 @@ class TrainingModule(ModuleHooks, nn.Module):
     def configure_optimizers(self) -> Any:
         raise NotImplementedError
 
+    def configure_model(self) -> None:
+        """Build layers here (or in ``setup(stage)``) to create them only when a run starts (Lightning):
+        called after ``setup``, before the model is placed and ``configure_optimizers`` runs, on
+        every ``fit``/``validate``/``test``/``predict``, so it must not rebuild what exists."""
+
     # ---- what users call -----------------------------------------------------------------------
     @property
     def trainer(self) -> "Trainer":

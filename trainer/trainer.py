@@ -45,6 +45,8 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
         check_val_every_n_epoch: Optional[int] = 1,
         limit_train_batches: Union[int, float] = 1.0,
         limit_val_batches: Union[int, float] = 1.0,
+        limit_test_batches: Union[int, float] = 1.0,
+        limit_predict_batches: Union[int, float] = 1.0,
         log_every_n_steps: int = 50,
         callbacks: Optional[Sequence[Callback]] = None,
         default_root_dir: Optional[str] = None,
@@ -67,6 +69,8 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
             check_val_every_n_epoch=check_val_every_n_epoch,
             limit_train_batches=limit_train_batches,
             limit_val_batches=limit_val_batches,
+            limit_test_batches=limit_test_batches,
+            limit_predict_batches=limit_predict_batches,
             log_every_n_steps=log_every_n_steps,
             nonfinite_loss=nonfinite_loss,
         )
@@ -195,6 +199,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
         """Loaders come from the arguments, else from ``datamodule``, else from the module's
         ``train_dataloader()``/``val_dataloader()`` (Lightning)."""
         self._attach(module, "fit")
+        self._setup_hooks("fit", datamodule)  # before loaders and optimizers, in Lightning's order
         if train_dataloaders is None:
             loaders = self._loaders_for("fit", None, datamodule)
             if len(loaders) > 1:  # audit N-DM3: the second one was dropped without a word
@@ -214,7 +219,6 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
             )
         try:
             self._setup_fit(module, train_dataloaders, val_dataloaders)
-            self._fire(Event.SETUP, "fit")
             path = ckpt_path if ckpt_path is not None else ("last" if self.resume == "auto" else None)
             start_run(self, path, required=ckpt_path is not None)  # run id; resume; warns of an earlier run
             self._fire(Event.FIT_START)
@@ -337,6 +341,32 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
                 warn_unknown_callback_hooks(cb, Callback)
         self._build_listeners()
 
+    def _setup_hooks(self, stage: str, datamodule: Any) -> None:
+        """Lightning's order: the datamodule's ``prepare_data``/``setup(stage)``, then SETUP (the
+        module's ``setup(stage)``, the callbacks' ``on_setup``), then the module's
+        ``configure_model()``; only then are its loaders asked for, the model placed and its
+        optimizers built, so layers created in ``setup`` or ``configure_model`` are trained."""
+        try:
+            if datamodule is not None:
+                self._setup_datamodule(datamodule, stage)
+            self._fire(Event.SETUP, stage)
+            module = self.module
+            if module is not None and type(module).configure_model is not TrainingModule.configure_model:
+                module.configure_model()
+        except BaseException as exc:
+            self._fire(Event.EXCEPTION, exc)
+            self._fire(Event.TEARDOWN, stage)
+            raise
+
+    def _setup_datamodule(self, datamodule: Any, stage: str) -> None:
+        if datamodule is self.datamodule:
+            return
+        self.datamodule = datamodule
+        if self.strategy.local_rank == 0:
+            datamodule.prepare_data()  # once per node; the other processes wait
+        self.strategy.barrier()
+        datamodule.setup(stage)
+
     def _loaders_for(self, stage: str, given: Any, datamodule: Any, required: bool = True) -> List[Any]:
         """The loaders a stage runs on: given, else the datamodule's, else the module's own."""
         if given is not None:
@@ -348,12 +378,8 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
             "predict": "predict_dataloader",
         }[stage]
         source = datamodule if datamodule is not None else self.module
-        if datamodule is not None and datamodule is not self.datamodule:
-            self.datamodule = datamodule
-            if self.strategy.local_rank == 0:
-                datamodule.prepare_data()  # once per node; the other processes wait
-            self.strategy.barrier()
-            datamodule.setup("fit" if stage == "validate" and self.stage == "fit" else stage)
+        if datamodule is not None:
+            self._setup_datamodule(datamodule, "fit" if stage == "validate" and self.stage == "fit" else stage)
         if not callable(getattr(source, method, None)):
             if not required:
                 return []
