@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 import warnings
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Union
 
@@ -27,6 +28,7 @@ from torch import nn
 from trainforge.strategies import Strategy, resolve_strategy
 from trainforge.strategies.base import RunSettings
 from trainforge.strategies.checkpoint.async_save import AsyncCheckpointer
+from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.devices import check_device_matches, normalize_accelerator
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.precision import Precision
@@ -162,6 +164,7 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         optimizers_out = optimizers
         for model in models:
             result[id(model)], optimizers_out = self._setup_model(model, optimizers)
+            self._autocast_forward(result[id(model)])
         for original, opt in zip(optimizers, optimizers_out):
             result[id(original)] = self._prepared_optimizer(opt)
         out = []
@@ -183,6 +186,33 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         so they see the final device and parameters (fused AdamW on CUDA, FSDP's DTensors)."""
         wrapped, built = self._setup_model(model, build)
         return wrapped, [self._prepared_optimizer(opt) for opt in built]
+
+    def _autocast_forward(self, model: nn.Module) -> None:
+        """Accelerate's mixed precision: a model prepared under ``bf16``/``fp16``/``fp8`` computes its
+        forward under autocast and returns float32 tensors, with or without ``accelerator.autocast()``
+        around the call. Not where the backend owns precision (DeepSpeed), nor twice."""
+        module = self.unwrap_model(model)
+        if self.precision.autocast_dtype is None or self.strategy.loss_scaling_in_backend:
+            return
+        if getattr(module.forward, "_trainforge_autocast", False):
+            return
+        forward = getattr(module.forward, "__func__", None)
+        if forward is None:  # a forward set on the instance: wrap it as it is
+            bound = module.forward
+
+            def forward(self_: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                return bound(*args, **kwargs)
+
+        precision = self.precision
+
+        def autocast_forward(self_: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with precision.autocast():
+                out = forward(self_, *args, **kwargs)
+            return apply_to_tensors(out, _to_float32)
+
+        autocast_forward._trainforge_autocast = True  # type: ignore[attr-defined]
+        # bound to the module: a deepcopy of the model binds the copy (copy handles MethodType)
+        setattr(module, "forward", types.MethodType(autocast_forward, module))
 
     def _setup_model(self, model: nn.Module, optimizers: Any) -> "tuple[nn.Module, List[Any]]":
         wrapped, built = self.strategy.setup(model, optimizers)
@@ -393,3 +423,7 @@ def _is_scheduler(obj: Any) -> bool:
     lr_scheduler = torch.optim.lr_scheduler
     base = getattr(lr_scheduler, "LRScheduler", None) or lr_scheduler._LRScheduler
     return isinstance(obj, (base, lr_scheduler.ReduceLROnPlateau))
+
+
+def _to_float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor

@@ -179,9 +179,11 @@ class Evaluation:
 
     def _prepare_eval(self, module: "TrainingModule", loaders: Any = ()) -> None:
         if self.model is None or self.accelerator.unwrap_model(self.model) is not module:
-            if loaders:  # a layout chosen from the model and the first loader's batches ("auto" sizes)
-                self.strategy.plan_layout(module, loaders[0])
-            self.model = self.accelerator.prepare(module)
+            # a layout chosen from the model and the first loader's batches ("auto" sizes)
+            self.strategy.plan_layout(module, loaders[0] if loaders else None)
+            # the Trainer's own path (no optimizers here): the loops run the steps under autocast,
+            # so the module's forward is not wrapped as Accelerator.prepare wraps a user's model
+            self.model, _ = self.accelerator.prepare_model_with_optimizers(module, list)
 
 
 def _length(loader: Any) -> Optional[int]:

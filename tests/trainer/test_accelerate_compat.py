@@ -3,6 +3,8 @@ tests/scripts/dist_collectives.py via tests/trainer/test_distributed.py)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -108,3 +110,38 @@ def test_prepared_scheduler_and_split_batches_on_one_process():
         opt.zero_grad()
     assert sched.steps_per_call == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.025)
     assert Accelerator().prepare(torch.optim.lr_scheduler.StepLR(opt, 1)).steps_per_call == 1
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def test_a_prepared_model_computes_in_the_mixed_precision_and_returns_float32():
+    """Accelerate runs a prepared model's forward under autocast (issue 20: trainforge did only
+    inside an explicit accelerator.autocast(), so mixed precision was silently off)."""
+    x = torch.randn(4, 8)
+    reference = _mlp()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(x).float()
+    acc = Accelerator(precision="bf16-mixed")
+    model = _mlp()
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    prepared = acc.prepare(model)
+    out = prepared(x)
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32
+    assert torch.equal(out, expected)
+    acc.prepare(prepared)  # prepared again: wrapped once, not twice
+    assert torch.equal(prepared(x), expected)
+    twin = copy.deepcopy(prepared)  # the copy's forward runs the copy
+    with torch.no_grad():
+        twin[2].bias.add_(1.0)
+    assert torch.allclose(twin(x), expected + 1.0, atol=2e-2)  # bf16 rounding
+    assert torch.equal(prepared(x), expected)
+
+
+def test_a_prepared_model_in_float32_keeps_its_own_forward():
+    acc = Accelerator(precision="32")
+    model = acc.prepare(_mlp())
+    assert model.forward.__func__ is nn.Sequential.forward
