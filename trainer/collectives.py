@@ -39,7 +39,11 @@ class Collectives:
         every sample of the dataset is counted exactly once. Outside a prepared loader's loop it is
         a plain ``gather`` (as in Accelerate)."""
         state = self.gradient_state
-        if not (state.end_of_dataloader and state.padding and state.active_dataloaders):
+        if not (state.end_of_dataloader and state.active_dataloaders):
+            return self.gather(data)
+        if state.remainder > 0 and state.padding_order == "strided":  # Accelerate: the last batch's samples
+            return apply_to_tensors(data, lambda tensor: self._gather_last(tensor, state.remainder))
+        if not state.padding:
             return self.gather(data)
         keep_until = -state.padding
         if state.padding_order == "contiguous":  # a split stream or dispatched batches: the tail of the gather
@@ -51,6 +55,13 @@ class Collectives:
             return ordered[:keep_until]  # the padding is the tail of global order
 
         return apply_to_tensors(data, gather_last)
+
+    def _gather_last(self, tensor: torch.Tensor, keep: int) -> torch.Tensor:
+        """The first ``keep`` rows of the last batch in global order (a scalar: of the per-rank values)."""
+        stacked = self.strategy.all_gather(tensor)  # [W, b, ...]; row j of rank r is global j*W + r
+        if tensor.dim() == 0:
+            return stacked[:keep]
+        return stacked.transpose(0, 1).reshape(-1, *tensor.shape[1:])[:keep]
 
     def reduce(self, data: Any, reduction: str = "sum") -> Any:
         return apply_to_tensors(data, lambda t: self.strategy.all_reduce(t, reduction))

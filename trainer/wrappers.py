@@ -23,6 +23,10 @@ class GradientState:
     # Where they sit in the rank-major gather of the last batch: "strided" (a sampler deals samples to ranks in
     # turn: the last sample of the last ranks) or "contiguous" (a split stream or dispatched batches: the tail).
     padding_order: str = "strided"
+    # Accelerate's ``remainder``: samples in the epoch's last global batch (len % (batch x processes)), -1
+    # when unknown (no length, drop_last, a stream or dispatched batches); gather_for_metrics keeps that many
+    # rows of the last batch, however many rows a sample produced (the `loss.repeat(batch_size)` pattern).
+    remainder: int = -1
     active_dataloaders: int = 0  # prepared loaders being iterated now (outside any, gather_for_metrics = gather)
 
 
@@ -149,7 +153,7 @@ class PreparedDataLoader:
             self.epoch, self._resumed, self.batch_in_epoch = epoch, False, 0
 
     def __iter__(self) -> Iterator[Any]:
-        from trainforge.strategies.data.loader import num_padding_samples, set_loader_epoch
+        from trainforge.strategies.data.loader import num_padding_samples, samples_in_last_batch, set_loader_epoch
 
         if not self._resumed or self.batch_in_epoch == 0:  # a new epoch (also one resumed at its start)
             self.batch_in_epoch = 0
@@ -167,6 +171,7 @@ class PreparedDataLoader:
             total = -1
         state = self.gradient_state
         state.padding = 0 if contiguous else num_padding_samples(self.loader)
+        state.remainder = -1 if contiguous else samples_in_last_batch(self.loader)
         state.padding_order = "contiguous" if contiguous else "strided"
         device = self.device
         move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run

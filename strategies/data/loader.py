@@ -477,3 +477,15 @@ def num_padding_samples(loader: Any) -> int:
     per_rank = total // replicas
     batches = per_rank // batch if loader.drop_last else -(-per_rank // batch)
     return max(0, min(total, batches * batch * replicas) - n)
+
+
+def samples_in_last_batch(loader: Any) -> int:
+    """Samples of the dataset in the epoch's last global batch (batch size x processes), as
+    Accelerate's ``remainder``; 0 when the batches divide the dataset, -1 when unknown (drop_last, a
+    batch sampler of the user's, a custom sampler, no length)."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or loader.drop_last:
+        return -1
+    if loader.batch_size is None:
+        return -1
+    return len(cast(Sized, sampler.dataset)) % (loader.batch_size * sampler.num_replicas)

@@ -145,3 +145,19 @@ def test_a_prepared_model_in_float32_keeps_its_own_forward():
     acc = Accelerator(precision="32")
     model = acc.prepare(_mlp())
     assert model.forward.__func__ is nn.Sequential.forward
+
+
+def test_gather_for_metrics_keeps_the_last_batchs_samples_however_many_rows_each_gave():
+    """Accelerate trims the last batch to the dataset's remainder: the HF `*_no_trainer` scripts'
+    `gather_for_metrics(loss.repeat(batch_size))` counts 10 samples as 10 values, not 12 (issue 20)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4))
+    repeated, samples = [], []
+    for (x,) in loader:
+        repeated.append(len(acc.gather_for_metrics(x.mean().repeat(4))))
+        samples.extend(acc.gather_for_metrics(x).tolist())
+    assert repeated == [4, 4, 2]
+    assert samples == [float(i) for i in range(10)]
+    assert len(acc.gather_for_metrics(torch.ones(4))) == 4  # outside the loop: a plain gather
