@@ -20,4 +20,6 @@ def default_callbacks(user: List[Callback], progress_bar: bool, checkpointing: b
         out.append(CSVLogger())  # always available; the default when no tracker is given
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in out):
         out.append(ModelCheckpoint())  # Lightning's default: every epoch end (and the end of fit), the newest kept
-    return out
+    # Checkpointing callbacks run last, whatever the list order (Lightning does the same): a checkpoint
+    # written at an event holds every other callback's state of that event (EarlyStopping's count).
+    return [c for c in out if not isinstance(c, ModelCheckpoint)] + [c for c in out if isinstance(c, ModelCheckpoint)]

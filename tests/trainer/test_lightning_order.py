@@ -157,3 +157,23 @@ def test_limit_of_a_loader_without_length_must_be_a_count(tmp_path):
     module = Counting()
     with pytest.raises(ConfigurationError, match="limit_test_batches=0.5 is a fraction"):
         trainer(tmp_path, limit_test_batches=0.5).test(module, DataLoader(Stream(), batch_size=4))
+
+
+def test_a_checkpoint_holds_the_state_other_callbacks_reached_at_the_same_event(tmp_path):
+    """EarlyStopping listed after ModelCheckpoint (issue 20): both act at validation end; the
+    checkpoint must hold EarlyStopping's count of that validation, or a resumed run trains longer."""
+    from trainforge.callbacks import EarlyStopping, ModelCheckpoint
+    from trainforge.strategies.checkpoint.io import load_object
+
+    class Worsening(Counting):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", float(self.current_epoch))  # worse every epoch: the count grows
+
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val/loss", mode="max", save_top_k=1)
+    stop = EarlyStopping(monitor="val/loss", mode="min", patience=5)
+    t = trainer(tmp_path, max_epochs=3, num_sanity_val_steps=0, callbacks=[ckpt, stop])
+    assert t.callbacks[-1] is ckpt
+    data = DataLoader(regression_data(16), batch_size=8)
+    t.fit(Worsening(), data, data)
+    saved = load_object(ckpt.best_model_path, "trainer_state")["callbacks"][stop.state_key]
+    assert saved["wait_count"] == stop.wait_count == 2  # epochs 1 and 2 did not improve on epoch 0
