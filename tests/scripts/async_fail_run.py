@@ -22,8 +22,8 @@ from trainforge.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 
 class FillTheDisk(Callback):
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        if trainer.global_step == 1:  # after ModelCheckpoint staged step 1
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 1:  # the batch of step 2: ModelCheckpoint staged step 1 at its batch end
             trainer.accelerator.wait_for_checkpoint()
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG instead of killing us
             resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
