@@ -48,16 +48,12 @@ class Collectives:
         keep_until = -state.padding
         if state.padding_order == "contiguous":  # a split stream or dispatched batches: the tail of the gather
             return apply_to_tensors(data, lambda tensor: self._gather_one(tensor)[:keep_until])
-
-        def gather_last(tensor: torch.Tensor) -> torch.Tensor:
-            stacked = self.strategy.all_gather(tensor)  # [W, b, ...]; sample j of rank r is global
-            ordered = stacked.transpose(0, 1).reshape(-1, *tensor.shape[1:])  # position j*W + r
-            return ordered[:keep_until]  # the padding is the tail of global order
-
-        return apply_to_tensors(data, gather_last)
+        # strided: the padding is the tail of the global order
+        return apply_to_tensors(data, lambda tensor: self._gather_last(tensor, keep_until))
 
     def _gather_last(self, tensor: torch.Tensor, keep: int) -> torch.Tensor:
-        """The first ``keep`` rows of the last batch in global order (a scalar: of the per-rank values)."""
+        """The last batch in global order (row j of rank r at j*W + r), sliced ``[:keep]`` (a scalar:
+        the per-rank values)."""
         stacked = self.strategy.all_gather(tensor)  # [W, b, ...]; row j of rank r is global j*W + r
         if tensor.dim() == 0:
             return stacked[:keep]

@@ -122,6 +122,14 @@ def _check_fraction_or_count(name: str, value: Any) -> None:
         raise ConfigurationError(f"{name}={value!r} must be >= 0")
 
 
+def loader_length(loader: Any) -> Optional[int]:
+    """``len(loader)``, or None for a loader without length (an IterableDataset without ``__len__``)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
 def limited(count: Optional[int], limit: Union[int, float], name: str = "limit_train_batches") -> Union[int, float]:
     """Batches to run out of ``count`` under a ``limit_*_batches`` setting. ``count=None`` (a loader
     without a length, e.g. an IterableDataset without ``__len__``): ``inf`` (until the data ends) or

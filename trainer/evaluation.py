@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from trainforge.trainer.config import limited
+from trainforge.trainer.config import limited, loader_length
 from trainforge.trainer.events import EVAL_EVENTS, Event
 from trainforge.trainer.seed import rng_state, set_rng_state
 
@@ -75,10 +75,7 @@ class Evaluation:
             step = self.accelerator.step_function(self.model, step_name)
             loss_name = self._pipeline_loss_name(step_name) if self.strategy.pipelined else None
             for loader in loaders:
-                try:
-                    count: Optional[int] = len(loader)
-                except TypeError:  # an IterableDataset without __len__
-                    count = None
+                count = loader_length(loader)
                 name = _LIMITS[step_name]  # each loop its own limit (Lightning): test is not cut by validation's
                 limit = limited(count, getattr(self.config, name), name)
                 if max_batches is not None and max_batches >= 0:
@@ -162,7 +159,7 @@ class Evaluation:
         with torch.no_grad():
             for loader in loaders:
                 prepared = self.accelerator.prepare_data_loader(loader)
-                limit = limited(_length(prepared), self.config.limit_predict_batches, "limit_predict_batches")
+                limit = limited(loader_length(prepared), self.config.limit_predict_batches, "limit_predict_batches")
                 for batch_idx, batch in enumerate(prepared):
                     if batch_idx >= limit:
                         break
@@ -184,10 +181,3 @@ class Evaluation:
             # the Trainer's own path (no optimizers here): the loops run the steps under autocast,
             # so the module's forward is not wrapped as Accelerator.prepare wraps a user's model
             self.model, _ = self.accelerator.prepare_model_with_optimizers(module, list)
-
-
-def _length(loader: Any) -> Optional[int]:
-    try:
-        return len(loader)
-    except TypeError:  # an IterableDataset without __len__
-        return None

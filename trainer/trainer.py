@@ -15,7 +15,15 @@ from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.accelerator import Accelerator
 from trainforge.trainer.checkpointing import restore_pending_rng, start_run
-from trainforge.trainer.config import LoopConfig, Progress, check_callbacks, limited, parse_optimizers, resolve_root_dir
+from trainforge.trainer.config import (
+    LoopConfig,
+    Progress,
+    check_callbacks,
+    limited,
+    loader_length,
+    parse_optimizers,
+    resolve_root_dir,
+)
 from trainforge.trainer.evaluation import Evaluation
 from trainforge.trainer.events import Event
 from trainforge.trainer.fit_loop import FitLoop
@@ -269,7 +277,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
         self.lr_scheduler_configs = configured[0].schedulers
         self._training_step = acc.step_function(self.model, "training_step")
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
-        self.num_training_batches = limited(_length(self.train_dataloader), self.config.limit_train_batches)
+        self.num_training_batches = limited(loader_length(self.train_dataloader), self.config.limit_train_batches)
         if (
             self.num_training_batches == float("inf")
             and isinstance(self.config.val_check_interval, float)
@@ -409,13 +417,6 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
                 f"{name} is empty (len == 0, dataset of {len(cast(Sized, loader.dataset))} samples with "
                 f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data"
             )
-
-
-def _length(loader: Any) -> Optional[int]:
-    try:
-        return len(loader)
-    except TypeError:  # an IterableDataset without __len__
-        return None
 
 
 def _check_pipelined(trainer: Trainer, manual: bool) -> None:
