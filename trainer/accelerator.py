@@ -142,6 +142,10 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
     def update_run_settings(self, **changes: Any) -> None:
         """Hand the strategy new ``RunSettings`` with ``changes`` (the Trainer's clipping; the
         micro-batch size, known once the training loader is prepared)."""
+        fields = [f.name for f in dataclasses.fields(RunSettings)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise ConfigurationError(f"update_run_settings({unknown[0]}=...): not a run setting; choose from {fields}")
         self.run_settings = dataclasses.replace(self.run_settings, **changes)
         self.strategy.configure(self.run_settings)
 

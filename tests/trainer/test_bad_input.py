@@ -116,3 +116,18 @@ def test_ckpt_path_last_without_checkpoints_says_what_to_do(tmp_path):
     with pytest.raises(CheckpointError, match=r"Trainer\(resume='auto'\)"):
         trainer = Trainer(max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False)
         trainer.fit(Regressor(make_net()), DataLoader(regression_data(), batch_size=8), ckpt_path="last")
+
+
+def test_run_settings_are_handed_over_whole_and_by_known_names():
+    from trainforge import Accelerator
+    from trainforge.strategies.base import RunSettings
+
+    acc = Accelerator()
+    with pytest.raises(TypeError, match="configure\\(\\) takes a RunSettings, got dict"):
+        acc.strategy.configure({"accumulation_steps": 2})
+    with pytest.raises(ConfigurationError, match=r"update_run_settings\(accumulation=\.\.\.\).*accumulation_steps"):
+        acc.update_run_settings(accumulation=2)
+    acc.update_run_settings(micro_batch_size=8)
+    assert acc.strategy.settings == RunSettings(precision=acc.precision, micro_batch_size=8)
+    with pytest.raises(Exception, match="frozen|cannot assign"):
+        acc.strategy.settings.micro_batch_size = 4  # one object, never edited field by field
