@@ -100,7 +100,7 @@ class CheckpointParts:
     callbacks: List[Any] = field(default_factory=list)  # Trainer callbacks (state_key -> state)
     progress: Any = None  # trainer.config.Progress (Trainer only)
     datamodule: Any = None
-    extra: Dict[str, Any] = field(default_factory=dict)  # what SAVE_CHECKPOINT handlers added
+    run_id: Optional[str] = None  # the Trainer's run (metadata "run_id"; a resumed run keeps it)
 
 
 def _progress_of(parts: CheckpointParts) -> Dict[str, int]:
@@ -125,7 +125,7 @@ def save_state(
     """The one writer of a resumable checkpoint (layout in this module's docstring)."""
     strategy = acc.strategy
     writer = _open_writer(acc, path, async_save, kind=parts.kind)
-    state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": parts.extra}
+    state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": {}}
     if before_write is not None:
         before_write(state)  # the Trainer's SAVE_CHECKPOINT: callbacks and the module may add to state["extra"]
     if parts.model is not None:
@@ -156,7 +156,7 @@ def save_state(
             "strategy": strategy.name,
             "precision": acc.precision.name,
             "kind": parts.kind,
-            "run_id": parts.extra.get("run_id"),
+            "run_id": parts.run_id,
         },
         update_latest=update_latest,
     )
@@ -291,7 +291,7 @@ def trainer_parts(trainer: "Trainer") -> CheckpointParts:
         callbacks=list(trainer.callbacks),
         progress=trainer.progress,
         datamodule=trainer.datamodule,
-        extra={"run_id": trainer.run_id},
+        run_id=trainer.run_id,
     )
 
 
