@@ -39,6 +39,7 @@ from trainforge.strategies.checkpoint.io import (
 )
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.events import Event
+from trainforge.trainer.scheduler_clock import convert_scheduler_states, scheduler_clock
 from trainforge.trainer.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -135,6 +136,7 @@ def save_state(
         {
             "progress": progress,
             "schedulers": [s.state_dict() for s in parts.schedulers],
+            "scheduler_clock": _clock(acc, parts),
             "precision": acc.precision.state_dict(),
             "accumulation_step": acc.step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in parts.callbacks},
@@ -171,7 +173,15 @@ def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple
     _check_parts(path, meta, state, parts)
     if parts.model is not None:
         strategy.load_checkpoint(path, parts.model, [o.optimizer for o in parts.optimizers])
-    for sched, sched_state in zip(parts.schedulers, state["schedulers"]):
+    sched_states = convert_scheduler_states(
+        path,
+        state["schedulers"],
+        state.get("scheduler_clock"),
+        _clock(acc, parts),
+        parts.schedulers,
+        announce=strategy.is_global_zero,
+    )
+    for sched, sched_state in zip(parts.schedulers, sched_states):
         sched.load_state_dict(sched_state)
     acc.precision.load_state_dict(state["precision"])
     acc.step = int(state.get("accumulation_step", 0))
@@ -207,6 +217,12 @@ def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple
             len(parts.loaders),
         )
     return state, rng
+
+
+def _clock(acc: "Accelerator", parts: CheckpointParts) -> Optional[Dict[str, Any]]:
+    """The Accelerator's schedulers step in Accelerate's units (trainer.scheduler_clock); the
+    Trainer's once per optimizer step or epoch, as Lightning's (none recorded)."""
+    return scheduler_clock(acc, parts.schedulers, parts.loaders) if parts.kind == "accelerator" else None
 
 
 def _writer_name(meta: Dict[str, Any]) -> str:
