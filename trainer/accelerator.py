@@ -325,14 +325,19 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
                 stacklevel=2,
             )
         if output_dir is None:
-            return save_project_checkpoint(self, **kwargs)
-        return save_accelerator_state(self, output_dir, **kwargs)
+            return save_project_checkpoint(self, self._checkpoint_parts(), **kwargs)
+        return save_accelerator_state(self, output_dir, self._checkpoint_parts(), **kwargs)
 
     @property
     def async_checkpointer(self) -> AsyncCheckpointer:
         if self._async_checkpointer is None:
             self._async_checkpointer = AsyncCheckpointer(self.strategy)
         return self._async_checkpointer
+
+    def check_checkpoint(self) -> None:
+        """Raise now (CheckpointError) if the asynchronous save in flight has failed; never blocks."""
+        if self._async_checkpointer is not None:
+            self._async_checkpointer.check()
 
     def wait_for_checkpoint(self) -> None:
         """Block until the asynchronous save in flight is committed; raise CheckpointError if it failed."""
@@ -344,7 +349,28 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         from trainforge.trainer.checkpointing import load_accelerator_state, newest_project_checkpoint
 
         return load_accelerator_state(
-            self, input_dir if input_dir is not None else newest_project_checkpoint(self), **kwargs
+            self,
+            input_dir if input_dir is not None else newest_project_checkpoint(self),
+            self._checkpoint_parts(),
+            **kwargs,
+        )
+
+    def _checkpoint_parts(self) -> Any:
+        """What save_state/load_state save and restore (``trainer.checkpointing.CheckpointParts``)."""
+        from trainforge.trainer.checkpointing import CheckpointParts
+
+        if len(self._models) > 1:
+            raise ConfigurationError(
+                f"save_state got {len(self._models)} prepared models; it saves one trained model "
+                "(save others with save_model)"
+            )
+        return CheckpointParts(
+            "accelerator",
+            self._models[0] if self._models else None,
+            list(self._optimizers),
+            list(self._schedulers),
+            list(self._dataloaders),
+            custom=list(self._custom_objects),
         )
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
@@ -38,50 +37,13 @@ from trainforge.strategies.checkpoint.io import (
     resolve_checkpoint,
 )
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
-from trainforge.trainer.events import Event
 from trainforge.trainer.scheduler_clock import convert_scheduler_states, scheduler_clock
 from trainforge.trainer.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.accelerator import Accelerator
-    from trainforge.trainer.trainer import Trainer
 
 log = logging.getLogger("trainforge")
-
-
-def checkpoint_root(trainer: "Trainer") -> Path:
-    """Where ``ckpt_path="last"`` and ``resume="auto"`` look: the first ModelCheckpoint's directory."""
-    from trainforge.callbacks.checkpoint import ModelCheckpoint
-
-    for cb in trainer.callbacks:
-        if isinstance(cb, ModelCheckpoint):
-            return cb.directory(trainer)
-    return Path(trainer.default_root_dir) / "checkpoints"
-
-
-def start_run(trainer: "Trainer", ckpt_path: Optional[str], required: bool) -> Optional[Path]:
-    """Give this fit a run id (every rank the same), then resume from ``ckpt_path`` if given: a
-    resumed run keeps the id of the run it continues. A fresh run whose checkpoint directory
-    already holds checkpoints writes beside them (ModelCheckpoint adds ``-v1``, ``-v2``... where
-    names collide; nothing of another run is replaced) and says so once, with how to resume."""
-    trainer.run_id = trainer.strategy.broadcast(uuid.uuid4().hex, 0)
-    path = load_trainer_checkpoint(trainer, ckpt_path, required=required) if ckpt_path is not None else None
-    if path is not None:
-        trainer.run_id = read_metadata(path).get("run_id") or trainer.run_id
-    elif trainer.is_global_zero:
-        root = checkpoint_root(trainer)
-        earlier = list_checkpoints(root)
-        if earlier:
-            log.warning(
-                "trainforge: %s already holds %d checkpoint(s) of an earlier run (newest: %s). This run "
-                "starts fresh and writes beside them; a name that is taken gets a -v1, -v2... suffix, so "
-                "nothing is overwritten. To continue that run instead, pass Trainer(resume='auto') or "
-                "fit(ckpt_path='last')",
-                root,
-                len(earlier),
-                earlier[-1].name,
-            )
-    return path
 
 
 @dataclass
@@ -296,92 +258,22 @@ def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, 
     )
 
 
-# ---- the Trainer's side ------------------------------------------------------------------------------
-def trainer_parts(trainer: "Trainer") -> CheckpointParts:
-    return CheckpointParts(
-        "trainer",
-        trainer.model,
-        list(trainer._prepared_optimizers),
-        [cfg["scheduler"] for cfg in trainer.lr_scheduler_configs],
-        [trainer.train_dataloader],
-        callbacks=list(trainer.callbacks),
-        progress=trainer.progress,
-        datamodule=trainer.datamodule,
-        run_id=trainer.run_id,
-    )
-
-
-def save_trainer_checkpoint(trainer: "Trainer", path: os.PathLike | str, async_save: bool = False) -> Path:
-    return save_state(
-        trainer.accelerator,
-        path,
-        trainer_parts(trainer),
-        async_save,
-        before_write=lambda state: trainer._fire(Event.SAVE_CHECKPOINT, state),
-    )
-
-
-def load_trainer_checkpoint(trainer: "Trainer", ckpt_path: str, required: bool = True) -> Optional[Path]:
-    """Restore everything but RNG now; RNG is restored by the loop just before the next batch."""
-    root = checkpoint_root(trainer)
-    if required and str(ckpt_path) == "last" and not list_checkpoints(root):
-        raise CheckpointError(
-            f"fit(ckpt_path='last'): there is no checkpoint under {root} yet. To resume when one "
-            "exists and start fresh otherwise, use Trainer(resume='auto') and leave ckpt_path out"
-        )
-    path = resolve_checkpoint(root, ckpt_path, missing_ok=not required)
-    if path is None:
-        if trainer.is_global_zero:
-            log.info("trainforge: no checkpoint under %s; starting from scratch", checkpoint_root(trainer))
-        return None
-    state, trainer._pending_rng = load_state(trainer.accelerator, path, trainer_parts(trainer))
-    trainer._fire(Event.LOAD_CHECKPOINT, state)
-    if trainer.is_global_zero:
-        log.info(
-            "trainforge: resumed from %s (epoch %d, step %d)",
-            path,
-            trainer.progress.epoch,
-            trainer.progress.global_step,
-        )
-    return path
-
-
-def restore_pending_rng(trainer: "Trainer") -> None:
-    if trainer._pending_rng is not None:
-        set_rng_state(trainer._pending_rng)
-        trainer._pending_rng = None
-
-
 # ---- the Accelerator's side -------------------------------------------------------------------------
-def accelerator_parts(acc: "Accelerator") -> CheckpointParts:
-    if len(acc._models) > 1:
-        raise ConfigurationError(
-            f"save_state got {len(acc._models)} prepared models; it saves one trained model "
-            "(save others with save_model)"
-        )
-    return CheckpointParts(
-        "accelerator",
-        acc._models[0] if acc._models else None,
-        list(acc._optimizers),
-        list(acc._schedulers),
-        list(acc._dataloaders),
-        custom=list(acc._custom_objects),
-    )
-
-
-def save_accelerator_state(acc: "Accelerator", output_dir: os.PathLike | str, async_save: bool = False) -> Path:
+def save_accelerator_state(
+    acc: "Accelerator", output_dir: os.PathLike | str, parts: CheckpointParts, async_save: bool = False
+) -> Path:
     return save_state(
         acc,
         output_dir,
-        accelerator_parts(acc),
+        parts,
         resolve_async_save(async_save, acc.strategy.root_device),
         update_latest=False,
     )
 
 
-def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str) -> Path:
+def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str, parts: CheckpointParts) -> Path:
     path = resolve_checkpoint(Path(input_dir).parent, input_dir)
-    _, rng = load_state(acc, path, accelerator_parts(acc))
+    _, rng = load_state(acc, path, parts)
     set_rng_state(rng)
     return path
 
@@ -396,7 +288,7 @@ def _project_root(acc: "Accelerator") -> Path:
     return Path(project_dir) / "checkpoints"
 
 
-def save_project_checkpoint(acc: "Accelerator", async_save: bool = False) -> Path:
+def save_project_checkpoint(acc: "Accelerator", parts: CheckpointParts, async_save: bool = False) -> Path:
     """Accelerate's automatic naming: ``checkpoints/checkpoint_<i>``, i one more than the newest;
     the oldest beyond ``total_limit`` deleted by rank 0 once the new one is committed."""
     from trainforge.strategies.checkpoint.io import delete_checkpoint
@@ -404,7 +296,7 @@ def save_project_checkpoint(acc: "Accelerator", async_save: bool = False) -> Pat
     root = _project_root(acc)
     existing = _numbered(root)
     is_async = resolve_async_save(async_save, acc.strategy.root_device)
-    path = save_accelerator_state(acc, root / f"checkpoint_{existing[-1][0] + 1 if existing else 0}", is_async)
+    path = save_accelerator_state(acc, root / f"checkpoint_{existing[-1][0] + 1 if existing else 0}", parts, is_async)
     if acc.total_limit is not None and acc.is_main_process:
         # the new directory may not be committed yet: keep total_limit - 1 committed ones beside it
         old = [p for _, p in _numbered(root) if p != path]

@@ -7,14 +7,13 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.evaluation import module_modes, restore_modes
 from trainforge.trainer.events import Event
-from trainforge.trainer.manual import run_manual_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
@@ -22,7 +21,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.config import LoopConfig, Progress
     from trainforge.trainer.metrics import MetricStore
     from trainforge.trainer.module import TrainingModule
-    from trainforge.trainer.trainer import Trainer
 
 log = logging.getLogger("trainforge")
 
@@ -66,6 +64,7 @@ class FitLoop:
         def optimizers(self) -> List[torch.optim.Optimizer]: ...
         def _fire(self, event: Event, *args: Any) -> None: ...
         def _emit(self, metrics: Dict[str, float]) -> None: ...
+        def _run_manual_step(self, batch: Any, batch_idx: int) -> None: ...
         def _fire_epoch_end(self, event: Event) -> None: ...
         def _run_validation(self, loaders: List[Any], step_name: str, max_batches: Optional[int] = None) -> None: ...
 
@@ -168,15 +167,14 @@ class FitLoop:
 
     def _train_batch(self, batch: Any, batch_idx: int) -> None:
         acc, p = self.accelerator, self.progress
-        if acc._async_checkpointer is not None:
-            acc._async_checkpointer.check()  # a failed asynchronous save is raised at the next step
+        acc.check_checkpoint()  # a failed asynchronous save is raised at the next step
         self._batch, self._running = batch, "train"
         self._fire(Event.BATCH_START, batch, batch_idx)
         # A loader without length flagged its last batch itself (it reads one ahead)
         self._data_ended = self.num_training_batches == float("inf") and acc.gradient_state.end_of_dataloader
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches or self._data_ended
         if not self._fit_module.automatic_optimization:
-            return run_manual_step(cast("Trainer", self), batch, batch_idx)
+            return self._run_manual_step(batch, batch_idx)
         with acc.accumulate(self.model):  # the one step path: the strategy's forward_backward
             output = self.strategy.forward_backward(
                 self.model, self._training_step, batch, batch_idx, backward=lambda out: self._backward(out, batch_idx)

@@ -12,41 +12,82 @@ are rejected with a clear error, as Lightning does. DeepSpeed takes one optimize
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set
 
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.events import Event
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge.trainer.trainer import Trainer
+    from trainforge.strategies.base import Strategy
+    from trainforge.trainer.accelerator import Accelerator
+    from trainforge.trainer.config import LoopConfig, Progress
+    from trainforge.trainer.metrics import MetricStore
+    from trainforge.trainer.module import TrainingModule
 
 
-def check_manual_config(trainer: "Trainer") -> None:
-    cfg = trainer.config
-    if cfg.accumulate_grad_batches != 1:
-        raise ConfigurationError(
-            f"accumulate_grad_batches={cfg.accumulate_grad_batches} with manual optimization "
-            "(automatic_optimization = False): accumulate in training_step yourself (step the "
-            "optimizers every N batches), as in Lightning"
-        )
-    if cfg.gradient_clip_val is not None:
-        raise ConfigurationError(
-            f"gradient_clip_val={cfg.gradient_clip_val} with manual optimization: clip in "
-            "training_step (torch.nn.utils.clip_grad_norm_ after manual_backward), as in "
-            "Lightning"
-        )
+class ManualOptimization:
+    """Mixed into ``Trainer``: the manual-optimization half of the loop. ``ManualOptimizer`` (below,
+    same module) calls back into it."""
 
+    if TYPE_CHECKING:  # the Trainer's, for the type checker
+        module: Optional[TrainingModule]
+        model: Any
+        accelerator: Accelerator
+        strategy: Strategy
+        config: LoopConfig
+        progress: Progress
+        optimizers: list
+        _metrics: Dict[str, MetricStore]
+        _training_step: Any
+        _last_output: Any
 
-class ManualOptimizer:
-    """What ``self.optimizers()`` returns: the prepared optimizer, whose ``step`` also fires
-    ``on_before_optimizer_step`` and counts a global step, and ``zero_grad`` ``on_before_zero_grad``."""
+        def _fire(self, event: Event, *args: Any) -> None: ...
+        def _emit(self, metrics: Dict[str, float]) -> None: ...
 
-    def __init__(self, prepared: Any, trainer: "Trainer") -> None:
-        self._prepared, self._trainer = prepared, trainer
+    # Per Trainer (set in Trainer.__init__ too): class defaults only for the type checker.
+    _manual_stepped: Optional[Set[int]] = None  # ids of the optimizers stepped since the last backward
+    _warned_double_step = False
 
-    def step(self, closure: Any = None) -> Any:
-        trainer = self._trainer
-        module = trainer.module
+    def _check_manual_config(self) -> None:
+        cfg = self.config
+        if cfg.accumulate_grad_batches != 1:
+            raise ConfigurationError(
+                f"accumulate_grad_batches={cfg.accumulate_grad_batches} with manual optimization "
+                "(automatic_optimization = False): accumulate in training_step yourself (step the "
+                "optimizers every N batches), as in Lightning"
+            )
+        if cfg.gradient_clip_val is not None:
+            raise ConfigurationError(
+                f"gradient_clip_val={cfg.gradient_clip_val} with manual optimization: clip in "
+                "training_step (torch.nn.utils.clip_grad_norm_ after manual_backward), as in "
+                "Lightning"
+            )
+
+    def manual_optimizers(self) -> list:
+        """What ``TrainingModule.optimizers()`` hands out: each optimizer, stepping through the Trainer."""
+        return [ManualOptimizer(opt, self) for opt in self.optimizers]
+
+    def manual_backward(self, loss: Any) -> None:
+        """``TrainingModule.manual_backward``: backward through the strategy, with the backward events."""
+        self._manual_stepped = set()
+        self._fire(Event.BEFORE_BACKWARD, loss)
+        self.strategy.prepare_for_manual_backward(self.model, loss)
+        self.accelerator.backward(loss, self.model)
+        self._fire(Event.AFTER_BACKWARD)
+
+    def _run_manual_step(self, batch: Any, batch_idx: int) -> None:
+        """One batch: the user's training_step does backward and steps; metrics are popped at the
+        log points the automatic loop uses."""
+        before = self.progress.global_step
+        self._manual_stepped = set()
+        with self.accelerator.autocast():
+            self._last_output = self._training_step(batch, batch_idx)
+        after, every = self.progress.global_step, self.config.log_every_n_steps
+        if after // every > before // every:
+            self._emit(self._metrics["train"].pop_step_metrics(self.strategy))
+
+    def _manual_optimizer_step(self, raw: Any, closure: Any) -> Any:
+        module = self.module
         if module is None:  # handed out by fit, which sets the module first
             raise AttributeError("'NoneType' object has no attribute 'automatic_optimization' (trainer.module)")
         if module.automatic_optimization:  # audit N-MO5: two updates per batch, counted twice
@@ -57,48 +98,39 @@ class ManualOptimizer:
             )
         if closure is not None:
             closure()
-        raw = self._prepared.optimizer
-        stepped = trainer._manual_stepped_since_backward  # audit N-MO2: the same gradients applied twice
-        if id(raw) in stepped and not trainer._warned_double_step:
-            trainer._warned_double_step = True
+        stepped = self._manual_stepped if self._manual_stepped is not None else set()
+        if id(raw) in stepped and not self._warned_double_step:  # audit N-MO2: the same gradients twice
+            self._warned_double_step = True
             warnings.warn(
                 f"{type(raw).__name__}.step() ran twice without a manual_backward in between (batch "
-                f"{trainer.progress.batch_idx} of training_step): the same gradients were applied twice and "
+                f"{self.progress.batch_idx} of training_step): the same gradients were applied twice and "
                 "global_step counted both; step once per backward",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         stepped.add(id(raw))
-        if trainer.accelerator.precision.scaler is not None:
-            trainer.accelerator.precision.unscale_(raw)
-        trainer._fire(Event.BEFORE_OPTIMIZER_STEP, raw)
-        out = trainer.strategy.optimizer_step(raw)
-        trainer.progress.global_step += 1
+        self._manual_stepped = stepped
+        if self.accelerator.precision.scaler is not None:
+            self.accelerator.precision.unscale_(raw)
+        self._fire(Event.BEFORE_OPTIMIZER_STEP, raw)
+        out = self.strategy.optimizer_step(raw)
+        self.progress.global_step += 1
         return out
 
+
+class ManualOptimizer:
+    """What ``self.optimizers()`` returns: the optimizer, whose ``step`` also fires
+    ``on_before_optimizer_step`` and counts a global step, and ``zero_grad`` ``on_before_zero_grad``."""
+
+    def __init__(self, optimizer: Any, trainer: ManualOptimization) -> None:
+        self.optimizer, self._trainer = optimizer, trainer
+
+    def step(self, closure: Any = None) -> Any:
+        return self._trainer._manual_optimizer_step(self.optimizer, closure)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._trainer._fire(Event.BEFORE_ZERO_GRAD, self._prepared.optimizer)
-        self._prepared.optimizer.zero_grad(set_to_none=set_to_none)
+        self._trainer._fire(Event.BEFORE_ZERO_GRAD, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, state_dict ...
-        return getattr(self._prepared, name)
-
-
-def run_manual_step(trainer: "Trainer", batch: Any, batch_idx: int) -> None:
-    """One batch: the user's training_step does backward and steps; metrics are popped at the
-    log points the automatic loop uses."""
-    before = trainer.progress.global_step
-    trainer._manual_stepped_since_backward.clear()
-    with trainer.accelerator.autocast():
-        trainer._last_output = trainer._training_step(batch, batch_idx)
-    after, every = trainer.progress.global_step, trainer.config.log_every_n_steps
-    if after // every > before // every:
-        trainer._emit(trainer._metrics["train"].pop_step_metrics(trainer.strategy))
-
-
-def manual_backward(trainer: "Trainer", loss: Any) -> None:
-    trainer._manual_stepped_since_backward.clear()
-    trainer._fire(Event.BEFORE_BACKWARD, loss)
-    trainer.strategy.prepare_for_manual_backward(trainer.model, loss)
-    trainer.accelerator.backward(loss, trainer.model)
-    trainer._fire(Event.AFTER_BACKWARD)
+        return getattr(self.optimizer, name)

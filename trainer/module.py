@@ -135,9 +135,7 @@ class TrainingModule(ModuleHooks, nn.Module):
 
     def optimizers(self) -> Any:
         """The prepared optimizer(s): one object, or a list when configure_optimizers returned several."""
-        from trainforge.trainer.manual import ManualOptimizer
-
-        opts = [ManualOptimizer(o, self.trainer) for o in self.trainer._prepared_optimizers]
+        opts = self.trainer.manual_optimizers()
         return opts[0] if len(opts) == 1 else opts
 
     def lr_schedulers(self) -> Any:
@@ -147,9 +145,7 @@ class TrainingModule(ModuleHooks, nn.Module):
 
     def manual_backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the strategy (scaling, DDP sync, DeepSpeed engine)."""
-        from trainforge.trainer.manual import manual_backward
-
-        manual_backward(self.trainer, loss)
+        self.trainer.manual_backward(loss)
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():

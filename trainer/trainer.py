@@ -14,7 +14,6 @@ from trainforge.strategies import Strategy
 from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.accelerator import Accelerator
-from trainforge.trainer.checkpointing import restore_pending_rng, start_run
 from trainforge.trainer.config import (
     LoopConfig,
     Progress,
@@ -26,9 +25,10 @@ from trainforge.trainer.config import (
 )
 from trainforge.trainer.evaluation import Evaluation
 from trainforge.trainer.events import Event
+from trainforge.trainer.fit_checkpoints import FitCheckpoints
 from trainforge.trainer.fit_loop import FitLoop
 from trainforge.trainer.hooks import bind_module_hook, warn_unknown_callback_hooks, warn_unknown_hooks
-from trainforge.trainer.manual import check_manual_config
+from trainforge.trainer.manual import ManualOptimization
 from trainforge.trainer.metric_logging import MetricLogging
 from trainforge.trainer.metrics import MetricStore
 from trainforge.trainer.module import TrainingModule
@@ -37,7 +37,7 @@ from trainforge.trainer.seed import seed_everything
 log = logging.getLogger("trainforge")
 
 
-class Trainer(FitLoop, MetricLogging, Evaluation):
+class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpoints):
     def __init__(
         self,
         *,
@@ -144,7 +144,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
         self._last_flag_check = 0
         self._last_output: Any = None
         self._none_steps, self._warned_none = 0, False  # training_step returning None (see _warn_none_epoch)
-        self._manual_stepped_since_backward: set = set()  # manual optimization: see trainer/manual.py
+        self._manual_stepped: Optional[set] = None  # manual optimization: see trainer/manual.py
         self._warned_double_step = False
         self._data_ended = False  # this batch was the last of a loader without length
 
@@ -228,12 +228,12 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
         try:
             self._setup_fit(module, train_dataloaders, val_dataloaders)
             path = ckpt_path if ckpt_path is not None else ("last" if self.resume == "auto" else None)
-            start_run(self, path, required=ckpt_path is not None)  # run id; resume; warns of an earlier run
+            self._start_run(path, required=ckpt_path is not None)  # run id; resume; warns of an earlier run
             self._fire(Event.FIT_START)
             self._sanity_check()
             self._fire(Event.TRAIN_START)
             self._warn_if_nothing_to_train()
-            restore_pending_rng(self)  # last thing before the loop: keeps resumed random streams exact
+            self._restore_pending_rng()  # last thing before the loop: keeps resumed random streams exact
             self._fit_loop()
             self._fire(Event.TRAIN_END)
             self._fire(Event.FIT_END)
@@ -259,7 +259,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
                 child.compile()
         manual = not module.automatic_optimization
         if manual:
-            check_manual_config(self)
+            self._check_manual_config()
         self._pipelined = self.strategy.pipelined
         if self._pipelined:
             _check_pipelined(self, manual)
@@ -299,9 +299,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation):
         """Everything needed to resume exactly, as one checkpoint directory (every rank calls it).
         ``async_save=True``: returns once the state is staged; the write and commit run in the
         background (``fit`` waits for it before returning; see strategies/checkpoint/async_save.py)."""
-        from trainforge.trainer.checkpointing import save_trainer_checkpoint
-
-        return save_trainer_checkpoint(self, path, async_save=resolve_async_save(async_save, self.device))
+        return self._save_checkpoint(path, async_save=resolve_async_save(async_save, self.device))
 
     def _wait_for_checkpoint_quietly(self) -> None:
         """On an error in fit: let the save in flight commit, without hiding the original error."""
