@@ -34,6 +34,21 @@ def run(tmp: Path, name: str, *args: str, nproc: int = 1, killed: bool = False, 
     return record
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run on 1 and on 2 processes, each run once for every test of this module
+    that compares with it: nproc -> its directory (final.safetensors) and record."""
+    cache: dict = {}
+
+    def get(nproc: int) -> "tuple[Path, Path]":
+        if nproc not in cache:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted{nproc}")
+            cache[nproc] = (tmp / "full", run(tmp, "full", nproc=nproc))
+        return cache[nproc]
+
+    return get
+
+
 def steps(record: Path) -> dict:
     """step -> (sorted sample ids of that global step over all ranks, [loss of each rank])"""
     out: dict = {}
@@ -54,22 +69,22 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_sigkill_right_after_checkpoint_then_resume_is_bit_identical(tmp_path, nproc):
-    full = run(tmp_path, "full", nproc=nproc)
+def test_sigkill_right_after_checkpoint_then_resume_is_bit_identical(tmp_path, nproc, uninterrupted):
+    full_dir, full = uninterrupted(nproc)
     # 8 global steps per epoch; the kill at step 5 is mid-epoch; max_steps 12 crosses an epoch
     run(tmp_path, "cut", "--ckpt-every", "5", "--kill-at", "5", "--kill-rank", str(nproc - 1), nproc=nproc, killed=True)
     cut_record = tmp_path / "cut.rec"
     assert max(steps(cut_record)) == 5
     run(tmp_path, "cut", "--ckpt-every", "5", "--resume", nproc=nproc)
-    assert_same_weights(tmp_path / "full", tmp_path / "cut")
+    assert_same_weights(full_dir, tmp_path / "cut")
     expected, got = steps(full), steps(cut_record)
     assert sorted(got) == list(range(1, 13))
     for step in range(6, 13):  # after the resume point: same samples, same losses on every rank
         assert got[step] == expected[step], f"step {step} differs after resume"
 
 
-def test_elastic_restart_after_sigkill_resumes_and_finishes_identically(tmp_path):
-    run(tmp_path, "full", nproc=2)
+def test_elastic_restart_after_sigkill_resumes_and_finishes_identically(tmp_path, uninterrupted):
+    full_dir, _ = uninterrupted(2)
     marker = tmp_path / "killed-once"
     run(
         tmp_path,
@@ -87,16 +102,16 @@ def test_elastic_restart_after_sigkill_resumes_and_finishes_identically(tmp_path
         launch_args=("--max-restarts", "1"),
     )
     assert marker.exists(), "the kill never happened"
-    assert_same_weights(tmp_path / "full", tmp_path / "elastic")
+    assert_same_weights(full_dir, tmp_path / "elastic")
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
-def test_resume_on_a_different_number_of_processes_takes_each_sample_once(tmp_path, before, after):
+def test_resume_on_a_different_number_of_processes_takes_each_sample_once(tmp_path, before, after, uninterrupted):
     # The first epoch's order is the same on any world size (drawn from the same seeded state
     # before any step); the saved epoch continues from its saved permutation. Later epochs draw
     # their order from the restored random stream, which depends on the per-process batch (see
     # the warning on resume), so they are checked for coverage only.
-    reference = steps(run(tmp_path, "reference", nproc=1))
+    reference = steps(uninterrupted(1)[1])
     run(tmp_path, "changed", "--max-steps", "5", "--ckpt-every", "5", nproc=before)
     run(tmp_path, "changed", "--ckpt-every", "5", "--resume", nproc=after)
     got = steps(tmp_path / "changed.rec")
