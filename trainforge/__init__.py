@@ -5,37 +5,10 @@ folders are installed as ``trainforge.trainer``, ``trainforge.callbacks`` and
 ``trainforge.strategies`` (setup.cfg ``package_dir``); this module holds the names users import first.
 """
 
-from trainforge.trainer import (
-    PRECISIONS,
-    Accelerator,
-    CheckpointError,
-    ConfigurationError,
-    DataModule,
-    Event,
-    LaunchError,
-    Precision,
-    Trainer,
-    TrainforgeError,
-    TrainingModule,
-    notebook_launcher,
-    seed_everything,
-)
+from trainforge import trainer as _trainer
+from trainforge.trainer import *  # noqa: F403 - the names listed in trainforge.trainer.__all__
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Trainer",
-    "TrainingModule",
-    "DataModule",
-    "Accelerator",
-    "Event",
-    "Precision",
-    "PRECISIONS",
-    "seed_everything",
-    "notebook_launcher",
-    "TrainforgeError",
-    "ConfigurationError",
-    "CheckpointError",
-    "LaunchError",
-    "__version__",
-]
+# One list of the public names: trainforge.trainer's, plus the version.
+__all__ = [*_trainer.__all__, "__version__"]
