@@ -89,8 +89,9 @@ class Evaluation:
                     if loss_name is not None:  # a pipeline's loss through the stages
                         module.log(loss_name, out, sync_dist=True)
                     self._fire(batch_end, out, batch, batch_idx)
-        metrics = self._metrics["val"].pop_epoch_metrics(self.strategy)
-        if self.stage != "sanity_check":  # the sanity check's values are dropped (Lightning)
+        sanity = self.stage == "sanity_check"
+        metrics = self._metrics["val"].pop_epoch_metrics(self.strategy, compute=not sanity)
+        if not sanity:  # the sanity check's values are dropped (Lightning)
             self._emit(metrics)
         self._fire_epoch_end(epoch_end)
         self._fire_epoch_end(end)

@@ -9,22 +9,30 @@
 - ``trainer.progress_bar_metrics``: the values logged with ``prog_bar=True``, as floats.
 - Values logged in an epoch-end hook (``on_train_epoch_end``, ``on_validation_end``...) are logged
   for that epoch, at that step.
+- A ``torchmetrics.Metric`` (an attribute of the module) is logged as Lightning logs it: on_epoch its
+  ``compute()`` at the epoch end, over every rank's samples, then ``reset()`` after the epoch-end
+  hooks (after the sanity check too, whose values are dropped); on_step the batch's forward value
+  (``trainer/metrics.py``). ``sync_dist`` and ``reduce_fx`` do not apply to it: it syncs itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 import torch
 
 from trainforge.strategies.data.utils import batch_size_of
-from trainforge.strategies.errors import invalid_choice
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 from trainforge.trainer.events import Event
-from trainforge.trainer.metrics import REDUCE_FX
+from trainforge.trainer.metrics import REDUCE_FX, metric_scalar, torchmetrics_type
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
     from trainforge.trainer.metrics import MetricStore
+    from trainforge.trainer.module import TrainingModule
+
+# the hook after which a loop's logged torchmetrics.Metric are reset, and that loop's MetricStore
+_LAST_HOOKS = {Event.EPOCH_END: "train", Event.VALIDATION_END: "val", Event.TEST_END: "val"}
 
 
 class MetricLogging:
@@ -37,6 +45,7 @@ class MetricLogging:
         stage: str
         global_step: int
         world_size: int
+        module: Optional[TrainingModule]
         _metrics: Dict[str, MetricStore]
         _running: str
         _batch: Any
@@ -48,6 +57,7 @@ class MetricLogging:
         self.logged_metrics: Dict[str, float] = {}
         self._not_logged: Set[str] = set()  # names logged with logger=False
         self._epoch_end_logged: Optional[Dict[str, torch.Tensor]] = None  # inside an epoch-end hook
+        self._metric_ids: Tuple[Any, Set[int]] = (None, set())  # (module, ids of its torchmetrics.Metric)
 
     @property
     def progress_bar_metrics(self) -> Dict[str, float]:
@@ -98,34 +108,72 @@ class MetricLogging:
             raise invalid_choice("self.log(reduce_fx)", reduce_fx, REDUCE_FX)
         if not logger:
             self._not_logged.add(name)
+        is_metric = not isinstance(value, (torch.Tensor, int, float)) and self._is_metric(name, value)
         if self._epoch_end_logged is not None:  # an epoch-end hook: the value is this epoch's
-            tensor = (
-                value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            )
-            if sync_dist and not rank_zero_only and self.world_size > 1:
+            if is_metric:  # computed now, over every rank; reset after the epoch-end hooks
+                tensor = metric_scalar(name, value.compute(), value, "compute()")
+                self._metrics[self._running].logged_objects[id(value)] = value
+            elif isinstance(value, torch.Tensor):
+                tensor = value.detach().float().reshape(())
+            else:
+                tensor = torch.tensor(float(value))
+            if sync_dist and not rank_zero_only and self.world_size > 1 and not is_metric:
                 tensor = self.strategy.all_reduce(tensor.to(self.strategy.root_device), reduce_fx)
             cm[name] = self._epoch_end_logged[name] = tensor
             return
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
-        if on_epoch and batch_size is None:
-            batch_size = batch_size_of(self._batch)
         store = self._metrics[self._running]
-        store.log(
-            name,
-            value,
-            on_step=on_step,
-            on_epoch=on_epoch,
-            prog_bar=prog_bar,
-            sync_dist=sync_dist and not rank_zero_only,
-            batch_size=batch_size or 1,
-            reduce_fx=reduce_fx,
-        )
+        if is_metric:
+            store.log_metric_object(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar)
+        else:
+            if on_epoch and batch_size is None:
+                batch_size = batch_size_of(self._batch)
+            store.log(
+                name,
+                value,
+                on_step=on_step,
+                on_epoch=on_epoch,
+                prog_bar=prog_bar,
+                sync_dist=sync_dist and not rank_zero_only,
+                batch_size=batch_size or 1,
+                reduce_fx=reduce_fx,
+            )
         if on_step:
             latest = store.step_values[f"{name}_step" if on_epoch else name]
             cm[name] = latest
             if on_epoch:
                 cm[f"{name}_step"] = latest
+
+    def _is_metric(self, name: str, value: Any) -> bool:
+        """Whether ``value`` is a ``torchmetrics.Metric`` to log: one of the module's attributes, as
+        Lightning requires (a Metric made per batch would keep one batch's state); a
+        MetricCollection goes through ``log_dict``."""
+        metric_type = torchmetrics_type()
+        if metric_type is None:
+            return False
+        collection = torchmetrics_type("MetricCollection")
+        if collection is not None and isinstance(value, collection):
+            raise ConfigurationError(
+                f"self.log({name!r}, MetricCollection): a collection holds several values; log it with "
+                "self.log_dict(collection), which logs each metric under its own (prefixed) name"
+            )
+        if not isinstance(value, metric_type):
+            return False
+        module, ids = self._metric_ids
+        if module is not self.module or id(value) not in ids:  # first use, or a Metric added since
+            module = self.module
+            ids = {id(m) for m in module.modules() if isinstance(m, metric_type)} if module is not None else set()
+            self._metric_ids = (module, ids)
+            if id(value) not in ids:
+                owned = [n for n, m in module.named_modules() if isinstance(m, metric_type)] if module else []
+                raise ConfigurationError(
+                    f"self.log({name!r}, {type(value).__name__}): this Metric is not an attribute of "
+                    f"{type(module).__name__} (its Metric attributes: {owned or 'none'}); a Metric keeps "
+                    "its state over the epoch's batches and moves with the module: create it once in "
+                    f"__init__ (self.metric = {type(value).__name__}(...)) and log that attribute"
+                )
+        return True
 
     def _emit(self, metrics: Dict[str, float]) -> None:
         if not metrics:
@@ -149,3 +197,5 @@ class MetricLogging:
             self._epoch_end_logged = None
         if self.stage != "sanity_check":  # the sanity check's values are dropped (Lightning)
             self._emit({k: float(v) for k, v in logged.items()})
+        if event in _LAST_HOOKS:  # the torchmetrics.Metric logged are reset after the loop's last hook (Lightning)
+            self._metrics[_LAST_HOOKS[event]].reset_metric_objects()

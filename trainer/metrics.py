@@ -2,18 +2,45 @@
 
 Values stay tensors (detached) until they are reported, so logging costs no device sync per step;
 they become floats only at report points (every ``log_every_n_steps`` and at epoch end).
+
+A ``torchmetrics.Metric`` is logged as Lightning logs it: on_step, the value its forward returned
+for the batch; on_epoch, its ``compute()`` at the epoch end (torchmetrics syncs the states of every
+rank inside ``compute`` when torch.distributed is initialized); every Metric logged in an epoch is
+``reset()`` after the epoch-end hooks. torchmetrics is optional: it is looked up in ``sys.modules``
+only (a program that logs a Metric has imported it), so trainforge never imports it.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
 from trainforge.strategies.errors import ConfigurationError
 
 REDUCE_FX = ("mean", "sum", "max", "min")
+
+
+def torchmetrics_type(name: str = "Metric") -> Optional[type]:
+    """``torchmetrics.<name>`` if torchmetrics is imported, else None (never imports it)."""
+    module = sys.modules.get("torchmetrics")
+    found = getattr(module, name, None) if module is not None else None
+    return found if isinstance(found, type) else None
+
+
+def metric_scalar(name: str, value: Any, metric: Any, what: str) -> torch.Tensor:
+    """What a logged Metric gave (its ``what``: the batch's forward value or ``compute()``) as one
+    detached value, or a ConfigurationError naming the metric."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.detach().reshape(())
+    got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{value!r:.80}"
+    raise ConfigurationError(
+        f"self.log({name!r}, {type(metric).__name__}): its {what} is {got}, and a logged value is one "
+        "number: configure the metric to reduce to one value (e.g. average='macro'), or log the values "
+        "you need one by one from metric.compute()"
+    )
 
 
 @dataclass
@@ -30,6 +57,38 @@ class MetricStore:
     step_sync: Dict[str, bool] = field(default_factory=dict)
     epoch_means: Dict[str, _EpochMean] = field(default_factory=dict)
     prog_bar: Dict[str, torch.Tensor] = field(default_factory=dict)
+    epoch_objects: Dict[str, Any] = field(default_factory=dict)  # torchmetrics.Metric logged on_epoch
+    logged_objects: Dict[int, Any] = field(default_factory=dict)  # every Metric logged: reset at the epoch end
+
+    def log_metric_object(self, name: str, metric: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool) -> None:
+        """A ``torchmetrics.Metric``: on_step its forward value for this batch, on_epoch its
+        ``compute()`` at the epoch end (``pop_epoch_metrics``)."""
+        step_name, epoch_name = (f"{name}_step", f"{name}_epoch") if on_step and on_epoch else (name, name)
+        self.logged_objects[id(metric)] = metric
+        if on_step:
+            value = metric._forward_cache  # what metric(preds, target) returned for the batch
+            if value is None:
+                raise ConfigurationError(
+                    f"self.log({name!r}, {type(metric).__name__}, on_step=True): on_step logs the value the "
+                    "metric's forward returned for this batch, and it has none (updated with .update(), or "
+                    "logged before it was called); call the metric, metric(preds, target), before self.log, "
+                    "or log it with on_step=False, on_epoch=True for the epoch value only"
+                )
+            tensor = metric_scalar(name, value, metric, "value for the batch")
+            self.step_values[step_name] = tensor
+            self.step_sync[step_name] = False  # the batch's value on this rank (Lightning)
+            if prog_bar:
+                self.prog_bar[step_name] = tensor
+        if on_epoch:
+            self.epoch_objects[epoch_name] = metric
+            if prog_bar and metric._forward_cache is not None:  # the batch's value, compute() at the end
+                self.prog_bar[epoch_name] = metric_scalar(name, metric._forward_cache, metric, "value for the batch")
+
+    def reset_metric_objects(self) -> None:
+        """``reset()`` every Metric logged since the last call (Lightning: after the epoch-end hooks)."""
+        for metric in self.logged_objects.values():
+            metric.reset()
+        self.logged_objects.clear()
 
     def log(
         self,
@@ -89,9 +148,18 @@ class MetricStore:
         self.step_values.clear()
         return out
 
-    def pop_epoch_metrics(self, strategy: Any) -> Dict[str, float]:
-        """Weighted means over the epoch's batches; with sync_dist, over every rank's batches."""
+    def pop_epoch_metrics(self, strategy: Any, compute: bool = True) -> Dict[str, float]:
+        """Weighted means over the epoch's batches; with sync_dist, over every rank's batches. A
+        Metric's value is its ``compute()`` (every rank's states; not called where ``compute`` is
+        False: the sanity check, whose values are dropped); ``reset_metric_objects`` resets it."""
         out = {}
+        if compute:
+            for name, metric in self.epoch_objects.items():
+                tensor = metric_scalar(name, metric.compute(), metric, "compute()")
+                out[name] = float(tensor)
+                if name in self.prog_bar:
+                    self.prog_bar[name] = tensor
+        self.epoch_objects.clear()
         for name, acc in self.epoch_means.items():
             if acc.reduce_fx != "mean":  # sum, max, min: over batches, then over ranks (sync_dist)
                 total = acc.total
