@@ -376,7 +376,8 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """The loader whose next pass starts ``num_batches`` into the epoch, without loading them
         (Accelerate). A loader restored by ``load_state`` already continues where it was saved: asking
-        to skip that same position again is a no-op (with a warning), anything else an error."""
+        to skip that same position again (or 0 after a checkpoint saved on an epoch's last batch, as
+        run_clm_no_trainer.py computes it) is a no-op, logged; anything else an error."""
         return dataloader.skip_first_batches(num_batches)
 
     def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Optional[int] = None) -> Any:

@@ -55,10 +55,10 @@ def test_automatic_checkpoint_naming_and_total_limit(tmp_path):
         acc.save_state(str(tmp_path / "unsafe"), safe_serialization=False)
 
 
-def test_skip_first_batches_and_its_no_op_after_load_state(tmp_path):
+def test_skip_first_batches_and_its_no_op_after_load_state(tmp_path, caplog):
     """Accelerate: skip_first_batches(loader, n) starts the next pass n batches in (without loading
     them); after load_state (which restores the position, unlike Accelerate) skipping that same
-    position again warns and skips nothing more, another count is an error."""
+    position again logs and skips nothing more, another count is an error naming both."""
     data = TensorDataset(torch.arange(32))
     acc = Accelerator()
     loader = acc.prepare(DataLoader(data, batch_size=4))
@@ -71,11 +71,51 @@ def test_skip_first_batches_and_its_no_op_after_load_state(tmp_path):
     acc2 = Accelerator()
     loader2 = acc2.prepare(DataLoader(data, batch_size=4))
     acc2.load_state(str(tmp_path / "mid"))
-    with pytest.raises(ConfigurationError, match="drop the skip_first_batches call"):
+    with pytest.raises(ConfigurationError, match=r"skip_first_batches\(5\) does not match .* batch 3 of epoch 2"):
         acc2.skip_first_batches(loader2, 5)
-    with pytest.warns(UserWarning, match="nothing more is skipped"):
+    with caplog.at_level("WARNING", logger="trainforge"):
         resumed = acc2.skip_first_batches(loader2, 3)
+    assert "restored this loader to batch 3 of epoch 2; the next pass continues from there" in caplog.text
     assert [b[0].tolist() for b in resumed][0] == [12, 13, 14, 15]
+
+
+def test_skip_first_batches_after_a_checkpoint_on_the_last_batch_of_an_epoch(tmp_path, caplog):
+    """run_clm_no_trainer.py after a step checkpoint saved on an epoch's last batch: it starts the next
+    epoch and asks skip_first_batches(0); the restored loader then starts that epoch (logged). Bad
+    input: another count there, 0 in mid-epoch, a bool, a negative count are errors."""
+    data = TensorDataset(torch.arange(16))
+    acc = Accelerator()
+    loader = acc.prepare(DataLoader(data, batch_size=4))
+    for _ in loader:  # epoch 0
+        pass
+    for i, _ in enumerate(loader):  # epoch 1, saved on its last batch
+        if i == 3:
+            acc.save_state(str(tmp_path / "end"))
+            acc.save_state(str(tmp_path / "end_again"))
+        if i == 1:
+            acc.save_state(str(tmp_path / "mid"))
+
+    def restored(name):
+        again = Accelerator()
+        prepared = again.prepare(DataLoader(data, batch_size=4))
+        again.load_state(str(tmp_path / name))
+        return again, prepared
+
+    again, loader2 = restored("end")
+    with caplog.at_level("WARNING", logger="trainforge"):
+        assert again.skip_first_batches(loader2, 0) is loader2
+    assert "to the end of epoch 1 (batch 4 of 4); the next pass starts epoch 2" in caplog.text
+    assert [b[0].tolist() for b in loader2] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert loader2.epoch == 3
+    again, loader3 = restored("end_again")
+    with pytest.raises(ConfigurationError, match=r"skip_first_batches\(2\) .* batch 4 of epoch 1 \(of 4 batches\)"):
+        again.skip_first_batches(loader3, 2)
+    again, loader4 = restored("mid")
+    with pytest.raises(ConfigurationError, match=r"skip_first_batches\(0\) .* batch 2 of epoch 1 .* Drop the"):
+        again.skip_first_batches(loader4, 0)
+    for bad in (True, -1, 2.0):
+        with pytest.raises(ConfigurationError, match="must be an int >= 0"):
+            again.skip_first_batches(loader4, bad)
 
 
 def test_process_control_on_one_process():
