@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import warnings
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -11,6 +11,8 @@ import torch
 
 from trainforge.strategies.data.utils import move_to_device
 from trainforge.strategies.errors import ConfigurationError
+
+log = logging.getLogger("trainforge")
 
 
 @dataclass
@@ -313,21 +315,37 @@ class PreparedDataLoader:
         self._generators_after = [g.get_state() for i, g in enumerate(users) if g not in users[:i]]
 
     def skip_first_batches(self, num_batches: int) -> "PreparedDataLoader":
-        if not isinstance(num_batches, int) or num_batches < 0:
+        """Start the next pass ``num_batches`` into the epoch. After ``load_state`` (which restored the
+        position already) the count a ported Accelerate script computes is checked against the restored
+        position instead: the same batch of the epoch, or ``0`` when the checkpoint was saved on the
+        epoch's last batch (the script then starts the next epoch), is a logged no-op; any other an error."""
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ConfigurationError(f"skip_first_batches(num_batches={num_batches!r}) must be an int >= 0")
         if self._resumed and self.batch_in_epoch > 0:
-            if num_batches != self.batch_in_epoch:
+            at, epoch = self.batch_in_epoch, self.epoch
+            try:
+                length = len(self)
+            except TypeError:  # a stream without a length: its end is not known here
+                length = -1
+            if num_batches == 0 and at == length:  # saved on the epoch's last batch
+                self.set_epoch(epoch + 1)
+                done = f"the end of epoch {epoch} (batch {at} of {at}); the next pass starts epoch {epoch + 1}"
+            elif num_batches == at:
+                done = f"batch {at} of epoch {epoch}; the next pass continues from there"
+            else:
                 raise ConfigurationError(
-                    f"skip_first_batches({num_batches}) on a loader that load_state already put at batch "
-                    f"{self.batch_in_epoch} of epoch {self.epoch}: it continues from there by itself; drop the "
-                    "skip_first_batches call"
+                    f"skip_first_batches({num_batches}) does not match the checkpoint: load_state restored this "
+                    f"loader to batch {at} of epoch {epoch}{f' (of {length} batches)' if length >= 0 else ''}, "
+                    "and it continues from there by itself. Drop the skip_first_batches call, and start the "
+                    f"epoch loop at the loader's `epoch` ({epoch}). (A count computed as step * "
+                    "gradient_accumulation_steps, as in run_clm_no_trainer.py, is off when the loader's length "
+                    "is not a multiple of gradient_accumulation_steps: each epoch ends with a shorter window.)"
                 )
-            warnings.warn(
-                f"skip_first_batches({num_batches}): load_state already restored this loader to batch "
-                f"{num_batches} of the epoch; nothing more is skipped (trainforge restores data "
-                "positions, Accelerate does not)",
-                UserWarning,
-                stacklevel=3,
+            log.warning(
+                "trainforge: skip_first_batches(%d): load_state already restored this loader to %s; not skipping "
+                "again (trainforge restores data positions, Accelerate does not)",
+                num_batches,
+                done,
             )
             return self
         self._skip = num_batches
