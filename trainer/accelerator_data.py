@@ -37,8 +37,6 @@ class DataPreparation:
         def update_run_settings(self, **changes: Any) -> None: ...
 
     def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
-        from trainforge.trainer.seed import seeds_workers, worker_init_fn
-
         dispatch = self._dispatches(loader)
         if dispatch:  # every rank builds the whole (unsharded) loader; only rank 0 iterates it
             from trainforge.strategies.data.loader import prepare_dataloader
@@ -54,12 +52,12 @@ class DataPreparation:
                 sharded.dataset.even_batches = False  # a split stream's last round is not completed
         if self.run_settings.micro_batch_size is None:  # the first loader prepared is the training one
             self.update_run_settings(micro_batch_size=loader.batch_size)
-        if sharded.num_workers > 0 and sharded.worker_init_fn is None and seeds_workers():
-            sharded.worker_init_fn = worker_init_fn
         # The random draws a plain DataLoader makes when an epoch starts (worker base seed, shuffle
         # order) are made by PreparedDataLoader from the user's generator or the global RNG, as torch
         # would; the loader itself gets a private generator, so that recreating its iterator on
-        # resume draws nothing from the user's streams.
+        # resume draws nothing from the user's streams. No worker_init_fn is added: torch seeds torch,
+        # ``random`` and numpy in each worker from the base seed, so the workers of a prepared loader
+        # draw what a plain DataLoader's would (see PreparedDataLoader).
         sharded.generator = torch.Generator()
         sampler = loader.sampler if loader.batch_size is not None else getattr(loader.batch_sampler, "sampler", None)
         world = self.num_processes

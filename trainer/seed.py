@@ -16,11 +16,14 @@ _seed_workers = False  # set by seed_everything(workers=...); read when loaders 
 def seed_everything(seed: int = 0, workers: bool = True, rank_offset: bool = False) -> int:
     """Seed python, numpy, torch (and all CUDA devices).
 
-    ``workers=True`` makes dataloader workers derive their seeds from this one (torch seeds each
-    worker from the loader's base seed, itself drawn from torch's generator; numpy and python
-    ``random`` in workers are seeded by ``worker_init_fn`` below). ``rank_offset=True`` adds the
-    process rank (from RANK) so augmentation differs across ranks while staying reproducible.
-    Returns the seed used."""
+    Dataloader workers derive their seeds from this one whatever ``workers`` says: torch seeds
+    torch, numpy and python ``random`` in worker ``i`` from ``base + i``, the base seed being drawn
+    from torch's generator when an epoch starts. A prepared loader keeps those seeds (on one process
+    exactly a plain DataLoader's; on several, each data-parallel rank's workers get their own: see
+    ``PreparedDataLoader``), so ``workers`` (Lightning's argument, which installs its own
+    ``worker_init_fn``) changes nothing and is recorded only (``seeds_workers``).
+    ``rank_offset=True`` adds the process rank (from RANK) so augmentation differs across ranks
+    while staying reproducible. Returns the seed used."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= _MAX_SEED:
         from trainforge.strategies.errors import ConfigurationError
 
@@ -39,13 +42,14 @@ def seed_everything(seed: int = 0, workers: bool = True, rank_offset: bool = Fal
 
 
 def seeds_workers() -> bool:
-    """Whether the last ``seed_everything`` asked for worker seeding (prepared loaders then use
-    ``worker_init_fn`` when the user gave none)."""
+    """Whether the last ``seed_everything`` asked for worker seeding (recorded; prepared loaders keep
+    torch's worker seeds either way)."""
     return _seed_workers
 
 
 def worker_init_fn(worker_id: int) -> None:
-    """Seed numpy and python ``random`` inside a dataloader worker from torch's per-worker seed."""
+    """Seed numpy and python ``random`` inside a dataloader worker from torch's per-worker seed, for a
+    loader given it explicitly (torch already seeds both per worker; prepared loaders add nothing)."""
     seed = torch.initial_seed() % (_MAX_SEED + 1)
     np.random.seed(seed)
     random.seed(seed)

@@ -293,7 +293,18 @@ class PreparedDataLoader:
         worker base seed from ``g`` (else the global RNG), then RandomSampler's permutation from its
         generator (else from a generator seeded by one more global draw; then a second randperm, as
         RandomSampler makes for ``num_samples % n``). The permutation's generator state is handed to
-        our sampler, which saves it, so a resumed epoch keeps its order on any number of processes."""
+        our sampler, which saves it, so a resumed epoch keeps its order on any number of processes.
+
+        Worker seeds: torch seeds worker ``i`` (torch, ``random``, numpy) from ``base + i``, ``base``
+        being what the iterator draws from ``loader.generator`` (private, so that the iterator a resume
+        recreates draws nothing from the user's streams; torchdata then restores the saved base). That
+        generator is given the state the user's stream had before ``base`` was drawn, so the draw is
+        ``base`` again: on one process (on rank 0) the workers get a plain DataLoader's seeds, and
+        augmentation in ``__getitem__`` is the same. On data-parallel rank ``r > 0`` it is seeded with
+        ``base + r`` instead, so each rank's workers get their own seeds even when every process seeded
+        its RNG alike (a plain DataLoader on every rank would give them all the same ones)."""
+        source = self.base_generator if self.base_generator is not None else torch.default_generator
+        before = source.get_state()
         base = int(torch.empty((), dtype=torch.int64).random_(generator=self.base_generator).item())
         sampler: Any = getattr(self.loader, "sampler", None)
         if getattr(sampler, "shuffle", False) and callable(getattr(sampler, "set_order_state", None)):
@@ -310,7 +321,11 @@ class PreparedDataLoader:
             if self.broadcast is not None:  # every rank shards rank 0's permutation
                 state = self.broadcast(state)
             sampler.set_order_state(state)
-        self.loader.generator.manual_seed(base)
+        rank = getattr(self.loader, "rank", 0)
+        if rank == 0:
+            self.loader.generator.set_state(before)
+        else:
+            self.loader.generator.manual_seed(base + rank)
         users = [g for g in (self.base_generator, self.order_generator) if g is not None]
         self._generators_after = [g.get_state() for i, g in enumerate(users) if g not in users[:i]]
 
