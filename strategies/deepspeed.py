@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
+from trainforge.strategies.checkpoint.io import refused_load
 from trainforge.strategies.ddp import ProcessGroupMixin, check_timeout
 from trainforge.strategies.deepspeed_config import (
     OFFLOAD_DEVICES,
@@ -57,7 +58,7 @@ from trainforge.strategies.deepspeed_state import (  # noqa: F401  (re-exported)
     DeepSpeedState,
     local_state_bytes,
 )
-from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 log = logging.getLogger("trainforge")
 
@@ -120,10 +121,11 @@ def weights_only_load(path: str, map_location: Any = None) -> Any:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        raise CheckpointError(
-            f"refused to load {path}: torch.load(weights_only=True) failed ({type(e).__name__}: "
-            f"{str(e).strip().splitlines()[0][:300]}); a DeepSpeed checkpoint written by trainforge "
-            "holds only tensors, plain data and DeepSpeed's loss-scaler/enum classes"
+        raise refused_load(
+            path,
+            e,
+            "a DeepSpeed checkpoint written by trainforge holds only tensors, plain data and DeepSpeed's "
+            "loss-scaler/enum classes",
         ) from None
 
 

@@ -49,7 +49,13 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from trainforge.strategies.checkpoint.read import from_plain, load_object, load_tensors, to_plain  # noqa: F401
+from trainforge.strategies.checkpoint.read import (  # noqa: F401  (re-exported API)
+    from_plain,
+    load_object,
+    load_tensors,
+    refused_load,
+    to_plain,
+)
 from trainforge.strategies.checkpoint.verify import (  # noqa: F401  (re-exported API)
     ASIDE,
     FORMAT_VERSION,

@@ -105,17 +105,34 @@ def load_object(ckpt_dir: PathLike, name: str, map_location: Any = "cpu") -> Any
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
-        found = _GLOBAL_RE.search(str(e))
-        if found is not None:
-            raise CheckpointError(
-                f"refused to load {path}: it contains a pickled object that would import {found.group(1)} when "
-                f"loaded; checkpoints written by trainforge never do; do not load files from untrusted sources. "
-                f"Nothing in it was executed"
-            ) from None
-        raise CheckpointError(
-            f"{path}: cannot be read ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
-            f"the file is truncated or corrupted"
-        ) from None
+        raise refused_load(path, e, "checkpoints written by trainforge never do") from None
+
+
+def refused_load(path: Any, error: Exception, expected: str) -> CheckpointError:
+    """The error for a failed ``torch.load(path, weights_only=True)``: a pickled reference to code is
+    named and said to be refused (nothing was executed); anything else is a truncated or corrupted file.
+    Never torch's own advice to retry with weights_only disabled, which would run that code.
+    ``expected``: why the file should not hold code, e.g. "checkpoints written by trainforge never do"."""
+    text = str(error)
+    found = _GLOBAL_RE.search(text)
+    if found is not None:
+        return CheckpointError(
+            f"refused to load {path}: it contains a pickled object that would import {found.group(1)} when "
+            f"loaded; {expected}; do not load files from untrusted sources. Nothing in it was executed"
+        )
+    # torch's first paragraph is its advice; the reason is in the paragraphs after it
+    reasons = [p.strip() for p in text.split("\n\n") if p.strip()]
+    if text.startswith("Weights only load failed"):
+        kept = [p for p in reasons[1:] if not p.startswith("Check the documentation")]
+        return CheckpointError(
+            f"refused to load {path}: it holds something a weights-only load does not accept "
+            f"({(kept or ['no reason given'])[0].splitlines()[0][:300]}); {expected}; do not load files from "
+            f"untrusted sources. Nothing in it was executed"
+        )
+    first = (reasons or [""])[0].splitlines()[0][:300]
+    return CheckpointError(
+        f"{path}: cannot be read ({type(error).__name__}: {first}); the file is truncated or corrupted"
+    )
 
 
 def to_plain(obj: Any) -> Any:

@@ -1,11 +1,16 @@
 """Bad input to dispatch and loading: clear errors naming the value, the choices and the fix."""
 
+import json
+import os
+import pickle
+
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from tests.inference.common import plain
+from trainforge.strategies.checkpoint.io import refused_load
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.inference import disk_offload, dispatch_model, init_empty_weights, load_checkpoint_and_dispatch
 
@@ -125,3 +130,66 @@ def test_a_corrupted_trainforge_checkpoint_is_refused_for_inference_too(tmp_path
             model = Regressor(make_net())
         with pytest.raises(CheckpointError, match=r"model\.safetensors: checksum mismatch"):
             load_checkpoint_and_dispatch(model, str(path), device_map={"": "cpu"})
+
+
+def test_a_weights_file_cut_or_rewritten_under_a_mapped_model_is_an_error_not_a_bus_error(tmp_path, ckpt):
+    """Issue 25: truncating a safetensors file a dispatched model uses memory-mapped ended the process
+    with a bare "Bus error" (SIGBUS) at the next forward; now every forward checks the mapped files."""
+    x = torch.randn(2, 32)
+    model = load_checkpoint_and_dispatch(_meta(), ckpt, device_map={"": "cpu"})
+    expected = model(x)
+    moved = tmp_path / "new.safetensors"  # a new file renamed over the name: the mapped inode is intact
+    save_file(plain().state_dict(), str(moved))
+    os.replace(moved, ckpt)
+    assert torch.equal(model(x), expected)
+    model = load_checkpoint_and_dispatch(_meta(), ckpt, device_map={"": "cpu"})
+    st = os.stat(ckpt)
+    os.utime(ckpt, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten in place (same size)
+    with pytest.raises(CheckpointError, match=r"model.safetensors was rewritten while this model uses it memory-m"):
+        model(x)
+    model = load_checkpoint_and_dispatch(_meta(), ckpt, device_map={"": "cpu"})
+    os.truncate(ckpt, 100)  # before the fix: SIGBUS, the test process dies
+    with pytest.raises(CheckpointError, match=r"truncated to 100 of \d+ bytes .* Load the model again; save new"):
+        model(x)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: truncated: its header is \d+ bytes long, the fil"):
+        load_checkpoint_and_dispatch(_meta(), ckpt, device_map={"": "cpu"})
+    save_file(plain().state_dict(), str(ckpt))
+    os.truncate(ckpt, os.path.getsize(ckpt) - 8)  # cut in the data: refused before anything is mapped
+    with pytest.raises(CheckpointError, match=r"truncated: its header describes \d+ bytes, the file has \d+; it was"):
+        load_checkpoint_and_dispatch(_meta(), ckpt, device_map={"": "cpu"})
+    offloaded = disk_offload(plain(), tmp_path / "off", execution_device="cpu")
+    os.truncate(tmp_path / "off" / "model-offload.safetensors", 100)
+    with pytest.raises(CheckpointError, match=r"model-offload.safetensors was truncated"):
+        offloaded(x)
+
+
+class _Evil:
+    marker = ""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_with_code_in_a_bin_checkpoint_is_refused_without_unsafe_advice(tmp_path):
+    """Issue 25: a hostile .bin got torch's advice to retry with weights_only=False (which runs it)."""
+    evil = _Evil()
+    evil.marker = str(tmp_path / "PWNED")
+    sd = {k: v for k, v in plain().state_dict().items()}
+    torch.save({**sd, "extra": evil}, tmp_path / "pytorch_model-00001.bin")
+    weight_map = {k: "pytorch_model-00001.bin" for k in sd}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint_and_dispatch(_meta(), tmp_path, device_map={"": "cpu"})
+    message = str(err.value)
+    assert "refused to load" in message and "posix.system" in message and "Nothing in it was executed" in message
+    assert "weights_only" not in message and "Re-running" not in message
+    assert not (tmp_path / "PWNED").exists()
+    # a refusal torch words without a GLOBAL: its reason is kept, its advice dropped
+    torch_text = (
+        "Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` will likely "
+        "succeed, but it can result in arbitrary code execution.\n\nUnsupported operand 149\n\nCheck the "
+        "documentation of torch.load to learn more"
+    )
+    message = str(refused_load("f.bin", pickle.UnpicklingError(torch_text), "a weights file holds only tensors"))
+    assert "load does not accept (Unsupported operand 149); a weights file holds only tensors" in message
+    assert "weights_only" not in message and "Re-running" not in message

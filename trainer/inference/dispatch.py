@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from trainforge.strategies.checkpoint.safetensors_mmap import mmap_safetensors
+from trainforge.strategies.checkpoint.safetensors_mmap import MappedFile, mmap_safetensors
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.inference.device_map import MODES, Device, infer_auto_device_map, normalize_device
 from trainforge.trainer.inference.hooks import Runner, first_device, send_to
@@ -105,8 +105,11 @@ def attach(
     per_tensor: Dict[str, Device],
     execution_device=None,
     prefetch: bool = True,
+    mapped: Sequence[MappedFile] = (),
 ) -> nn.Module:
-    """Hooks for the blocks of ``device_map`` whose weights are not on the execution device."""
+    """Hooks for the blocks of ``device_map`` whose weights are not on the execution device; with
+    ``mapped`` (the files the model's weights are memory-mapped from), every forward first checks that
+    none of them was truncated or rewritten (touching such a mapping is a SIGBUS, not an exception)."""
     if not isinstance(prefetch, bool):
         raise ConfigurationError(
             f"prefetch={prefetch!r} must be True or False (True: on CUDA, copy the next block while this one runs)"
@@ -152,6 +155,14 @@ def attach(
                 lambda m, a, k, o: send_to(o, state["dev"]) if state["dev"] is not None else o, with_kwargs=True
             )
         )
+    if mapped:
+        files = list(mapped)
+
+        def check_files(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            for f in files:
+                f.check()
+
+        handles.append(model.register_forward_pre_hook(check_files, with_kwargs=True, prepend=True))
     # plain attributes (nn.Module's __setattr__ is typed for tensors and modules only)
     setattr(model, "_trainforge_runner", runner)
     setattr(model, "_trainforge_handles", handles)
@@ -175,6 +186,7 @@ def dispatch_model(
             f"load_checkpoint_and_dispatch to load them"
         )
     disk = {n: t for n, t in tensors.items() if per_tensor[n] == "disk"}
+    files: List[MappedFile] = []
     if disk:
         folder = check_writable(offload_dir, "the device map sends weights to 'disk'")
         seen, uniq = {}, {}
@@ -182,9 +194,11 @@ def dispatch_model(
             if id(t) not in seen:
                 seen[id(t)] = n
                 uniq[n] = t
-        mapped = mmap_safetensors(write_offload(folder, "model-offload", uniq))
+        path = write_offload(folder, "model-offload", uniq)
+        files = [MappedFile(path)]
+        views = mmap_safetensors(path)
         for n, t in disk.items():
-            set_tensor(model, n, mapped[seen[id(t)]])
+            set_tensor(model, n, views[seen[id(t)]])
     done: Dict[tuple, torch.Tensor] = {}
     for n, t in tensors.items():
         dev = per_tensor[n]
@@ -196,7 +210,7 @@ def dispatch_model(
             done[(id(t), dev)] = t.detach().to(_torch_device(dev))
         set_tensor(model, n, done[(id(t), dev)])
     retie(model, [g for g in groups])
-    return attach(model, device_map, per_tensor, execution_device, prefetch)
+    return attach(model, device_map, per_tensor, execution_device, prefetch, files)
 
 
 def _check_keys(model: nn.Module, source: Source, groups: List[List[str]], checkpoint) -> Dict[str, str]:
@@ -275,16 +289,24 @@ def load_checkpoint_and_dispatch(
         else None
     )
     placed: Dict[tuple, torch.Tensor] = {}
+    files = {shard: MappedFile(shard) for shard in source.shards}  # size and mtime before mapping
+    used = set()  # the files that weights left on the host stay views of
     for i, (shard, tensors) in enumerate(source.tensors()):  # one shard mapped at a time
+        origin = dict.fromkeys(tensors, shard)
         if folder is not None and shard.suffix != ".safetensors":
             offload = {c: t for c, t in tensors.items() if any(per_tensor[n] == "disk" for n in wanted.get(c, []))}
             if offload:
-                tensors.update(mmap_safetensors(write_offload(folder, f"offload-{i:05d}", offload)))
+                path = write_offload(folder, f"offload-{i:05d}", offload)
+                files[path] = MappedFile(path)
+                tensors.update(mmap_safetensors(path))
+                origin.update(dict.fromkeys(offload, path))
         for c, t in tensors.items():
             for n in wanted.get(c, []):
                 dev = per_tensor[n]
                 if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)  # a cast is a copy: only done when asked
+                elif dev in ("cpu", "disk"):
+                    used.add(origin[c])
                 if dev not in ("cpu", "disk"):  # tied names share one copy per device
                     if (c, dev) not in placed:
                         placed[(c, dev)] = t.to(_torch_device(dev))
@@ -303,7 +325,7 @@ def load_checkpoint_and_dispatch(
             )
         if per_tensor[n] not in ("cpu", "disk"):
             set_tensor(model, n, t.to(_torch_device(per_tensor[n])))
-    return attach(model, device_map, per_tensor, execution_device, prefetch)
+    return attach(model, device_map, per_tensor, execution_device, prefetch, [files[p] for p in used])
 
 
 def cpu_offload(model: nn.Module, execution_device=None, prefetch: bool = True) -> nn.Module:

@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 from safetensors.torch import save_file
 
+from trainforge.strategies.checkpoint.io import refused_load
 from trainforge.strategies.checkpoint.safetensors_mmap import SAFETENSORS_DTYPES, mmap_safetensors, read_header
 from trainforge.strategies.checkpoint.verify import METADATA_FILE, verify_checkpoint
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
@@ -40,7 +41,16 @@ class Source:
             if shard.suffix == ".safetensors":
                 yield shard, mmap_safetensors(shard)
             else:
-                yield shard, torch.load(shard, map_location="cpu", weights_only=True, mmap=True)
+                yield shard, load_bin(shard)
+
+
+def load_bin(path: Path) -> Dict[str, torch.Tensor]:
+    """A ``.bin`` shard memory-mapped through ``torch.load(weights_only=True)``; a pickled reference to
+    code is refused with a CheckpointError saying so (never torch's advice to disable weights_only)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise refused_load(path, e, "a weights file holds only tensors") from None
 
 
 def _index_source(index: Path) -> Source:
@@ -61,7 +71,7 @@ def _index_source(index: Path) -> Source:
             for k, entry in header.items():
                 entries[k] = (s, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
         else:  # .bin: the shapes come from a memory-mapped load (no copy)
-            for k, t in torch.load(s, map_location="cpu", weights_only=True, mmap=True).items():
+            for k, t in load_bin(s).items():
                 entries[k] = (s, t.dtype, tuple(t.shape))
     return Source(shards, entries, aliases)
 
