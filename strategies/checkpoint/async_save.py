@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from trainforge.strategies.checkpoint.io import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
+from trainforge.strategies.checkpoint.write_errors import is_write_error, save_failed
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 log = logging.getLogger("trainforge")
@@ -134,16 +135,10 @@ class AsyncCheckpointer:
             future.result()
             self._committed = self._path
         except BaseException as e:
-            previous = (
-                f"the previous checkpoint {self._committed} is intact"
-                if self._committed
-                else "no earlier checkpoint of this run was committed"
-            )
-            raise CheckpointError(
-                f"asynchronous save of {self._path} failed ({type(e).__name__}: "
-                f"{str(e).strip()[:500]}); it was not committed, 'latest' was not moved and "
-                f"{previous}. Fix the cause (disk space, permissions) and save again"
-            ) from e
+            cause = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ is not None else e
+            if not is_write_error(cause):  # the writer's explanation of a failed write is re-worded, not nested
+                cause = e
+            raise save_failed(cast(Path, self._path), cause, self._committed, asynchronous=True) from cause
         finally:
             self._future, self._after = None, []
 

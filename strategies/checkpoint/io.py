@@ -79,6 +79,7 @@ from trainforge.strategies.checkpoint.verify import (  # noqa: F401  (re-exporte
     verify_checkpoint,
     write_latest_pointer,
 )
+from trainforge.strategies.checkpoint.write_errors import explain_write_errors, last_committed
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # "5GB" as Hugging Face counts it
@@ -193,12 +194,14 @@ class CheckpointWriter:
         self._syncs: List["Future[None]"] = []
         self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainforge-ckpt")
         self._done = False
+        self._previous = last_committed(self.root)  # named by a failed write's error (disk full, ...)
         if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if self.tmp_dir.exists():
-                shutil.rmtree(self.tmp_dir)
-            self.tmp_dir.mkdir()
-            _write_durable(self.tmp_dir / _SAVE_ID, uuid.uuid4().hex)
+            with self._failing():
+                self.root.mkdir(parents=True, exist_ok=True)
+                if self.tmp_dir.exists():
+                    shutil.rmtree(self.tmp_dir)
+                self.tmp_dir.mkdir()
+                _write_durable(self.tmp_dir / _SAVE_ID, uuid.uuid4().hex)
         self._barrier()
         try:  # every rank learns this save's id: it tells them later whether rank 0 committed it
             self.save_id = (self.tmp_dir / _SAVE_ID).read_text(encoding="utf-8")
@@ -211,6 +214,9 @@ class CheckpointWriter:
     def _barrier(self) -> None:
         if self._barrier_fn is not None:
             self._barrier_fn()
+
+    def _failing(self) -> ContextManager[None]:
+        return explain_write_errors(self.final_dir, self._previous)
 
     def _path(self, rel: str) -> Path:
         if self._done:
@@ -249,7 +255,8 @@ class CheckpointWriter:
         its own file (collective; rank 0 hashes the files at ``finalize``)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, checkpoint_id=str(self.tmp_dir / check_rel(rel)))
+        with self._failing():
+            dcp.save(state, checkpoint_id=str(self.tmp_dir / check_rel(rel)))
 
     def save_tensors(
         self,
@@ -276,29 +283,31 @@ class CheckpointWriter:
         names = (
             [f"{base}.safetensors"] if n == 1 else [f"{base}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
         )
-        for file, keys in zip(names, shards):
-            header = {"format": "pt"}  # transformers refuses safetensors files without format=pt
-            if n == 1 and aliases:
-                header["trainforge_aliases"] = json.dumps(aliases, sort_keys=True)
-            save_file({k: tensors[k] for k in keys}, str(self._path(file)), metadata=header)
-            self.track(file)
-        if n > 1:
-            meta: Dict[str, Any] = {"total_size": sum(sizes.values())}
-            if aliases:
-                meta["trainforge_aliases"] = aliases
-            index = {"metadata": meta, "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
-            file = f"{base}.safetensors.index.json"
-            self._path(file).write_text(json.dumps(index, indent=2, sort_keys=True), encoding="utf-8")
-            self.track(file)
-            names.append(file)
+        with self._failing():
+            for file, keys in zip(names, shards):
+                header = {"format": "pt"}  # transformers refuses safetensors files without format=pt
+                if n == 1 and aliases:
+                    header["trainforge_aliases"] = json.dumps(aliases, sort_keys=True)
+                save_file({k: tensors[k] for k in keys}, str(self._path(file)), metadata=header)
+                self.track(file)
+            if n > 1:
+                meta: Dict[str, Any] = {"total_size": sum(sizes.values())}
+                if aliases:
+                    meta["trainforge_aliases"] = aliases
+                index = {"metadata": meta, "weight_map": {k: f for f, keys in zip(names, shards) for k in keys}}
+                file = f"{base}.safetensors.index.json"
+                self._path(file).write_text(json.dumps(index, indent=2, sort_keys=True), encoding="utf-8")
+                self.track(file)
+                names.append(file)
         return names
 
     def save_object(self, name: str, obj: Any) -> str:
         """``torch.save`` to ``<name>.pt``. Refuses (ConfigurationError, nothing kept) an object that
         ``torch.load(weights_only=True)`` could not read back, e.g. numpy arrays: see ``to_plain``."""
         file = f"{check_rel(name)}.pt"
-        path = self._path(file)
-        torch.save(obj, path)
+        with self._failing():
+            path = self._path(file)
+            torch.save(obj, path)
         check = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch >= 2.5
         unsafe = check(path) if check is not None else []
         if unsafe:
@@ -317,6 +326,10 @@ class CheckpointWriter:
         JSON-serializable extras. Rank 0 writes the manifest and metadata.json, fsyncs, renames
         into place, then moves ``latest`` (unless ``update_latest=False``). Returns ``final_dir``;
         on ranks other than 0, raises CheckpointError if rank 0 failed to commit."""
+        with self._failing():
+            return self._finalize(metadata, update_latest)
+
+    def _finalize(self, metadata: Optional[Mapping[str, Any]], update_latest: bool) -> Path:
         meta = self._metadata(metadata)
         entries = self._entries()
         if self.rank != 0:
