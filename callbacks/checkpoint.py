@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from trainforge.callbacks.base import Callback
 from trainforge.strategies.checkpoint.async_save import check_async_save, resolve_async_save
 from trainforge.strategies.checkpoint.io import delete_checkpoint, read_metadata
+from trainforge.strategies.checkpoint.write_errors import check_writable
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -227,6 +228,16 @@ class ModelCheckpoint(Callback):
     # ---- triggers ------------------------------------------------------------------------------
     def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._last_time = time.monotonic()
+        if self._saves_anything():  # every rank writes files of each checkpoint: each checks, before any work
+            if self.dirpath:
+                check_writable(self.dirpath, f"ModelCheckpoint(dirpath={self.dirpath!r})", "Pass dirpath=...")
+            else:
+                check_writable(
+                    self.directory(trainer),
+                    f"the checkpoint directory {str(self.directory(trainer))!r} (Trainer(default_root_dir) + "
+                    f"'/checkpoints')",
+                    "Pass Trainer(default_root_dir=...) or ModelCheckpoint(dirpath=...)",
+                )
         if self._restored_paths:
             self._restored_paths = False
             self._place_restored_paths(self.directory(trainer))
@@ -259,6 +270,10 @@ class ModelCheckpoint(Callback):
         if self.monitor is None or trainer.stage != "fit" or self._judge_at_train_epoch_end(trainer):
             return
         self._save_top_k(trainer)
+
+    def _saves_anything(self) -> bool:
+        periodic = self.every_n_steps or self.every_n_epochs or self.train_time_interval is not None
+        return bool(self.save_last or periodic or (self.monitor is not None and self.save_top_k != 0))
 
     def _judge_at_train_epoch_end(self, trainer: "TrainerView") -> bool:
         if self.save_on_train_epoch_end is not None:

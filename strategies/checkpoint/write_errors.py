@@ -30,7 +30,10 @@ _CAUSES = {
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
     errno.EROFS: "the filesystem is read-only",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EEXIST: "a part of the path is a file, not a directory",
 }
+_NOT_SPACE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
 _TORCH_WRITE = ("inline_container", "PytorchStreamWriter", "file write failed")
 
 
@@ -67,7 +70,7 @@ def save_failed(
     path = Path(path)
     number = error_number(error)
     cause = _CAUSES.get(number, "") if number is not None else ""
-    if number in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if number in _NOT_SPACE:
         fix = f"make {path.parent} writable or save elsewhere (ModelCheckpoint(dirpath=...))"
     else:
         fix = (
@@ -100,20 +103,19 @@ def explain_write_errors(final_dir: PathLike, previous: Optional[PathLike]) -> I
         raise save_failed(final_dir, e, previous) from e
 
 
-def check_writable(folder: PathLike, setting: str) -> None:
+def check_writable(folder: PathLike, where: str, fix: str) -> None:
     """Create ``folder`` (and its parents) and write a file in it now, so that an unwritable checkpoint
-    directory is an error before training instead of after the first epoch. ``setting``: what the user
-    set, e.g. "ModelCheckpoint(dirpath=...)"."""
+    directory is an error before training instead of after the first epoch. ``where``: the setting and
+    its value, e.g. "ModelCheckpoint(dirpath='ck')"; ``fix``: which setting to change."""
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".trainforge-write-test"):
             pass
     except OSError as e:
-        why = e.strerror or str(e)
-        if isinstance(e, (FileExistsError, NotADirectoryError)):
-            why = f"{why}: a part of the path is a file, not a directory"
+        cause = _CAUSES.get(e.errno or 0, "")
         raise ConfigurationError(
-            f"{setting}={str(folder)!r} is not writable ({why}); checkpoints could not be saved. Pass a "
-            f"directory this process can create and write to (on every rank that saves)"
+            f"{where} is not writable ({e.strerror or e}{': ' + cause if cause else ''}); no checkpoint could "
+            f"be saved there. {fix} naming a directory this process can create and write to (on every rank "
+            f"that saves)"
         ) from None

@@ -205,3 +205,32 @@ def test_names_that_change_only_with_the_epoch_are_refused_for_saves_within_an_e
     ModelCheckpoint(filename="{epoch}-{step}", every_n_steps=1, save_top_k=-1)  # fine
     ModelCheckpoint(filename="best-{val/loss:.2f}", monitor="val/loss", every_n_steps=10)  # a metric in the name
     ModelCheckpoint(filename="{epoch}", every_n_epochs=1)  # one save per epoch
+
+
+class CountSteps(Regressor):
+    steps = 0
+
+    def training_step(self, batch, batch_idx):
+        CountSteps.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_at_fit_start(tmp_path):
+    """Issue 25: a raw OSError came only at the first save, after the first epoch. The tests run as root,
+    which ignores permission bits, so the directory is made unwritable another way: its parent is a
+    regular file, which no user can create a directory in."""
+    (tmp_path / "file").write_text("not a directory")
+    CountSteps.steps = 0
+    with pytest.raises(
+        ConfigurationError,
+        match=r"ModelCheckpoint\(dirpath='.*/file/ck'\) is not writable \(Not a directory: a part of the path is "
+        r"a file, not a directory\); no checkpoint could be saved there. Pass dirpath=\.\.\. naming",
+    ):
+        fit(tmp_path, [ModelCheckpoint(dirpath=str(tmp_path / "file" / "ck"))], module=CountSteps(make_net()))
+    assert CountSteps.steps == 0  # before any work
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("a file where the default directory goes")
+    with pytest.raises(ConfigurationError, match=r"checkpoint directory '.*/run/checkpoints' \(Trainer\(default_"):
+        fit(tmp_path / "run", [ModelCheckpoint(save_last=True)], module=CountSteps(make_net()))
+    assert CountSteps.steps == 0
+    fit(tmp_path / "a", [ModelCheckpoint(dirpath=str(tmp_path / "file" / "ck"), save_top_k=0)], max_epochs=1)
