@@ -51,6 +51,7 @@ class RunSettings:
     micro_batch_size: Optional[int] = None  # per process, from the training DataLoader
     gradient_clip_val: Optional[float] = None
     gradient_clip_algorithm: str = "norm"
+    device_placement: bool = True  # False: the module stays where the user put it (Accelerate's option)
 
 
 class Strategy:
@@ -137,7 +138,8 @@ class Strategy:
         return module, build_optimizers(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self.precision.convert_module(module.to(self.root_device))
+        placed = module.to(self.root_device) if self.settings.device_placement else module
+        return self.precision.convert_module(placed)
 
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
         """Shard and make resumable (see ``trainforge.strategies.data.loader``)."""

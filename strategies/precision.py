@@ -49,6 +49,7 @@ class Precision:
         self.name = normalize_precision(precision)
         self.device = torch.device(device)
         self.skipped_steps = 0  # optimizer steps skipped by the grad scaler (inf/nan gradients)
+        self.step_was_skipped = False  # the last optimizer step was one of them
         self.scaler: Optional[torch.amp.GradScaler] = None
         # Floating inputs are cast to this dtype (the parameters' own, where autocast does not reach):
         # bf16-true here; a strategy that keeps half-precision parameters sets it too (DeepSpeed).
@@ -108,8 +109,8 @@ class Precision:
         out = self.scaler.step(optimizer)
         self.scaler.update()
         self._unscaled.discard(id(optimizer))
-        if self.scaler.get_scale() < scale_before:  # the scaler lowers its scale exactly when it skipped
-            self.skipped_steps += 1
+        self.step_was_skipped = self.scaler.get_scale() < scale_before  # lowered exactly when it skipped
+        self.skipped_steps += int(self.step_was_skipped)
         return out
 
     def state_dict(self) -> Dict[str, Any]:

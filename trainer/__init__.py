@@ -3,6 +3,8 @@ Users import these names from ``trainforge`` itself."""
 
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
 from trainforge.strategies.precision import PRECISIONS, Precision
+from trainforge.trainer.accelerate_state import DistributedType, PartialState
+from trainforge.trainer.accelerate_utils import find_executable_batch_size, skip_first_batches
 from trainforge.trainer.accelerator import Accelerator
 from trainforge.trainer.datamodule import DataModule
 from trainforge.trainer.events import Event
@@ -22,6 +24,10 @@ __all__ = [
     "TrainingModule",
     "DataModule",
     "Accelerator",
+    "DistributedType",  # and the next three: accelerate's top-level names (also in trainforge.utils)
+    "PartialState",
+    "skip_first_batches",
+    "find_executable_batch_size",
     "Event",
     "Precision",
     "PRECISIONS",

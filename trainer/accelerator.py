@@ -32,6 +32,7 @@ from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.devices import check_device_matches, normalize_accelerator
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.precision import Precision
+from trainforge.trainer.accelerate_compat import AccelerateCompat, AccelerateOptions, release_memory
 from trainforge.trainer.accelerator_data import DataPreparation, data_options
 from trainforge.trainer.collectives import Collectives
 from trainforge.trainer.inference.api import BigModelInference
@@ -39,7 +40,7 @@ from trainforge.trainer.process_control import ProcessControl
 from trainforge.trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
 
-class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessControl):
+class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessControl, AccelerateCompat):
     """Accelerate's options also accepted: ``even_batches`` (False: no padding duplicates on the
     last batch; ranks may get one batch fewer), ``split_batches`` (True: the loader's batch size is
     the global batch, split between processes; schedulers then step once per optimizer step),
@@ -50,7 +51,9 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
     IterableDataset on several processes, as Accelerate): rank 0 reads the loader and every process
     receives its slice of each step (``trainer/dispatch.py``); False: every process reads its own
     share (an IterableDataset's stream is split by ``strategies/data/iterable.py``). These three
-    also come in ``dataloader_config`` (Accelerate's ``DataLoaderConfiguration``, duck-typed)."""
+    also come in ``dataloader_config`` (``trainforge.utils.DataLoaderConfiguration``, or Accelerate's).
+    Accelerate's ``mixed_precision``, ``cpu``, ``log_with``, ``kwargs_handlers``, ``rng_types`` and
+    ``device_placement`` too: see ``trainer/accelerate_compat.py``."""
 
     def __init__(
         self,
@@ -68,12 +71,36 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         project_config: Any = None,
         automatic_checkpoint_naming: bool = False,
         total_limit: Optional[int] = None,
+        mixed_precision: Optional[str] = None,
+        cpu: bool = False,
+        log_with: Any = None,
+        kwargs_handlers: Optional[List[Any]] = None,
+        rng_types: Optional[List[str]] = None,
+        device_placement: bool = True,
+        **accelerate_only: Any,
     ) -> None:
         from trainforge.trainer.launch_config import launch_defaults, strategy_kwargs
 
-        even_batches, split_batches, dispatch_batches = data_options(
-            even_batches, split_batches, dispatch_batches, dataloader_config
+        compat = AccelerateOptions(
+            precision=precision,
+            mixed_precision=mixed_precision,
+            accelerator=accelerator,
+            cpu=cpu,
+            kwargs_handlers=kwargs_handlers,
+            rng_types=rng_types,
+            device_placement=device_placement,
+            log_with=log_with,
+            dataloader_config=dataloader_config,
+            project_config=project_config,
+            others=accelerate_only,
         )
+        precision, accelerator = compat.precision, compat.accelerator
+        even_batches, split_batches, dispatch_batches = data_options(
+            *compat.loader_arguments(even_batches, split_batches, dispatch_batches)
+        )
+        project_dir, automatic_checkpoint_naming, total_limit = compat.project_arguments(
+            project_dir, automatic_checkpoint_naming, total_limit
+        )  # and log_with, checked against the logging directory
         defaults = launch_defaults()  # what `trainforge launch` was told; explicit arguments win
         strategy = strategy if strategy is not None else defaults.get("strategy", "auto")
         precision = precision if precision is not None else defaults.get("precision", "32")
@@ -87,6 +114,7 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
                 f"gradient_accumulation_steps={accum!r} must be an int >= 1 (1 means no accumulation)"
             )
         kwargs = strategy_kwargs(strategy, defaults) if isinstance(strategy, str) else {}
+        strategy, kwargs = compat.strategy_arguments(strategy, kwargs)
         self.strategy = resolve_strategy(strategy, **kwargs)
         accelerator = accelerator if accelerator is not None else defaults.get("accelerator", "auto")
         normalize_accelerator(accelerator)  # a bad value fails here, before any process group starts
@@ -94,7 +122,9 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self.strategy.setup_environment(accelerator)
         self.precision = Precision(precision, self.strategy.root_device)
         self.gradient_accumulation_steps = accum
-        self.run_settings = RunSettings(precision=self.precision, accumulation_steps=accum)
+        self.run_settings = RunSettings(
+            precision=self.precision, accumulation_steps=accum, device_placement=compat.device_placement
+        )
         self.strategy.configure(self.run_settings)
         self.gradient_state = GradientState()
         self._no_sync_is_noop = type(self.strategy).no_backward_sync is Strategy.no_backward_sync
@@ -106,12 +136,6 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self._dataloaders: List[PreparedDataLoader] = []
         self._custom_objects: List[Any] = []
         self.even_batches, self.split_batches, self.dispatch_batches = even_batches, split_batches, dispatch_batches
-        if project_config is not None:  # Accelerate's ProjectConfiguration, duck-typed
-            project_dir = project_dir or getattr(project_config, "project_dir", None)
-            automatic_checkpoint_naming = getattr(
-                project_config, "automatic_checkpoint_naming", automatic_checkpoint_naming
-            )
-            total_limit = getattr(project_config, "total_limit", total_limit)
         if automatic_checkpoint_naming and project_dir is None:
             raise ConfigurationError(
                 "automatic_checkpoint_naming=True needs project_dir=<directory> (checkpoints "
@@ -122,6 +146,7 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self.project_dir, self.total_limit = project_dir, total_limit
         self.automatic_checkpoint_naming = automatic_checkpoint_naming
         self._async_checkpointer: Optional[AsyncCheckpointer] = None  # created by the first async save
+        self.setup_accelerate(compat)
 
     # ---- topology --------------------------------------------------------------------------------
     device = property(lambda self: self.strategy.root_device)
@@ -386,9 +411,14 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
 
-    def end_training(self) -> None:
+    def free_memory(self, *objects: Any) -> List[Any]:
+        """Forget everything prepared (Accelerate's): ``None`` for each of ``objects`` (``model, opt =
+        acc.free_memory(model, opt)``), garbage collected, device caches emptied."""
         self.wait_for_checkpoint()
-        self.strategy.teardown()
+        for held in (self._models, self._optimizers, self._schedulers, self._dataloaders, self._custom_objects):
+            held.clear()
+        self.step = 0
+        return release_memory(*objects)
 
     def run_step(self, model: nn.Module, method: str, *args: Any) -> Any:
         """Call ``module.<method>(*args)`` through the prepared model's ``forward``, so wrappers that act

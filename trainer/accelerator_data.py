@@ -63,7 +63,7 @@ class DataPreparation:
         world = self.num_processes
         prepared = PreparedDataLoader(
             sharded,
-            self.device,
+            self.device if self.run_settings.device_placement else torch.device("cpu"),  # cpu: nothing moved
             self.gradient_state,
             self.precision,
             base_generator=loader.generator,

@@ -1,0 +1,167 @@
+"""trainforge.utils: HF Accelerate's ``accelerate.utils`` / ``accelerate.logging`` / ``accelerate.local_sgd``
+names (issue 20), and the top-level ones. One process here; two in ``test_names_on_two_processes``
+(tests/scripts/accelerate_names_dist.py, gloo). The Accelerator's arguments and members are in
+test_accelerate_names.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+import trainforge
+from tests.helpers import procs
+from trainforge import Accelerator, ConfigurationError
+from trainforge.utils import (
+    DistributedType,
+    LocalSGD,
+    PartialState,
+    find_executable_batch_size,
+    get_logger,
+    set_seed,
+    skip_first_batches,
+)
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def test_top_level_names_are_accelerates():
+    for name in ("DistributedType", "PartialState", "skip_first_batches", "find_executable_batch_size"):
+        assert getattr(trainforge, name) is getattr(trainforge.utils, name) and name in trainforge.__all__
+
+
+def test_set_seed():
+    set_seed(7)
+    first = (random.random(), np.random.rand(), torch.rand(1))
+    set_seed(7)
+    assert (random.random(), np.random.rand(), torch.rand(1)) == first
+    try:
+        set_seed(7, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with pytest.raises(ConfigurationError, match=r"seed=-1 must be an int in \[0, 4294967295\]"):
+        set_seed(-1)
+
+
+def test_get_logger_logs_on_the_main_process_only_unless_told(monkeypatch, caplog):
+    logger = get_logger("trainforge.test_names", log_level="INFO")
+    caplog.set_level(logging.INFO, logger="trainforge.test_names")
+    monkeypatch.setenv("RANK", "1")  # another process, no process group: the launcher's environment says
+    logger.info("main only")
+    logger.info("everywhere", main_process_only=False)
+    monkeypatch.setenv("RANK", "0")
+    logger.warning_once("once")
+    logger.warning_once("once")
+    assert [r.getMessage() for r in caplog.records] == ["everywhere", "once"]
+    assert caplog.records[0].funcName == "test_get_logger_logs_on_the_main_process_only_unless_told"
+    with pytest.raises(ConfigurationError, match=r"log_level='LOUD'\) is not a logging level"):
+        get_logger("x", log_level="LOUD")
+
+
+def test_find_executable_batch_size_halves_on_out_of_memory():
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def train(batch_size, lr):
+        tried.append(batch_size)
+        if batch_size > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if batch_size > 8:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+        return batch_size, lr
+
+    assert train(0.1) == (8, 0.1) and tried == [64, 32, 16, 8]
+    with pytest.raises(ConfigurationError, match=r"got batch_size as its first argument.*Call train\(lr=0.1\)"):
+        train(8, 0.1)
+
+    @find_executable_batch_size(starting_batch_size=2)
+    def never(batch_size):
+        raise torch.OutOfMemoryError("out of memory")
+
+    with pytest.raises(RuntimeError, match="No executable batch size found, reached zero"):
+        never()
+
+    @find_executable_batch_size
+    def other(batch_size):
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError, match="not memory"):
+        other()
+    with pytest.raises(ConfigurationError, match=r"starting_batch_size=0\) must be an int >= 1"):
+        find_executable_batch_size(lambda b: b, starting_batch_size=0)
+
+
+def test_partial_state_on_one_process(capsys):
+    state = PartialState(cpu=True)
+    assert (state.num_processes, state.process_index, state.is_main_process, state.is_last_process) == (
+        1,
+        0,
+        True,
+        True,
+    )
+    assert state.distributed_type is DistributedType.NO and state.device == torch.device("cpu")
+    state.print("hello")
+    state.wait_for_everyone()
+    with state.split_between_processes([1, 2, 3]) as mine:
+        assert mine == [1, 2, 3]
+    assert capsys.readouterr().out == "hello\n"
+    with pytest.raises(
+        ConfigurationError, match=r"PartialState\(backend=...\) is not supported.*InitProcessGroupKwargs"
+    ):
+        PartialState(backend="gloo")
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(7))
+
+
+def test_skip_first_batches_plain_prepared_and_refused():
+    loader = DataLoader(list(range(7)), batch_size=2)
+    skipped = skip_first_batches(loader, 2)
+    assert [b.tolist() for b in skipped] == [[4, 5], [6]] and len(skipped) == 2
+    assert [b.tolist() for b in skip_first_batches(DataLoader(_Stream(), batch_size=3), 1)] == [[3, 4, 5], [6]]
+    prepared = Accelerator().prepare(DataLoader(list(range(7)), batch_size=2))
+    assert [b.tolist() for b in skip_first_batches(prepared, 3)] == [[6]]
+    with pytest.raises(ConfigurationError, match=r"num_batches=-1\) must be an int >= 0"):
+        skip_first_batches(loader, -1)
+    with pytest.raises(ConfigurationError, match=r"skip_first_batches\(list\): expected a torch DataLoader"):
+        skip_first_batches([1, 2], 1)
+
+
+def test_local_sgd_on_one_process_is_plain_training():
+    acc = Accelerator()
+    model = acc.prepare(nn.Linear(2, 1))
+    with LocalSGD(accelerator=acc, model=model, local_sgd_steps=2, enabled=True) as local:
+        local.step()
+        local.step()
+    assert local.num_steps == 2 and local.enabled is False  # nothing to average on one process
+    with pytest.raises(ConfigurationError, match=r"local_sgd_steps=0\) must be an int >= 1"):
+        LocalSGD(accelerator=acc, model=model, local_sgd_steps=0)
+
+
+@pytest.mark.slow
+def test_names_on_two_processes(tmp_path):
+    """LocalSGD averages, check_trigger sees another rank's set_trigger, get_logger logs once,
+    PartialState/distributed_type/is_last_process, and the kwargs handlers reach DDP (gloo, 2 processes)."""
+    out = procs.run(procs.torchrun(SCRIPTS / "accelerate_names_dist.py", str(tmp_path)), timeout=120).stdout
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, r in enumerate(ranks):
+        assert r["distributed_type"] == "MULTI_CPU" and r["state"] == [2, rank] and r["is_last"] == (rank == 1)
+        assert r["trigger"] == [False, True, False]
+        assert r["find_unused_parameters"] is True and r["timeout"] == 77
+    # LocalSGD: different local steps, the same averaged parameters on both ranks afterwards
+    assert ranks[0]["before_average"] != ranks[1]["before_average"]
+    assert ranks[0]["after"] == ranks[1]["after"]
+    assert ranks[0]["after"] == pytest.approx(
+        [(a + b) / 2 for a, b in zip(ranks[0]["before_average"], ranks[1]["before_average"])]
+    )
+    assert out.count("logged by the main process") == 1 and out.count("logged by every process") == 2

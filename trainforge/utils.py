@@ -1,0 +1,62 @@
+"""HF Accelerate's ``accelerate.utils`` (and ``accelerate.logging`` / ``accelerate.local_sgd``) names for
+ported scripts: ``from accelerate.utils import X`` becomes ``from trainforge.utils import X``, with the
+same meaning. Names trainforge does differently (``DeepSpeedPlugin``, ``AutocastKwargs``, ...) are here
+too and refuse to be built, saying what to use instead. See the README, "Coming from Accelerate".
+"""
+
+from trainforge.trainer.accelerate_compat import release_memory
+from trainforge.trainer.accelerate_config import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    FP8RecipeKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    LoggerType,
+    MegatronLMPlugin,
+    ProfileKwargs,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
+from trainforge.trainer.accelerate_state import DistributedType, PartialState
+from trainforge.trainer.accelerate_utils import (
+    LocalSGD,
+    MultiProcessAdapter,
+    find_executable_batch_size,
+    get_logger,
+    set_seed,
+    should_reduce_batch_size,
+    skip_first_batches,
+)
+
+__all__ = [
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "FP8RecipeKwargs",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "LocalSGD",
+    "LoggerType",
+    "MegatronLMPlugin",
+    "MultiProcessAdapter",
+    "PartialState",
+    "ProfileKwargs",
+    "ProjectConfiguration",
+    "TorchDynamoPlugin",
+    "find_executable_batch_size",
+    "get_logger",
+    "release_memory",
+    "set_seed",
+    "should_reduce_batch_size",
+    "skip_first_batches",
+]
