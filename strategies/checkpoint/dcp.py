@@ -15,6 +15,8 @@ from typing import Any, Dict, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,7 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainforge.strategies.checkpoint.dcp_safe import DCP_ERRORS, flat_optimizer_state, safe_load
+from trainforge.strategies.base import check_model_state
+from trainforge.strategies.checkpoint.dcp_safe import (
+    DCP_ERRORS,
+    DCP_METADATA,
+    flat_optimizer_state,
+    load_metadata,
+    safe_load,
+)
 from trainforge.strategies.errors import CheckpointError
 
 DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the torch.distributed.checkpoint files
@@ -64,6 +73,7 @@ def load_sharded(
             "weights only (load_checkpoint with no optimizers / trainforge merge-weights)"
         )
     state = sharded_state(module, optimizers, flat)
+    _check_model_shapes(path, folder, state["model"])
     try:
         safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
     except CheckpointError:
@@ -71,10 +81,33 @@ def load_sharded(
     except DCP_ERRORS as e:  # CheckpointException (a BaseException) / RuntimeError: missing keys, bad files
         raise CheckpointError(
             f"{folder}: cannot load the sharded checkpoint into {type(module).__name__} "
-            f"({type(e).__name__}: {str(e).strip()[:500]}); was it saved from the same "
-            "model and optimizers?"
+            f"({_reason(e)}); was it saved from the same model and optimizers?"
         ) from None
     set_model_state_dict(module, state["model"])
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state["optimizers"][str(i)], options=options)
+
+
+def _check_model_shapes(path: Any, folder: Path, model_state: Dict[str, Any]) -> None:
+    """The saved shapes (read from ``.metadata``) against the model's, before DCP reads anything: its own
+    error for a model of another shape is every rank's traceback inside one CheckpointException."""
+    saved = {
+        key[len("model.") :]: torch.empty(tuple(entry.size), device="meta")
+        for key, entry in load_metadata(folder / DCP_METADATA).state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    expected = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    # a pipeline stage's model holds only its own layers: the others' entries are not unexpected
+    check_model_state(path, expected, {k: t for k, t in saved.items() if k in expected})
+
+
+def _reason(error: BaseException) -> str:
+    """Each rank's error of a DCP CheckpointException (whose own text is every rank's traceback)."""
+    if isinstance(error, CheckpointException):
+        reasons = []
+        for rank, failure in sorted(error.failures.items()):
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            reasons.append(f"rank {rank}: {type(exc).__name__}: {str(exc).strip()[:300]}")
+        return "; ".join(reasons[:2]) + (f"; and {len(reasons) - 2} more rank(s)" if len(reasons) > 2 else "")
+    return f"{type(error).__name__}: {str(error).strip()[:500]}"

@@ -172,3 +172,18 @@ def test_accelerator_load_state_refuses_hostile_metadata(tmp_path):
     out = run([sys.executable, str(script), str(path)], timeout=180, env=child_env()).stdout
     assert "refused:" in out and "Nothing in it was executed" in out, out[-2000:]
     assert not marker.exists()
+
+
+def test_sharded_resume_into_another_shape_names_the_parameter_and_both_shapes(tmp_path):
+    """Issue 25: DCP's own error was every rank's traceback inside one CheckpointException."""
+    path = _verified_checkpoint(tmp_path / "ckpt", lambda d: None)  # a Linear(3, 2)
+    wider = torch.nn.Linear(5, 2)
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-1 does not fit this model \(different shapes: \['weight: checkpoint \(2, 3\) vs model \(2, 5\)'\]\)"
+        r"; resume with the model it was saved from",
+    ):
+        FSDPStrategy().load_checkpoint(path, wider, [torch.optim.AdamW(wider.parameters())])
+    more = torch.nn.Sequential(torch.nn.Linear(3, 2))  # other names: '0.weight' is not in the checkpoint
+    with pytest.raises(CheckpointError, match=r"does not fit this model \(missing from the checkpoint: \['0.weight'"):
+        FSDPStrategy().load_checkpoint(path, more, [])
