@@ -53,6 +53,7 @@ from trainforge.strategies.checkpoint.read import (  # noqa: F401  (re-exported 
     from_plain,
     load_object,
     load_tensors,
+    refuse_sharded,
     refused_load,
     to_plain,
 )

@@ -38,9 +38,9 @@ _SHARDED_READERS = {
 }
 
 
-def _refuse_sharded(ckpt_dir: Path) -> None:
-    """A sharded checkpoint given to a reader of whole-model files: say what it is and who reads it,
-    instead of 'model.safetensors missing' (audit: it hid the cause)."""
+def refuse_sharded(ckpt_dir: Path) -> None:
+    """A sharded checkpoint given to a reader of whole-model files (single device, DDP, inference): say
+    what it is and who reads it, instead of 'model.safetensors missing' (audit: it hid the cause)."""
     try:
         strategy = read_metadata(ckpt_dir).get("strategy")
     except CheckpointError:
@@ -82,7 +82,7 @@ def load_tensors(
         except ValueError:
             raise CheckpointError(f"{single}: unparsable trainforge_aliases in the safetensors header") from None
     else:
-        _refuse_sharded(ckpt_dir)
+        refuse_sharded(ckpt_dir)
         present = sorted(p.name for p in ckpt_dir.glob("*.safetensors*")) if ckpt_dir.is_dir() else []
         raise CheckpointError(
             f"{single}: missing file (and no {index.name}); safetensors files in {ckpt_dir}: {present}"

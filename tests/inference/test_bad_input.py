@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tests.inference.common import plain
-from trainforge.strategies.checkpoint.io import refused_load
+from trainforge.strategies.checkpoint.io import CheckpointWriter, refused_load
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.inference import disk_offload, dispatch_model, init_empty_weights, load_checkpoint_and_dispatch
 
@@ -193,3 +193,26 @@ def test_a_pickle_with_code_in_a_bin_checkpoint_is_refused_without_unsafe_advice
     message = str(refused_load("f.bin", pickle.UnpicklingError(torch_text), "a weights file holds only tensors"))
     assert "load does not accept (Unsupported operand 149); a weights file holds only tensors" in message
     assert "weights_only" not in message and "Re-running" not in message
+
+
+def test_a_path_that_does_not_exist_a_sharded_checkpoint_and_a_wrong_index_say_so(tmp_path, ckpt):
+    """Issue 25: a missing path was 'not a .safetensors file'; an FSDP checkpoint 'a directory without
+    model.safetensors'; an index naming tensors its shards lack, or files elsewhere, gave no cause."""
+    with pytest.raises(CheckpointError, match=r"checkpoint='.*/nope/model.safetensors' does not exist \(.* holds \["):
+        load_checkpoint_and_dispatch(_meta(), tmp_path / "nope" / "model.safetensors", device_map={"": "cpu"})
+    writer = CheckpointWriter(tmp_path / "fsdp")
+    writer.save_object("trainer_state", {"progress": {}})
+    sharded = writer.finalize({"strategy": "fsdp"})
+    with pytest.raises(CheckpointError, match=r"sharded checkpoint written by strategy='fsdp' .* `trainforge merge-w"):
+        load_checkpoint_and_dispatch(_meta(), sharded, device_map={"": "cpu"})
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = {k: "model.safetensors" for k in plain().state_dict()}
+    index.write_text(json.dumps({"weight_map": {**weight_map, "lm_head.weight": "model.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"puts 'lm_head.weight' in shard 'model.safetensors', but no shard h"):
+        load_checkpoint_and_dispatch(_meta(), index, device_map={"": "cpu"})
+    index.write_text(json.dumps({"weight_map": {**weight_map, "0.0.weight": "../model.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"names the shard '../model.safetensors'; an index names files next"):
+        load_checkpoint_and_dispatch(_meta(), index, device_map={"": "cpu"})
+    index.write_text(json.dumps({"weight_map": {**weight_map, "0.0.weight": "model-2.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"shard 'model-2.safetensors' is missing from .* \(weight files the"):
+        load_checkpoint_and_dispatch(_meta(), index, device_map={"": "cpu"})

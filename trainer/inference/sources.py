@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 from safetensors.torch import save_file
 
-from trainforge.strategies.checkpoint.io import refused_load
+from trainforge.strategies.checkpoint.io import refuse_sharded, refused_load
 from trainforge.strategies.checkpoint.safetensors_mmap import SAFETENSORS_DTYPES, mmap_safetensors, read_header
 from trainforge.strategies.checkpoint.verify import METADATA_FILE, verify_checkpoint
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
@@ -60,10 +60,20 @@ def _index_source(index: Path) -> Source:
         aliases = dict((idx.get("metadata") or {}).get("trainforge_aliases", {}))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index}: unparsable index ({e!r})") from None
-    shards = [index.parent / f for f in dict.fromkeys(weight_map.values())]
-    for s in shards:
-        if s.parent != index.parent or not s.is_file():
-            raise CheckpointError(f"{index}: shard {s.name!r} is missing from {index.parent}")
+    files = list(dict.fromkeys(weight_map.values()))
+    for f in files:
+        if not isinstance(f, str) or Path(f).name != f or f in (".", ".."):
+            raise CheckpointError(
+                f"{index}: weight_map names the shard {f!r}; an index names files next to it (a bare "
+                f"file name): the index is corrupted or not for these shards"
+            )
+        if not (index.parent / f).is_file():
+            present = sorted(p.name for p in index.parent.iterdir() if p.suffix in (".safetensors", ".bin"))
+            raise CheckpointError(
+                f"{index}: shard {f!r} is missing from {index.parent} (weight files there: {present[:8]}); "
+                f"copy the missing shard, or pass the index written with these shards"
+            )
+    shards = [index.parent / f for f in files]
     entries: Dict[str, Tuple[Path, torch.dtype, Tuple[int, ...]]] = {}
     for s in shards:
         if s.suffix == ".safetensors":
@@ -73,6 +83,12 @@ def _index_source(index: Path) -> Source:
         else:  # .bin: the shapes come from a memory-mapped load (no copy)
             for k, t in load_bin(s).items():
                 entries[k] = (s, t.dtype, tuple(t.shape))
+    wrong = [(k, f) for k, f in weight_map.items() if k not in entries]  # (one in another shard is read there)
+    if wrong:
+        raise CheckpointError(
+            f"{index}: weight_map puts {wrong[0][0]!r} in shard {wrong[0][1]!r}, but no shard holds it ({len(wrong)} "
+            f"such entries); the index was not written with these shards: pass the index saved with them"
+        )
     return Source(shards, entries, aliases)
 
 
@@ -91,6 +107,13 @@ def _verify_if_ours(path: Path) -> None:
 
 def open_source(checkpoint: Union[str, os.PathLike]) -> Source:
     path = Path(checkpoint)
+    if not path.exists():
+        near = next(p for p in path.absolute().parents if p.exists())
+        found = sorted(p.name for p in near.iterdir())[:8] if near.is_dir() else []
+        raise CheckpointError(
+            f"checkpoint={str(checkpoint)!r} does not exist ({near} holds {found}); pass a .safetensors file, "
+            f"an *.index.json or a directory holding model.safetensors"
+        )
     _verify_if_ours(path)
     if path.is_dir():
         for name in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json"):
@@ -98,6 +121,7 @@ def open_source(checkpoint: Union[str, os.PathLike]) -> Source:
                 path = path / name
                 break
         else:
+            refuse_sharded(path)  # an FSDP/Megatron/DeepSpeed checkpoint: say so, and what reads it
             raise CheckpointError(
                 f"checkpoint={str(checkpoint)!r}: a directory without model.safetensors, "
                 f"model.safetensors.index.json or pytorch_model.bin.index.json (found "
