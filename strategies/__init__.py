@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from trainforge.strategies.base import Strategy
 from trainforge.strategies.ddp import DDPStrategy
@@ -22,9 +22,42 @@ _REGISTRY = {
 }
 _NOT_BUILT: dict = {}
 STRATEGY_NAMES = ("auto",) + tuple(_REGISTRY)
+# Lightning's strategy names -> (trainforge's name, constructor arguments)
+LIGHTNING_ALIASES: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "single_device": ("single", {}),
+    "ddp_find_unused_parameters_true": ("ddp", {"find_unused_parameters": True}),
+    "ddp_find_unused_parameters_false": ("ddp", {}),
+    "fsdp_cpu_offload": ("fsdp", {"cpu_offload": True}),
+    "deepspeed_stage_1": ("deepspeed", {"stage": 1}),
+    "deepspeed_stage_2": ("deepspeed", {"stage": 2}),
+    "deepspeed_stage_2_offload": ("deepspeed", {"stage": 2, "offload_optimizer": True}),
+    "deepspeed_stage_3": ("deepspeed", {"stage": 3}),
+    "deepspeed_stage_3_offload": ("deepspeed", {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+    "deepspeed_stage_3_offload_nvme": (
+        "deepspeed",
+        {"stage": 3, "offload_optimizer": True, "offload_parameters": True, "offload_device": "nvme"},
+    ),
+    "single_xla": ("xla", {}),
+}
+_NO_SPAWN = (
+    "trainforge starts one process per device by running the script again (Trainer(devices=N) from "
+    "`python script.py`, as Lightning's 'ddp') or with `trainforge launch --nproc-per-node N script.py`; "
+    "pass strategy='ddp'"
+)
+# Lightning's names trainforge refuses, with what to do instead
+LIGHTNING_REFUSED = {
+    "ddp_spawn": _NO_SPAWN,
+    "ddp_fork": _NO_SPAWN + " (in a notebook: trainforge.notebook_launcher(fn, num_processes=N))",
+    "ddp_notebook": "in a notebook, start the processes with trainforge.notebook_launcher(fn, num_processes=N) "
+    "and pass strategy='ddp'",
+    "dp": "DataParallel is not supported (Lightning 2 removed it too); pass strategy='ddp'",
+}
 
 
 def strategy_class(name: str) -> type:
+    refused = next((k for k in LIGHTNING_REFUSED if name == k or name.startswith(k + "_find_unused")), None)
+    if refused is not None:
+        raise ConfigurationError(f"strategy={name!r} (Lightning's) is not supported: {LIGHTNING_REFUSED[refused]}")
     if name in _NOT_BUILT:
         raise ConfigurationError(
             f"strategy={name!r} ({_NOT_BUILT[name]}) is not available in this version of trainforge; "
@@ -32,7 +65,8 @@ def strategy_class(name: str) -> type:
         )
     if name not in _REGISTRY:
         raise ConfigurationError(
-            f"strategy={name!r} is not one of: {', '.join(STRATEGY_NAMES)}; or pass a Strategy object"
+            f"strategy={name!r} is not one of: {', '.join(STRATEGY_NAMES)} (or Lightning's "
+            f"{', '.join(LIGHTNING_ALIASES)}); or pass a Strategy object"
         )
     module_name, cls_name = _REGISTRY[name].split(":")
     return getattr(importlib.import_module(module_name), cls_name)
@@ -60,6 +94,9 @@ def resolve_strategy(
 
         env = detect_environment(os.environ if environ is None else environ)
         name = "ddp" if env.world_size > 1 else "single"
+    if name in LIGHTNING_ALIASES:
+        name, preset = LIGHTNING_ALIASES[name]
+        kwargs = {**preset, **kwargs}
     return strategy_class(name)(**kwargs)
 
 
