@@ -20,6 +20,7 @@ _EXPORTS = {
     "ThroughputMonitor": "trainforge.callbacks.throughput",
     "Timer": "trainforge.callbacks.timer",
     "RNGSync": "trainforge.callbacks.rng_sync",
+    "ModelSummary": "trainforge.callbacks.model_summary",
     "TrackerCallback": "trainforge.callbacks.trackers.base",
     "FailurePolicy": "trainforge.callbacks.trackers.base",
     "TrackerWarning": "trainforge.callbacks.trackers.base",

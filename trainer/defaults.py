@@ -7,8 +7,11 @@ from typing import List
 from trainforge.callbacks.base import Callback
 
 
-def default_callbacks(user: List[Callback], progress_bar: bool, checkpointing: bool) -> List[Callback]:
+def default_callbacks(
+    user: List[Callback], progress_bar: bool, checkpointing: bool, tracker: bool = True, model_summary: bool = False
+) -> List[Callback]:
     from trainforge.callbacks.checkpoint import ModelCheckpoint
+    from trainforge.callbacks.model_summary import ModelSummary
     from trainforge.callbacks.progress import ProgressBar
     from trainforge.callbacks.trackers.base import TrackerCallback
     from trainforge.callbacks.trackers.csv import CSVLogger
@@ -16,7 +19,9 @@ def default_callbacks(user: List[Callback], progress_bar: bool, checkpointing: b
     out = list(user)
     if progress_bar and not any(isinstance(c, ProgressBar) for c in out):
         out.append(ProgressBar())
-    if not any(isinstance(c, TrackerCallback) for c in out):
+    if model_summary and not any(isinstance(c, ModelSummary) for c in out):
+        out.append(ModelSummary())  # Lightning's: the layer table at fit start (enable_model_summary=False: none)
+    if tracker and not any(isinstance(c, TrackerCallback) for c in out):
         out.append(CSVLogger())  # always available; the default when no tracker is given
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in out):
         out.append(ModelCheckpoint())  # Lightning's default: every epoch end (and the end of fit), the newest kept
