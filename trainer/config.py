@@ -30,6 +30,8 @@ class LoopConfig:
     limit_predict_batches: Union[int, float] = 1.0
     log_every_n_steps: int = 50
     nonfinite_loss: str = "raise"
+    min_epochs: Optional[int] = None  # trainer.should_stop (EarlyStopping) waits for both (Lightning)
+    min_steps: Optional[int] = None
 
     def validate(self) -> None:
         for name in (
@@ -43,8 +45,17 @@ class LoopConfig:
             "limit_val_batches",
             "limit_test_batches",
             "limit_predict_batches",
+            "min_epochs",
+            "min_steps",
         ):
             _check_number(name, getattr(self, name))
+        for name in ("min_epochs", "min_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigurationError(
+                    f"{name}={value!r} must be an int >= 0 or None: fit goes on past trainer.should_stop "
+                    f"(EarlyStopping) until {name} is reached"
+                )
         if self.max_epochs is None and self.max_steps in (-1, None):
             raise ConfigurationError(
                 "neither max_epochs nor max_steps is set, so the run would never end; "

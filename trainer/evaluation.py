@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.config import limited, loader_length
+from trainforge.trainer.eval_results import EvaluationInputs, print_results
 from trainforge.trainer.events import EVAL_EVENTS, Event
 from trainforge.trainer.seed import rng_state, set_rng_state
 
@@ -36,7 +38,7 @@ def restore_modes(modes: Dict[nn.Module, bool]) -> None:
 _LIMITS = {"validation_step": "limit_val_batches", "test_step": "limit_test_batches"}
 
 
-class Evaluation:
+class Evaluation(EvaluationInputs):
     """Mixed into ``Trainer``."""
 
     if TYPE_CHECKING:  # the Trainer's, for the type checker
@@ -119,16 +121,31 @@ class Evaluation:
         return self.stage == "sanity_check"
 
     def validate(
-        self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None
-    ) -> Dict[str, float]:
-        return self._evaluate(module, dataloaders, "validate", "validation_step", datamodule)
+        self,
+        model: Optional["TrainingModule"] = None,
+        dataloaders: Any = None,
+        ckpt_path: Optional[str] = None,
+        verbose: bool = True,
+        datamodule: Any = None,
+    ) -> List[Dict[str, float]]:
+        """Lightning's ``validate``: the metrics logged, as a list of one dict (the table printed on
+        rank 0 with ``verbose``); ``ckpt_path`` 'best'/'last'/a directory loads those weights first."""
+        return self._evaluate(model, dataloaders, "validate", "validation_step", datamodule, ckpt_path, verbose)
 
-    def test(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> Dict[str, float]:
-        return self._evaluate(module, dataloaders, "test", "test_step", datamodule)
+    def test(
+        self,
+        model: Optional["TrainingModule"] = None,
+        dataloaders: Any = None,
+        ckpt_path: Optional[str] = None,
+        verbose: bool = True,
+        datamodule: Any = None,
+    ) -> List[Dict[str, float]]:
+        return self._evaluate(model, dataloaders, "test", "test_step", datamodule, ckpt_path, verbose)
 
     def _evaluate(
-        self, module: "TrainingModule", dataloaders: Any, stage: str, step_name: str, datamodule: Any
-    ) -> Dict[str, float]:
+        self, model: Any, dataloaders: Any, stage: str, step_name: str, datamodule: Any, ckpt_path: Any, verbose: bool
+    ) -> List[Dict[str, float]]:
+        module, dataloaders, datamodule, path = self._eval_inputs(stage, model, dataloaders, datamodule, ckpt_path)
         self._attach(module, stage)
         self._setup_hooks(stage, datamodule)
         loaders = self._loaders_for(stage, dataloaders, datamodule)
@@ -136,6 +153,7 @@ class Evaluation:
             self._check_loader(dl, f"dataloaders[{i}]")
         try:
             self._prepare_eval(module, loaders)
+            self._load_eval_weights(path)
             before = dict(self.callback_metrics)
             self._run_validation([self.accelerator.prepare_data_loader(dl) for dl in loaders], step_name)
             self._fire(Event.TEARDOWN, stage)
@@ -143,13 +161,30 @@ class Evaluation:
             self._fire(Event.EXCEPTION, exc)
             self._fire(Event.TEARDOWN, stage)
             raise
-        return {k: float(v) for k, v in self.callback_metrics.items() if before.get(k) is not v}
+        # one dict: the metrics of every loader together (each loader's own: not yet)
+        results = [{k: float(v) for k, v in self.callback_metrics.items() if before.get(k) is not v}]
+        if verbose and self.strategy.is_global_zero:
+            print_results(results, stage)
+        return results
 
-    def predict(self, module: "TrainingModule", dataloaders: Any = None, *, datamodule: Any = None) -> List[Any]:
+    def predict(
+        self,
+        model: Optional["TrainingModule"] = None,
+        dataloaders: Any = None,
+        datamodule: Any = None,
+        return_predictions: Optional[bool] = None,
+        ckpt_path: Optional[str] = None,
+    ) -> Optional[List[Any]]:
+        """Lightning's ``predict``: the ``predict_step`` outputs of every batch (None with
+        ``return_predictions=False``)."""
+        if return_predictions not in (None, True, False):
+            raise ConfigurationError(f"return_predictions={return_predictions!r} must be True, False or None")
+        module, dataloaders, datamodule, path = self._eval_inputs("predict", model, dataloaders, datamodule, ckpt_path)
         self._attach(module, "predict")
         self._setup_hooks("predict", datamodule)
         loaders = self._loaders_for("predict", dataloaders, datamodule)
         self._prepare_eval(module, loaders)
+        self._load_eval_weights(path)
         start, epoch_start, batch_start, batch_end, epoch_end, end = EVAL_EVENTS["predict_step"]
         outputs: List[Any] = []
         modes = module_modes(module)
@@ -167,13 +202,14 @@ class Evaluation:
                     self._fire(batch_start, batch, batch_idx)
                     with self.accelerator.autocast():
                         out = step(batch, batch_idx)
-                    outputs.append(out)
+                    if return_predictions is not False:
+                        outputs.append(out)
                     self._fire(batch_end, out, batch, batch_idx)
         self._fire(epoch_end)
         self._fire(end)
         restore_modes(modes)
         self._fire(Event.TEARDOWN, "predict")
-        return outputs
+        return outputs if return_predictions is not False else None
 
     def _prepare_eval(self, module: "TrainingModule", loaders: Any = ()) -> None:
         if self.model is None or self.accelerator.unwrap_model(self.model) is not module:

@@ -163,7 +163,29 @@ class FitLoop:
 
     def _finished(self) -> bool:
         max_steps = self.config.max_steps
-        return self.should_stop or (max_steps >= 0 and self.progress.global_step >= max_steps)
+        if max_steps >= 0 and self.progress.global_step >= max_steps:
+            return True
+        return self.should_stop and self._can_stop_early()
+
+    _told_min_stop = False  # the "training will continue" line is logged once per Trainer
+
+    def _can_stop_early(self) -> bool:
+        """``should_stop`` is obeyed once ``min_epochs`` epochs and ``min_steps`` steps are done (Lightning)."""
+        cfg, p = self.config, self.progress
+        met = (cfg.min_epochs is None or p.epoch >= cfg.min_epochs) and (
+            cfg.min_steps is None or p.global_step >= cfg.min_steps
+        )
+        if not met and not self._told_min_stop and self.is_global_zero:
+            self._told_min_stop = True
+            log.info(
+                "trainforge: trainer.should_stop is set, but min_epochs=%s or min_steps=%s is not reached (epoch %d, "
+                "step %d); training continues",
+                cfg.min_epochs,
+                cfg.min_steps,
+                p.epoch,
+                p.global_step,
+            )
+        return met
 
     def _train_batch(self, batch: Any, batch_idx: int) -> None:
         acc, p = self.accelerator, self.progress

@@ -23,11 +23,20 @@ from trainforge.trainer.config import (
     parse_optimizers,
     resolve_root_dir,
 )
+from trainforge.trainer.eval_results import fit_datamodule
 from trainforge.trainer.evaluation import Evaluation
 from trainforge.trainer.events import Event
 from trainforge.trainer.fit_checkpoints import FitCheckpoints
 from trainforge.trainer.fit_loop import FitLoop
 from trainforge.trainer.hooks import bind_module_hook, warn_unknown_callback_hooks, warn_unknown_hooks
+from trainforge.trainer.lightning_args import (
+    LightningAttributes,
+    apply_deterministic,
+    callback_list,
+    check_summary_setting,
+    setup_processes,
+    tracker_callbacks,
+)
 from trainforge.trainer.manual import ManualOptimization
 from trainforge.trainer.metric_logging import MetricLogging
 from trainforge.trainer.metrics import MetricStore
@@ -37,15 +46,20 @@ from trainforge.trainer.seed import seed_everything
 log = logging.getLogger("trainforge")
 
 
-class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpoints):
+class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpoints, LightningAttributes):
     def __init__(
         self,
         *,
         accelerator: Optional[str] = None,
         strategy: Union[str, Strategy, None] = None,
+        devices: Union[int, str, Sequence[int]] = "auto",
+        num_nodes: int = 1,
         precision: Optional[str] = None,
+        logger: Any = None,
         max_epochs: Optional[int] = None,
+        min_epochs: Optional[int] = None,
         max_steps: int = -1,
+        min_steps: Optional[int] = None,
         accumulate_grad_batches: Optional[int] = None,
         gradient_clip_val: Optional[float] = None,
         gradient_clip_algorithm: str = "norm",
@@ -56,20 +70,25 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         limit_test_batches: Union[int, float] = 1.0,
         limit_predict_batches: Union[int, float] = 1.0,
         log_every_n_steps: int = 50,
-        callbacks: Optional[Sequence[Callback]] = None,
+        callbacks: Union[Callback, Sequence[Callback], None] = None,
         default_root_dir: Optional[str] = None,
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
+        enable_model_summary: bool = True,
+        deterministic: Union[bool, str, None] = None,
         compile: bool = False,
         seed: Optional[int] = None,
         nonfinite_loss: str = "raise",
         resume: Optional[str] = None,
         num_sanity_val_steps: int = 2,
     ) -> None:
-        callbacks = check_callbacks(callbacks, Callback)  # before anything is built
+        callbacks = check_callbacks(callback_list(callbacks, Callback), Callback)  # before anything is built
+        callbacks, default_tracker = tracker_callbacks(logger, callbacks)
         self.config = LoopConfig(
             max_epochs=max_epochs,
+            min_epochs=min_epochs,
             max_steps=max_steps,
+            min_steps=min_steps,
             accumulate_grad_batches=1 if accumulate_grad_batches is None else accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val,
             gradient_clip_algorithm=gradient_clip_algorithm,
@@ -88,8 +107,13 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
                 f"resume={resume!r} is not one of: None, 'auto' (to resume from a given "
                 "checkpoint, pass fit(..., ckpt_path=PATH))"
             )
+        apply_deterministic(deterministic)
+        check_summary_setting(enable_model_summary, callbacks)
         if seed is not None:
             seed_everything(seed)
+        # devices/num_nodes: checked against the launcher's processes, or (a plain `python script.py`
+        # with devices=N) this process becomes rank 0 of N (trainer/lightning_args.py)
+        strategy = setup_processes(devices, num_nodes, accelerator, strategy)
         # An IterableDataset is split between ranks (not dispatched from rank 0, Accelerate's default):
         # then a dataset that already shards itself by rank is caught (its streams differ), never
         # trained on rank 0's shard alone. ``trainer.accelerator.dispatch_batches = True`` to dispatch.
@@ -118,7 +142,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         from trainforge.trainer.defaults import default_callbacks
 
         self.callbacks: List[Callback] = default_callbacks(
-            list(callbacks or []), enable_progress_bar, enable_checkpointing
+            callbacks, enable_progress_bar, enable_checkpointing, default_tracker, enable_model_summary
         )
         self.progress = Progress()
         self.stage = "fit"
@@ -197,15 +221,16 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
     # ---- fit -------------------------------------------------------------------------------------
     def fit(
         self,
-        module: TrainingModule,
+        model: TrainingModule,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
-        ckpt_path: Optional[str] = None,
-        *,
         datamodule: Any = None,
+        ckpt_path: Optional[str] = None,
     ) -> None:
-        """Loaders come from the arguments, else from ``datamodule``, else from the module's
-        ``train_dataloader()``/``val_dataloader()`` (Lightning)."""
+        """Loaders come from the arguments, else from ``datamodule`` (also accepted in place of
+        ``train_dataloaders``), else from the module's ``train_dataloader()``/``val_dataloader()`` (Lightning)."""
+        module = model
+        train_dataloaders, datamodule = fit_datamodule(train_dataloaders, val_dataloaders, datamodule)
         self._attach(module, "fit")
         self._setup_hooks("fit", datamodule)  # before loaders and optimizers, in Lightning's order
         if train_dataloaders is None:
@@ -269,6 +294,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         configured = []
 
         def build_optimizers() -> list:
+            self.model = module  # placed and sharded: Lightning's guides build optimizers from trainer.model
             configured.append(parse_optimizers(module.configure_optimizers(), type(module).__name__, manual))
             return list(configured[0].optimizers)
 

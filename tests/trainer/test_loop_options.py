@@ -132,8 +132,8 @@ def test_validate_test_predict(tmp_path):
     )
     data = regression_data(n=20)
     loader = DataLoader(data, batch_size=8)
-    val = trainer.validate(module, loader)
-    test = trainer.test(module, loader)
+    (val,) = trainer.validate(module, loader)  # one dict per dataloader (Lightning)
+    (test,) = trainer.test(module, loader)
     preds = trainer.predict(module, loader)
     with torch.no_grad():
         expected = torch.nn.functional.mse_loss(module.net(data.tensors[0]), data.tensors[1])

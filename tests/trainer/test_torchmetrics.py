@@ -151,12 +151,12 @@ def test_log_dict_of_a_metric_collection_in_test_resets_between_runs(tmp_path):
     trainer = Trainer(
         max_epochs=1, default_root_dir=str(tmp_path), enable_progress_bar=False, enable_checkpointing=False
     )
-    first = trainer.test(module, DataLoader(data, batch_size=16))
+    (first,) = trainer.test(module, DataLoader(data, batch_size=16))
     preds, y = (torch.cat(t) for t in zip(*module.preds))
     per_class = [float((preds[y == c] == c).float().mean()) for c in (0, 1)]
     assert first["test/acc"] == pytest.approx(float((preds == y).float().mean()), abs=1e-6)
     assert first["test/macro_acc"] == pytest.approx(sum(per_class) / 2, abs=1e-6)
-    second = trainer.test(module, DataLoader(TensorDataset(*data[:8]), batch_size=8))  # a reset metric: 8 samples
+    (second,) = trainer.test(module, DataLoader(TensorDataset(*data[:8]), batch_size=8))  # a reset metric: 8 samples
     preds8, y8 = module.preds[-1]
     assert second["test/acc"] == pytest.approx(float((preds8 == y8).float().mean()), abs=1e-6)
 
