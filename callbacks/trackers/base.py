@@ -36,6 +36,7 @@ thread at start to read what they need from the trainer (paths, step), without I
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 import time
 import warnings
@@ -98,6 +99,18 @@ def require(package: str, extra: str, tracker: str) -> None:
             f"{tracker} needs the optional package {package!r}, which is not installed. "
             f"Install it with: pip install 'trainforge[{extra}]'"
         )
+
+
+def check_text(value: Any, tracker: str, arg: str, example: str, path: bool = False) -> Optional[str]:
+    """A tracker argument naming something (a URI, a directory, a project): None, or a non-empty string
+    (``path=True``: or an ``os.PathLike``). Anything else (an int) is a ConfigurationError now, not an
+    error from deep inside the tracking library at the first write."""
+    if path and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    kind = "a path (str or pathlib.Path)" if path else "a non-empty string"
+    raise ConfigurationError(f"{tracker}({arg}={value!r}): {arg} must be {kind} such as {example!r}, or None")
 
 
 def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") -> Dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
+from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, check_text, require
 from trainforge.callbacks.trackers.run_paths import resolve_in_run, run_relative
 from trainforge.strategies.errors import ConfigurationError
 
@@ -73,10 +73,10 @@ class CometLogger(TrackerCallback):
         self.offline = bool(offline)
         self.__api_key = None if self.offline else key  # name-mangled, never printed
         self._known_secret = key
-        self.project_name = project_name
-        self.workspace = workspace
-        self.offline_directory = offline_directory
-        self._experiment_key = experiment_key
+        self.project_name = check_text(project_name, "CometLogger", "project_name", "my-project")
+        self.workspace = check_text(workspace, "CometLogger", "workspace", "my-team")
+        self.offline_directory = check_text(offline_directory, "CometLogger", "offline_directory", "runs/comet", True)
+        self._experiment_key = check_text(experiment_key, "CometLogger", "experiment_key", "0123abcd" * 4)
         self._directory: Optional[str] = None
         self._root: Optional[str] = None
         self._saved_directory: Optional[str] = None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import yaml
 
-from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback
+from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, check_text
 from trainforge.callbacks.trackers.run_paths import claim, foreign_files, run_relative
 from trainforge.strategies.errors import ConfigurationError
 
@@ -43,7 +43,7 @@ class CSVLogger(TrackerCallback):
 
     def __init__(self, path: Optional[str] = None, failure_policy: Optional[FailurePolicy] = None) -> None:
         super().__init__(failure_policy)
-        self.path = os.fspath(path) if path is not None else None
+        self.path = check_text(path, "CSVLogger", "path", "runs/metrics/metrics.csv", path=True)
         if self.path is not None:
             foreign = foreign_files(_targets(os.path.abspath(self.path)))
             if foreign:

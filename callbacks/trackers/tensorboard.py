@@ -20,7 +20,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, require
+from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, check_text, require
 from trainforge.callbacks.trackers.run_paths import resolve_in_run, run_relative
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,7 +37,7 @@ class TensorBoardLogger(TrackerCallback):
     def __init__(self, log_dir: Optional[str] = None, failure_policy: Optional[FailurePolicy] = None) -> None:
         super().__init__(failure_policy)
         require("tensorboard", "tensorboard", "TensorBoardLogger")  # torch.utils.tensorboard needs it
-        self.log_dir = os.fspath(log_dir) if log_dir is not None else None
+        self.log_dir = check_text(log_dir, "TensorBoardLogger", "log_dir", "runs/tensorboard", path=True)
         self._dir: Optional[str] = None
         self._root: Optional[str] = None
         self._saved_dir: Optional[str] = None

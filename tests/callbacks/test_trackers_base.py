@@ -366,3 +366,28 @@ def test_trackers_import_without_any_backend():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "MLflowLogger" in out.stdout and "CSVLogger" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "tracker, kwargs, match",
+    [
+        ("CSVLogger", {"path": 5}, r"CSVLogger\(path=5\): path must be a path \(str or pathlib.Path\) such as 'runs/"),
+        ("TensorBoardLogger", {"log_dir": 5}, r"TensorBoardLogger\(log_dir=5\): log_dir must be a path"),
+        (
+            "CometLogger",
+            {"project_name": 5, "offline": True},
+            r"CometLogger\(project_name=5\): project_name must be a non-empty string such as 'my-project', or None",
+        ),
+        ("CometLogger", {"offline_directory": 7, "offline": True}, r"CometLogger\(offline_directory=7\): offline_d"),
+    ],
+)
+def test_a_tracker_location_of_the_wrong_type_is_refused_at_construction(tracker, kwargs, match):
+    """Issue 25: an integer where a tracker takes a URI or directory failed deep inside (os.fspath's
+    TypeError, or in the tracking library at the first write); MLflowLogger's tracking_uri already did
+    (test_trackers_mlflow.py::test_bad_arguments_are_rejected_with_the_value)."""
+    import trainforge.callbacks
+
+    if tracker != "CSVLogger":
+        pytest.importorskip({"CometLogger": "comet_ml", "TensorBoardLogger": "tensorboard"}[tracker])
+    with pytest.raises(ConfigurationError, match=match):
+        getattr(trainforge.callbacks, tracker)(**kwargs)
