@@ -3,7 +3,8 @@
 To add a subcommand, add one line to ``COMMANDS``: its module defines ``HELP`` (one line),
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code). Errors of ours
 (``TrainforgeError``) raised by ``run`` are bad input found before any work started: they are
-printed without a traceback and exit with code 2, as argparse's own usage errors do.
+printed without a traceback and exit with code 2, as argparse's own usage errors do; an ``OSError``
+(a file that cannot be read or written) is printed as one line too, with exit code 1.
 """
 
 from __future__ import annotations
@@ -56,3 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TrainforgeError as error:
         print(f"trainforge {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # a file that cannot be read or written: its name and the cause, one line
+        where = f": {error.filename!r}" if error.filename else ""
+        print(f"trainforge {args.command}: error: {error.strerror or error}{where}", file=sys.stderr)
+        return 1

@@ -428,7 +428,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     interactive = args.interactive or (not args.non_interactive and sys.stdin.isatty())
     settings = resolve_answers(flags_given(args), interactive)
-    path = save_config(settings, args.config_file or default_config_path())
+    target = args.config_file or default_config_path()
+    try:
+        path = save_config(settings, target)
+    except OSError as e:
+        raise ConfigurationError(
+            f"--config-file={str(target)!r} cannot be written ({e.strerror or e}: {e.filename}); give a path "
+            f"in a directory you can write to"
+        ) from None
     print(f"Wrote {path}:\n" + path.read_text(), end="")
     return 0
 

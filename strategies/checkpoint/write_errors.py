@@ -71,7 +71,7 @@ def save_failed(
     number = error_number(error)
     cause = _CAUSES.get(number, "") if number is not None else ""
     if number in _NOT_SPACE:
-        fix = f"make {path.parent} writable or save elsewhere (ModelCheckpoint(dirpath=...))"
+        fix = f"make {path.parent} a writable directory or save to another one"
     else:
         fix = (
             f"disk space: {_free_space(path.parent)}; free some, keep fewer checkpoints (save_top_k) or "

@@ -222,6 +222,25 @@ def test_bad_inputs_are_reported_without_traceback(argv, message, tmp_path, monk
     assert message in err and "Traceback" not in err
 
 
+def test_files_that_cannot_be_written_are_one_line_without_traceback(tmp_path, monkeypatch, capsys):
+    """Issue 25: `config --config-file` under a regular file ended in a FileExistsError traceback; any
+    OSError of a subcommand is one line now (exit 1), ours stay exit 2."""
+    (tmp_path / "file").write_text("not a directory")  # root ignores permission bits: a file parent blocks all
+    bad = str(tmp_path / "file" / "x.yaml")
+    assert cli.main(["config", "--non-interactive", "--config-file", bad]) == 2
+    err = capsys.readouterr().err
+    assert f"trainforge config: error: --config-file={bad!r} cannot be written (File exists: " in err
+    assert "give a path in a directory you can write to" in err and "Traceback" not in err
+
+    def unreadable(args):
+        open(tmp_path / "file" / "y")
+
+    monkeypatch.setattr(cli.importlib.import_module(cli.COMMANDS["env"]), "run", unreadable)
+    assert cli.main(["env"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"trainforge env: error: Not a directory: {str(tmp_path / 'file' / 'y')!r}"
+
+
 def test_unknown_key_in_config_file_is_named(tmp_path, monkeypatch, capsys):
     (tmp_path / "bad.yaml").write_text("strategy: ddp\nprecison: bf16\n")
     (tmp_path / "s.py").write_text("")
