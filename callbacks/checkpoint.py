@@ -47,6 +47,16 @@ def _check_template(filename: Any, within_epoch: bool) -> None:
             f"ModelCheckpoint filename={filename!r} is not a valid template: every '{{' and "
             "'}' must enclose a field name, e.g. '{epoch}-{step}' or '{epoch}-{val/loss:.3f}'"
         )
+    for match in _FIELD.finditer(filename):  # a format that cannot apply fails now, not at the first save
+        field, spec = match.group(1), (match.group(2) or ":")[1:]
+        try:
+            format(0 if field in ("epoch", "step") else 0.0, spec)
+        except ValueError as e:
+            kind = "an int" if field in ("epoch", "step") else "a float (logged metrics are floats)"
+            raise ConfigurationError(
+                f"ModelCheckpoint filename={filename!r}: the format {spec!r} of {{{field}}} does not apply to "
+                f"{kind} ({e}); use e.g. '{{{field}:{'d' if kind == 'an int' else '.4g'}}}'"
+            ) from None
     if within_epoch and {m.group(1) for m in _FIELD.finditer(filename)} <= {"epoch"}:
         raise ConfigurationError(
             f"ModelCheckpoint(filename={filename!r}) saves several times per epoch "
@@ -162,6 +172,7 @@ class ModelCheckpoint(Callback):
         self._last_time = time.monotonic()
         self._restored_paths = False  # set by load_state_dict: paths to place in this run at fit start
         self._versioned_logged = False  # the "-v1: taken by another run" warning was given
+        self._unfilled: Optional[str] = None  # why the name being saved is not the template's (raised after)
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -246,7 +257,10 @@ class ModelCheckpoint(Callback):
         self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         n = self.every_n_steps
-        if n and trainer.global_step % n == 0 and trainer.global_step != self.last_saved_step:
+        if trainer.stop_requested is not None:  # every rank stops after this step on a signal: save it
+            if self._saves_anything():
+                self._save_periodic(trainer)
+        elif n and trainer.global_step % n == 0 and trainer.global_step != self.last_saved_step:
             self._save_periodic(trainer)
         elif self.train_time_interval is not None:
             due = time.monotonic() - self._last_time >= self.train_time_interval.total_seconds()
@@ -356,6 +370,12 @@ class ModelCheckpoint(Callback):
             trainer.save_weights(path)
         else:
             trainer.save_checkpoint(path, async_save=self._async(trainer))
+        if self._unfilled is not None:  # the metrics are known only now: the work is saved, then we stop
+            message, self._unfilled = self._unfilled, None
+            raise ConfigurationError(
+                f"{message}. Nothing is lost: this checkpoint was saved as {path}; fix filename and resume "
+                f"from it (fit(ckpt_path=...))"
+            )
 
     def _async(self, trainer: "TrainerView") -> bool:
         return resolve_async_save(self.async_save, trainer.device)
@@ -371,11 +391,12 @@ class ModelCheckpoint(Callback):
 
         try:
             name = _FIELD.sub(fill, self.filename)
-        except (KeyError, ValueError, IndexError) as exc:
-            raise ConfigurationError(
-                f"ModelCheckpoint filename={self.filename!r} cannot be filled ({exc}); it may "
-                f"use epoch, step and the logged metrics {sorted(trainer.callback_metrics)}"
-            ) from None
+        except KeyError as exc:  # a field no metric fills: save under the default name, then say so (_write)
+            self._unfilled = (
+                f"ModelCheckpoint filename={self.filename!r} cannot be filled ({exc}: no such logged metric); "
+                f"it may use epoch, step and the logged metrics {sorted(trainer.callback_metrics)}"
+            )
+            name = f"epoch={trainer.current_epoch}-step={trainer.global_step}"
         return name.replace("/", "_").replace(" ", "_")
 
     def _delete(self, trainer: "TrainerView", path: str) -> None:

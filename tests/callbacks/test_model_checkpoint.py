@@ -78,6 +78,7 @@ def test_max_mode_and_every_n_epochs(tmp_path):
 def test_bad_template_and_missing_monitor_are_clear(tmp_path):
     with pytest.raises(ConfigurationError, match=r"filename='\{nope\}' cannot be filled"):
         fit(tmp_path / "a", [ModelCheckpoint(every_n_steps=1, filename="{nope}")], val=False)
+    assert names(tmp_path / "a" / "checkpoints") == ["epoch=0-step=1"]  # issue 25: saved, then the error
     with pytest.raises(ConfigurationError, match=r"monitor='val/acc'.*available: \['train/loss', 'val/loss'\]"):
         fit(tmp_path / "b", [ModelCheckpoint(monitor="val/acc")])
     with pytest.raises(ConfigurationError, match="mode='best' is not one of: min, max"):
@@ -234,3 +235,39 @@ def test_an_unwritable_checkpoint_directory_is_refused_at_fit_start(tmp_path):
         fit(tmp_path / "run", [ModelCheckpoint(save_last=True)], module=CountSteps(make_net()))
     assert CountSteps.steps == 0
     fit(tmp_path / "a", [ModelCheckpoint(dirpath=str(tmp_path / "file" / "ck"), save_top_k=0)], max_epochs=1)
+
+
+def test_a_template_field_found_late_loses_no_work_and_a_bad_format_is_refused_when_built(tmp_path):
+    """Issue 25: a field no metric fills was found at the first save (here after two epochs) and that
+    save was lost; a format that cannot apply to a number was found there too. Which metrics a run logs
+    is known only once they are logged, so that check stays at the first save, but the save is kept."""
+    with pytest.raises(
+        ConfigurationError,
+        match=r"filename='\{epoch\}-\{val_acc\}' cannot be filled \('val_acc': no such logged metric\); it may "
+        r"use epoch, step and the logged metrics \['train/loss', 'val/loss'\]. Nothing is lost: this checkpoint was "
+        r"saved as .*epoch=1-step=8; fix filename and resume from it",
+    ):
+        fit(tmp_path, [ModelCheckpoint(every_n_epochs=2, filename="{epoch}-{val_acc}")], max_epochs=3)
+    assert names(tmp_path / "checkpoints") == ["epoch=1-step=8"]
+    assert read_latest_pointer(tmp_path / "checkpoints") == "epoch=1-step=8"
+    with pytest.raises(ConfigurationError, match=r"the format 'd' of \{val/loss\} does not apply to a float \(log"):
+        ModelCheckpoint(filename="{epoch}-{val/loss:d}", monitor="val/loss")
+    with pytest.raises(ConfigurationError, match=r"the format 'q' of \{step\} does not apply to an int .*'\{step:d\}'"):
+        ModelCheckpoint(filename="{epoch}-{step:q}")
+
+
+@pytest.mark.parametrize("callback", ["ModelCheckpoint", "EarlyStopping"])
+def test_a_monitored_metric_never_logged_is_reported_at_the_first_validation(tmp_path, callback):
+    """Issue 25 (already so): not at the end of the first epoch but at the first validation (here mid-epoch),
+    or at the first training epoch end without validation, naming the metrics that were logged."""
+    from trainforge.callbacks import EarlyStopping
+
+    make = (lambda m: ModelCheckpoint(monitor=m)) if callback == "ModelCheckpoint" else (lambda m: EarlyStopping(m))
+    CountSteps.steps = 0
+    with pytest.raises(ConfigurationError, match=r"monitor='val/acc'.*[Aa]vailable: \[?'?train/loss'?, '?val/loss"):
+        fit(tmp_path / "v", [make("val/acc")], module=CountSteps(make_net()), val_check_interval=0.5)
+    assert CountSteps.steps == 2  # of 4 per epoch: the first validation ran after batch 2
+    CountSteps.steps = 0
+    with pytest.raises(ConfigurationError, match=r"monitor='train/acc'.*[Aa]vailable: \[?'?train/loss'?\]?"):
+        fit(tmp_path / "t", [make("train/acc")], module=CountSteps(make_net()), val=False)
+    assert CountSteps.steps == 4  # the first training epoch's end
