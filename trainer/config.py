@@ -187,7 +187,7 @@ class OptimizerConfig:
 
 
 SCHEDULER_INTERVALS = ("step", "epoch")
-SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "name", "monitor", "strict")  # Lightning's keys
+SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "name", "monitor", "strict", "reduce_on_plateau")  # Lightning's
 
 
 def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> OptimizerConfig:
@@ -251,9 +251,18 @@ def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> Opt
         entry.setdefault("name", None)
         entry.setdefault("monitor", None)
         entry.setdefault("strict", True)
-        if isinstance(entry.get("scheduler"), torch.optim.lr_scheduler.ReduceLROnPlateau) and entry["monitor"] is None:
+        # as in Lightning: step(metric) for a ReduceLROnPlateau, or any scheduler marked reduce_on_plateau=True
+        plateau = isinstance(entry.get("scheduler"), torch.optim.lr_scheduler.ReduceLROnPlateau)
+        entry.setdefault("reduce_on_plateau", plateau)
+        if not isinstance(entry["reduce_on_plateau"], bool):
             raise ConfigurationError(
-                f"{module_name}.configure_optimizers: a ReduceLROnPlateau steps on a metric; "
+                f"lr_scheduler reduce_on_plateau={entry['reduce_on_plateau']!r} must be True (step(metric) with "
+                "the value of 'monitor') or False"
+            )
+        if entry["reduce_on_plateau"] and entry["monitor"] is None:
+            raise ConfigurationError(
+                f"{module_name}.configure_optimizers: a "
+                f"{'ReduceLROnPlateau' if plateau else 'scheduler with reduce_on_plateau=True'} steps on a metric; "
                 "name it: {'scheduler': sched, 'monitor': 'val/loss'} (a key you self.log)"
             )
         if entry["interval"] not in SCHEDULER_INTERVALS:

@@ -348,11 +348,12 @@ class FitLoop:
         for cfg in self.lr_scheduler_configs:
             if cfg["interval"] == interval and count % cfg["frequency"] == 0:
                 scheduler = cfg["scheduler"]
-                if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+                if cfg.get("reduce_on_plateau", plateau):  # parse_optimizers sets it (Lightning's key)
                     key = cfg.get("monitor")
                     if key not in self.callback_metrics:
                         message = (
-                            f"ReduceLROnPlateau monitors {key!r}, not among the logged metrics "
+                            f"{type(scheduler).__name__} monitors {key!r}, not among the logged metrics "
                             f"{sorted(self.callback_metrics)}; log it, or set 'monitor' in its config"
                         )
                         if cfg.get("strict", True):

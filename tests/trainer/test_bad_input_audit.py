@@ -352,3 +352,41 @@ def test_reduce_lr_on_plateau_needs_a_monitor_and_strict_false_skips_with_a_warn
             DataLoader(regression_data(8), batch_size=4),
         )
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1
+
+
+class OnMetric(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler of the user's own that takes the metric, as ReduceLROnPlateau does."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer, lambda epoch: 1.0)
+        self.seen = []
+
+    def step(self, metric=None):  # LambdaLR's constructor calls step() once, without a metric
+        if metric is not None:
+            self.seen.append(metric)
+        super().step()
+
+
+def test_every_lightning_lr_scheduler_key_is_accepted_and_reduce_on_plateau_steps_on_the_metric(tmp_path):
+    """Issue 25: Lightning's keys (scheduler, interval, frequency, monitor, strict, name, reduce_on_plateau)
+    are accepted; reduce_on_plateau was refused as unknown."""
+
+    class Marked(Plateau):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            self.sched = OnMetric(opt)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": self.sched, **self.entry}}
+
+    entry = {"interval": "epoch", "frequency": 1, "monitor": "val/const", "strict": True, "name": "lr"}
+    module = Marked(make_net(), {**entry, "reduce_on_plateau": True})
+    trainer = Trainer(
+        max_epochs=2, default_root_dir=str(tmp_path / "a"), enable_progress_bar=False, enable_checkpointing=False
+    )
+    trainer.fit(module, loader(), DataLoader(regression_data(8), batch_size=4))
+    assert module.sched.seen == [1.0, 1.0]  # step(metric) at each epoch end, as Lightning does
+    with pytest.raises(ConfigurationError, match=r"reduce_on_plateau='yes' must be True \(step\(metric\) with the v"):
+        fit(tmp_path / "b", Marked(make_net(), {"reduce_on_plateau": "yes", "monitor": "val/const"}))
+    with pytest.raises(ConfigurationError, match=r"scheduler with reduce_on_plateau=True steps on a metric; name it"):
+        fit(tmp_path / "c", Marked(make_net(), {"reduce_on_plateau": True}))
+    with pytest.raises(ConfigurationError, match=r"unknown key\(s\) \['monitr'\]; valid keys: .*reduce_on_plateau"):
+        fit(tmp_path / "d", Marked(make_net(), {"monitr": "val/const"}))
