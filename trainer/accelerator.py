@@ -35,6 +35,7 @@ from trainforge.strategies.precision import Precision
 from trainforge.trainer.accelerate_compat import AccelerateCompat, AccelerateOptions, release_memory
 from trainforge.trainer.accelerator_data import DataPreparation, data_options
 from trainforge.trainer.collectives import Collectives
+from trainforge.trainer.hooks import STEP_NAMES, step_arguments
 from trainforge.trainer.inference.api import BigModelInference
 from trainforge.trainer.process_control import ProcessControl
 from trainforge.trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
@@ -429,6 +430,8 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         """``run_step(model, method, ...)`` as one callable, built once (the Trainer calls it per batch)."""
         user = self.unwrap_model(model)
         step: Callable = getattr(user, method)
+        if method in STEP_NAMES:  # training_step(self, batch) is called without batch_idx (Lightning)
+            step = step_arguments(step)
         if model is user and not self.strategy.redirect_forward:
             return step
 

@@ -148,3 +148,48 @@ def warn_unknown_callback_hooks(callback: Any, base: type) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+# ---- the steps: Lightning's rule for batch_idx, and validation without a validation_step ------------
+STEP_NAMES = frozenset({"training_step", "validation_step", "test_step", "predict_step"})
+
+
+def takes_batch_idx(step: Callable[..., Any]) -> bool:
+    """Whether a (bound) step method is called with ``batch_idx`` after the batch, by Lightning's rule:
+    it names ``batch_idx``, takes ``*args``, or takes two positional arguments (``training_step(self,
+    batch)`` gets the batch alone)."""
+    try:
+        params = list(inspect.signature(step).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (
+        len(positional) >= 2
+        or any(p.kind is p.VAR_POSITIONAL for p in params)
+        or any(p.name == "batch_idx" for p in positional)
+    )
+
+
+def step_arguments(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` called as ``step(batch, batch_idx)``, whichever of Lightning's signatures it has."""
+    if takes_batch_idx(step):
+        return step
+    return lambda batch, *rest: step(batch, *rest[1:])
+
+
+def validation_loaders(module: Any, loaders: Any, pipelined: bool) -> Any:
+    """``loaders``, or None with a warning when the module has no ``validation_step`` to run on them
+    (Lightning skips the validation loop too). A pipelined strategy validates on its stages' loss."""
+    from trainforge.trainer.module import TrainingModule
+
+    given = loaders if isinstance(loaders, (list, tuple)) else [] if loaders is None else [loaders]
+    if not given or pipelined or type(module).validation_step is not TrainingModule.validation_step:
+        return loaders
+    warnings.warn(
+        f"fit has validation dataloaders (given, or from val_dataloader()) but {type(module).__name__} has no "
+        "validation_step: validation is skipped, as in Lightning; define validation_step(self, batch, batch_idx) "
+        "to validate",
+        UserWarning,
+        stacklevel=4,
+    )
+    return None

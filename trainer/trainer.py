@@ -28,7 +28,12 @@ from trainforge.trainer.evaluation import Evaluation
 from trainforge.trainer.events import Event
 from trainforge.trainer.fit_checkpoints import FitCheckpoints
 from trainforge.trainer.fit_loop import FitLoop
-from trainforge.trainer.hooks import bind_module_hook, warn_unknown_callback_hooks, warn_unknown_hooks
+from trainforge.trainer.hooks import (
+    bind_module_hook,
+    validation_loaders,
+    warn_unknown_callback_hooks,
+    warn_unknown_hooks,
+)
 from trainforge.trainer.lightning_args import (
     LightningAttributes,
     apply_deterministic,
@@ -302,6 +307,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         self.optimizer, self._prepared_optimizers = prepared[0], prepared
         self.lr_scheduler_configs = configured[0].schedulers
         self._training_step = acc.step_function(self.model, "training_step")
+        val_loaders = validation_loaders(module, val_loaders, self._pipelined)  # none without validation_step
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
         self.num_training_batches = limited(loader_length(self.train_dataloader), self.config.limit_train_batches)
         if (
