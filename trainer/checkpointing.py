@@ -8,7 +8,7 @@ Layout of one checkpoint directory::
     model.safetensors (+ index)   weights, written by the strategy (sharded strategies: their own subdir)
     optimizers.pt                 optimizer states (the strategy's format)
     trainer_state.pt              progress, schedulers, grad scaler, callback states, registered
-                                  objects (rank 0)
+                                  objects, the module's hyperparameters (rank 0)
     rng_rank{r}.pt                python/numpy/torch/CUDA generator states of rank r
     dataloader_rank{r}.pt         position of rank r's loader (a global sample count inside)
     metadata.json                 format version, step, world size, strategy, precision, versions, manifest

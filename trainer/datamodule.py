@@ -3,14 +3,34 @@
 ``fit/validate/test/predict(module, datamodule=dm)`` call ``prepare_data()`` on one process per
 node (local rank 0; the others wait), then ``setup(stage)``, then the stage's ``*_dataloader()``.
 ``state_dict``/``load_state_dict`` are saved in Trainer checkpoints and restored on resume.
+``self.trainer`` is the Trainer using it (None before); ``self.save_hyperparameters()`` and
+``self.hparams`` work as in a ``TrainingModule`` (``trainer/hparams.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from trainforge.trainer.hparams import AttributeDict, HyperparametersMixin
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainforge.trainer.trainer import Trainer
 
 
-class DataModule:
+class DataModule(HyperparametersMixin):
+    trainer: Optional["Trainer"] = None  # set by the Trainer that uses it (Lightning's)
+
+    @property
+    def hparams(self) -> Any:
+        """What ``save_hyperparameters`` recorded: ``self.hparams.batch_size``, ``self.hparams["batch_size"]``."""
+        if "_hparams" not in vars(self):  # also when a subclass's __init__ does not call super().__init__()
+            vars(self)["_hparams"] = AttributeDict()
+        return vars(self)["_hparams"]
+
+    @hparams.setter
+    def hparams(self, value: Any) -> None:
+        vars(self)["_hparams"] = value
+
     def prepare_data(self) -> None:
         """Download or write data to disk; runs on one process per node. Do not set state here."""
 

@@ -12,6 +12,7 @@ from trainforge.strategies.checkpoint.io import list_checkpoints, read_metadata,
 from trainforge.strategies.errors import CheckpointError
 from trainforge.trainer.checkpointing import CheckpointParts, load_state, save_state
 from trainforge.trainer.events import Event
+from trainforge.trainer.hparams import DATAMODULE_PREFIX, checkpoint_hparams
 from trainforge.trainer.seed import set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +33,7 @@ class FitCheckpoints:
         accelerator: Accelerator
         strategy: Strategy
         model: Any
+        module: Any
         callbacks: List[Any]
         progress: Progress
         lr_scheduler_configs: List[Dict[str, Any]]
@@ -97,8 +99,15 @@ class FitCheckpoints:
             path,
             self._checkpoint_parts(),
             async_save,
-            before_write=lambda state: self._fire(Event.SAVE_CHECKPOINT, state),
+            before_write=self._before_checkpoint_write,
         )
+
+    def _before_checkpoint_write(self, state: Dict[str, Any]) -> None:
+        """The hyperparameters (for ``load_from_checkpoint``), then SAVE_CHECKPOINT: the module and the
+        callbacks may add to the state (Lightning's order)."""
+        state.update(checkpoint_hparams(self.module))
+        state.update(checkpoint_hparams(self.datamodule, prefix=DATAMODULE_PREFIX))
+        self._fire(Event.SAVE_CHECKPOINT, state)
 
     def _load_checkpoint(self, ckpt_path: str, required: bool = True) -> Optional[Path]:
         """Restore everything but RNG now; RNG is restored by the loop just before the next batch."""

@@ -5,8 +5,10 @@ its own optimizers -- several of them, as GANs do -- through ``self.optimizers()
 The optimizers handed to the module are the prepared ones (the strategy's step: grad scaler,
 DeepSpeed engine...); each ``step()`` counts one ``global_step`` (as Lightning counts them),
 ``max_steps`` included. Schedulers are stepped by the user (Lightning). Gradient accumulation and
-``gradient_clip_val`` are the user's job too (``self.clip_gradients`` is not provided): both
-are rejected with a clear error, as Lightning does. DeepSpeed takes one optimizer per model.
+clipping are the user's job too (``self.clip_gradients(opt, gradient_clip_val, gradient_clip_algorithm)``
+clips through the strategy, :meth:`ManualOptimization.clip_optimizer_gradients`): the Trainer's
+``accumulate_grad_batches`` and ``gradient_clip_val`` are rejected with a clear error, as Lightning
+does. DeepSpeed takes one optimizer per model.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class ManualOptimization:
         if cfg.gradient_clip_val is not None:
             raise ConfigurationError(
                 f"gradient_clip_val={cfg.gradient_clip_val} with manual optimization: clip in "
-                "training_step (torch.nn.utils.clip_grad_norm_ after manual_backward), as in "
-                "Lightning"
+                "training_step (self.clip_gradients(opt, gradient_clip_val=..., gradient_clip_algorithm='norm') "
+                "after manual_backward), as in Lightning"
             )
 
     def manual_optimizers(self) -> list:
@@ -74,6 +76,49 @@ class ManualOptimization:
         self.strategy.prepare_for_manual_backward(self.model, loss)
         self.accelerator.backward(loss, self.model)
         self._fire(Event.AFTER_BACKWARD)
+
+    def clip_optimizer_gradients(self, optimizer: Any, clip_val: Any, algorithm: Any) -> None:
+        """``TrainingModule.clip_gradients``: Lightning's arguments and defaults (the Trainer's
+        ``gradient_clip_val``/``gradient_clip_algorithm``; None or 0: nothing is clipped), clipped
+        with the strategy's ``clip_gradients`` as the automatic loop does, AMP gradients unscaled first."""
+        raw = optimizer.optimizer if isinstance(optimizer, ManualOptimizer) else optimizer
+        if not any(raw is opt for opt in self.optimizers):
+            raise ConfigurationError(
+                f"clip_gradients({type(optimizer).__name__}): not one of the optimizers of this run (give one "
+                "that self.optimizers() returns)"
+            )
+        cfg = self.config
+        if clip_val is None:
+            clip_val = cfg.gradient_clip_val or 0.0
+        elif cfg.gradient_clip_val is not None and cfg.gradient_clip_val != clip_val:
+            raise ConfigurationError(
+                f"clip_gradients(gradient_clip_val={clip_val!r}) but the Trainer has gradient_clip_val="
+                f"{cfg.gradient_clip_val!r}: set one of them"
+            )
+        if isinstance(clip_val, bool) or not isinstance(clip_val, (int, float)) or not clip_val >= 0:
+            raise ConfigurationError(
+                f"clip_gradients(gradient_clip_val={clip_val!r}): give a number >= 0 (0 or None: no clipping)"
+            )
+        if algorithm is None:
+            algorithm = cfg.gradient_clip_algorithm if cfg.gradient_clip_val is not None else "norm"
+        if not isinstance(algorithm, str) or algorithm.lower() not in ("norm", "value"):
+            raise ConfigurationError(
+                f"clip_gradients(gradient_clip_algorithm={algorithm!r}): give 'norm' (total norm) or 'value'"
+            )
+        if cfg.gradient_clip_val is not None and algorithm.lower() != cfg.gradient_clip_algorithm:
+            raise ConfigurationError(
+                f"clip_gradients(gradient_clip_algorithm={algorithm!r}) but the Trainer has "
+                f"gradient_clip_algorithm={cfg.gradient_clip_algorithm!r}: set one of them"
+            )
+        if clip_val == 0:
+            return
+        if self.accelerator.precision.scaler is not None:
+            self.accelerator.precision.unscale_(raw)  # once per step: the step does not unscale again
+        params = [p for group in raw.param_groups for p in group["params"]]
+        if algorithm.lower() == "norm":
+            self.strategy.clip_gradients(params, max_norm=float(clip_val))
+        else:
+            self.strategy.clip_gradients(params, clip_value=float(clip_val))
 
     def _run_manual_step(self, batch: Any, batch_idx: int) -> None:
         """One batch: the user's training_step does backward and steps; metrics are popped at the

@@ -6,20 +6,25 @@ Lightning's hook signatures (``trainer/hooks.py``).
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
+import contextlib
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Type, TypeVar
 
 import torch
 from torch import nn
 
-from trainforge.strategies.errors import TrainforgeError, check_metric_name
+from trainforge.strategies.errors import ConfigurationError, TrainforgeError, check_metric_name
 from trainforge.trainer.hooks import ModuleHooks
+from trainforge.trainer.hparams import AttributeDict, HyperparametersMixin
+from trainforge.trainer.manual import ManualOptimizer
+from trainforge.trainer.module_checkpoint import class_only, init_arguments, load_weights, read_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.trainer import Trainer
 
+M = TypeVar("M", bound="TrainingModule")
 
-class TrainingModule(ModuleHooks, nn.Module):
+
+class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
     """Subclass it; implement ``training_step`` and ``configure_optimizers`` (the rest is optional).
 
     ``configure_optimizers`` returns an optimizer, ``(optimizer, scheduler)``, or
@@ -31,7 +36,7 @@ class TrainingModule(ModuleHooks, nn.Module):
     def __init__(self) -> None:
         super().__init__()
         object.__setattr__(self, "_trainer", None)  # not a submodule, not in state_dict
-        self.hparams: Dict[str, Any] = {}
+        self.hparams: Any = AttributeDict()  # save_hyperparameters (trainer/hparams.py)
 
     # ---- what users implement ------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -53,6 +58,30 @@ class TrainingModule(ModuleHooks, nn.Module):
         """Build layers here (or in ``setup(stage)``) to create them only when a run starts (Lightning):
         called after ``setup``, before the model is placed and ``configure_optimizers`` runs, on
         every ``fit``/``validate``/``test``/``predict``, so it must not rebuild what exists."""
+
+    @classmethod
+    def load_from_checkpoint(
+        cls: Type[M],
+        checkpoint_path: Any,
+        map_location: Any = None,
+        hparams_file: Any = None,
+        strict: Optional[bool] = None,
+        weights_only: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> M:
+        """A new module from a trainforge checkpoint directory or a Lightning ``.ckpt`` file, built
+        with the hyperparameters it saved (``self.save_hyperparameters()``), ``kwargs`` replacing
+        them, then given its weights (``trainer/module_checkpoint.py``)."""
+        loaded = read_checkpoint(checkpoint_path, map_location, hparams_file, weights_only)
+        module = cls(**init_arguments(cls, loaded, kwargs))
+        if type(module).configure_model is not TrainingModule.configure_model:
+            module.configure_model()
+        module.on_load_checkpoint(loaded.checkpoint)
+        load_weights(module, loaded, strict)
+        return module
+
+    if not TYPE_CHECKING:  # called on an instance it is an error, as in Lightning
+        load_from_checkpoint = class_only(load_from_checkpoint)
 
     # ---- what users call -----------------------------------------------------------------------
     @property
@@ -77,17 +106,6 @@ class TrainingModule(ModuleHooks, nn.Module):
     @property
     def current_epoch(self) -> int:
         return self._trainer.current_epoch if self._trainer is not None else 0
-
-    def save_hyperparameters(self, *names: str, **values: Any) -> None:
-        """Record ``__init__`` arguments (all, or those named) plus ``values`` in ``self.hparams``."""
-        frame = sys._getframe(1)  # the caller's: its __init__
-        init_args = {
-            k: v for k, v in frame.f_locals.items() if k not in ("self", "__class__") and not k.startswith("_")
-        }
-        if names:
-            init_args = {k: init_args[k] for k in names}
-        self.hparams.update(init_args)
-        self.hparams.update(values)
 
     def log(
         self,
@@ -150,3 +168,71 @@ class TrainingModule(ModuleHooks, nn.Module):
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Clip the gradients of ``optimizer``'s parameters (after ``manual_backward``, before
+        ``step``), by total norm (``"norm"``, the default) or by value, through the strategy: under
+        FSDP/Megatron the norm is that of the whole model, AMP gradients are unscaled first.
+        ``gradient_clip_val`` None or 0: no clipping (Lightning)."""
+        self.trainer.clip_optimizer_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters require gradients until ``untoggle_optimizer(optimizer)``:
+        those of the other optimizers are frozen (their ``requires_grad`` is kept and restored)."""
+        raw = self._own_optimizer(optimizer, "toggle_optimizer")
+        saved: Dict[torch.nn.Parameter, bool] = self.__dict__.get("_toggle_saved") or {}
+        if not saved:  # toggling again before untoggling keeps the states from before the first toggle
+            for opt in self.trainer.optimizers:
+                for group in opt.param_groups:
+                    for param in group["params"]:
+                        saved.setdefault(param, param.requires_grad)
+        for opt in self.trainer.optimizers:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    param.requires_grad = False
+        for group in raw.param_groups:
+            for param in group["params"]:
+                param.requires_grad = saved[param]
+        self.__dict__["_toggle_saved"], self.__dict__["_toggled"] = saved, raw
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Undo ``toggle_optimizer(optimizer)``: every parameter gets its ``requires_grad`` back."""
+        raw = self._own_optimizer(optimizer, "untoggle_optimizer")
+        toggled = self.__dict__.get("_toggled")
+        if toggled is None:
+            return
+        if toggled is not raw:
+            raise ConfigurationError(
+                f"untoggle_optimizer({type(raw).__name__}) but the toggled optimizer is another one "
+                f"({type(toggled).__name__}, optimizer {self._index_of(toggled)}); untoggle the one you toggled"
+            )
+        for param, requires_grad in self.__dict__["_toggle_saved"].items():
+            param.requires_grad = requires_grad
+        self.__dict__["_toggle_saved"], self.__dict__["_toggled"] = {}, None
+
+    @contextlib.contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``with self.toggled_optimizer(opt):`` toggles it inside the block (Lightning 2.5)."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def _own_optimizer(self, optimizer: Any, what: str) -> torch.optim.Optimizer:
+        raw: torch.optim.Optimizer = optimizer.optimizer if isinstance(optimizer, ManualOptimizer) else optimizer
+        optimizers: List[torch.optim.Optimizer] = list(self.trainer.optimizers)
+        if not any(raw is opt for opt in optimizers):
+            raise ConfigurationError(
+                f"{what}({type(optimizer).__name__}): not one of the optimizers of this run (give one that "
+                f"self.optimizers() returns; configure_optimizers built {len(optimizers)})"
+            )
+        return raw
+
+    def _index_of(self, optimizer: Any) -> int:
+        return next(i for i, opt in enumerate(self.trainer.optimizers) if opt is optimizer)

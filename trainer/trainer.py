@@ -34,6 +34,7 @@ from trainforge.trainer.hooks import (
     warn_unknown_callback_hooks,
     warn_unknown_hooks,
 )
+from trainforge.trainer.hparams import logged_hparams
 from trainforge.trainer.lightning_args import (
     LightningAttributes,
     apply_deterministic,
@@ -194,7 +195,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
 
     @property
     def hparams(self) -> Dict[str, Any]:
-        module_hparams = dict(self.module.hparams) if self.module is not None else {}
+        module_hparams = logged_hparams(self.module, self.datamodule)  # save_hyperparameters(logger=True)
         return {
             "trainer": {
                 **self.config.as_dict(),
@@ -400,6 +401,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         if datamodule is self.datamodule:
             return
         self.datamodule = datamodule
+        datamodule.trainer = self  # Lightning's datamodule.trainer
         if self.strategy.local_rank == 0:
             datamodule.prepare_data()  # once per node; the other processes wait
         self.strategy.barrier()
