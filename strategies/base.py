@@ -90,6 +90,11 @@ class Strategy:
 
     # ---- topology -------------------------------------------------------------------------
     @property
+    def requested_device(self) -> Optional[torch.device]:
+        """The device given at construction; None when the strategy picks it at setup."""
+        return self._device
+
+    @property
     def root_device(self) -> torch.device:
         return self._device if self._device is not None else torch.device("cpu")
 

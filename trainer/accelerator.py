@@ -119,7 +119,7 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self.strategy = resolve_strategy(strategy, **kwargs)
         accelerator = accelerator if accelerator is not None else defaults.get("accelerator", "auto")
         normalize_accelerator(accelerator)  # a bad value fails here, before any process group starts
-        check_device_matches(accelerator, self.strategy._device)
+        check_device_matches(accelerator, self.strategy.requested_device)
         self.strategy.setup_environment(accelerator)
         self.precision = Precision(precision, self.strategy.root_device)
         self.gradient_accumulation_steps = accum

@@ -73,7 +73,7 @@ class MetricLogging:
         self.logged_metrics.update({k: float(v) for k, v in metrics.items()})
         self._fire(Event.LOG, dict(metrics), self.global_step if step is None else step)
 
-    def _log(
+    def log_value(
         self,
         name: str,
         value: Any,
@@ -87,6 +87,8 @@ class MetricLogging:
         rank_zero_only: bool = False,
         logger: bool = True,
     ) -> None:
+        """What ``TrainingModule.log`` calls: record one value under the loop's logging rules (``on_step`` /
+        ``on_epoch`` defaults of the running hook, ``reduce_fx``, ``sync_dist``, torchmetrics objects)."""
         training = self._running == "train"
         cm = self.callback_metrics
         if (

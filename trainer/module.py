@@ -128,7 +128,7 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
         epoch-end hook the value is logged for that epoch (see ``trainer/metric_logging.py``)."""
         if type(name) is not str or not name.strip():
             check_metric_name(name, "self.log(name)")
-        self.trainer._log(
+        self.trainer.log_value(
             name,
             value,
             on_step=on_step,
