@@ -32,6 +32,8 @@ class TrainerView(Protocol):
     def batch_idx(self) -> int: ...
     @property
     def log_every_n_steps(self) -> int: ...
+    @property
+    def stop_requested(self) -> Optional[str]: ...  # "SIGTERM" etc. once every rank stops after this step
 
     # processes and devices
     strategy: "Strategy"  # collectives: broadcast, all_reduce, all_gather, barrier

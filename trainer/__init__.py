@@ -9,6 +9,7 @@ from trainforge.trainer.accelerator import Accelerator
 from trainforge.trainer.datamodule import DataModule
 from trainforge.trainer.events import Event
 from trainforge.trainer.module import TrainingModule
+from trainforge.trainer.preemption import TrainingStopped
 from trainforge.trainer.seed import seed_everything
 from trainforge.trainer.trainer import Trainer
 
@@ -37,4 +38,5 @@ __all__ = [
     "ConfigurationError",
     "CheckpointError",
     "LaunchError",
+    "TrainingStopped",
 ]

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.config import LoopConfig, Progress
     from trainforge.trainer.metrics import MetricStore
     from trainforge.trainer.module import TrainingModule
+    from trainforge.trainer.preemption import StopSignals
 
 log = logging.getLogger("trainforge")
 
@@ -37,6 +38,7 @@ class FitLoop:
         progress: Progress
         optimizer: Any
         should_stop: bool
+        stop_signals: StopSignals
         train_dataloader: Any
         val_dataloaders: List[Any]
         lr_scheduler_configs: List[Dict[str, Any]]
@@ -98,6 +100,7 @@ class FitLoop:
                 p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches or self._data_ended)
                 if self._validation_due():
                     self._run_validation(self.val_dataloaders, "validation_step")
+                self.stop_signals.poll(self.strategy, p.global_step)  # all ranks stop at one step on a signal
                 self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
                 self._batch = self._last_output = batch = None  # free them before the next batch arrives
                 if self._finished() or p.epoch_end_pending:
@@ -162,6 +165,8 @@ class FitLoop:
             )
 
     def _finished(self) -> bool:
+        if self.stop_signals.agreed is not None:  # a stop signal, whatever min_steps says (trainer/preemption.py)
+            return True
         max_steps = self.config.max_steps
         if max_steps >= 0 and self.progress.global_step >= max_steps:
             return True

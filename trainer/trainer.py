@@ -47,6 +47,7 @@ from trainforge.trainer.manual import ManualOptimization
 from trainforge.trainer.metric_logging import MetricLogging
 from trainforge.trainer.metrics import MetricStore
 from trainforge.trainer.module import TrainingModule
+from trainforge.trainer.preemption import DEFAULT_STOP_SIGNALS, SignalsArg, StopSignals, stopped
 from trainforge.trainer.seed import seed_everything
 
 log = logging.getLogger("trainforge")
@@ -87,6 +88,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         nonfinite_loss: str = "raise",
         resume: Optional[str] = None,
         num_sanity_val_steps: int = 2,
+        stop_signals: SignalsArg = DEFAULT_STOP_SIGNALS,
     ) -> None:
         callbacks = check_callbacks(callback_list(callbacks, Callback), Callback)  # before anything is built
         callbacks, default_tracker = tracker_callbacks(logger, callbacks)
@@ -108,6 +110,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
             nonfinite_loss=nonfinite_loss,
         )
         self.config.validate()
+        self.stop_signals = StopSignals(stop_signals, "Trainer(stop_signals)")  # trainer/preemption.py
         if resume not in (None, "auto"):
             raise ConfigurationError(
                 f"resume={resume!r} is not one of: None, 'auto' (to resume from a given "
@@ -192,6 +195,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
     log_every_n_steps = property(lambda self: self.config.log_every_n_steps)
     optimizers = property(lambda self: [o.optimizer for o in self._prepared_optimizers])
     progress_bar_metrics = property(lambda self: dict(self._metrics["train"].prog_bar))  # prog_bar=True values
+    stop_requested = property(lambda self: self.stop_signals.stop_requested)  # "SIGTERM": every rank stops now
 
     @property
     def hparams(self) -> Dict[str, Any]:
@@ -265,16 +269,19 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
             self._fire(Event.TRAIN_START)
             self._warn_if_nothing_to_train()
             self._restore_pending_rng()  # last thing before the loop: keeps resumed random streams exact
-            self._fit_loop()
-            self._fire(Event.TRAIN_END)
-            self._fire(Event.FIT_END)
-            self.accelerator.wait_for_checkpoint()  # fit returns once the last async save is committed
+            with self.stop_signals.catching(self.global_step):  # a stop signal: all ranks save one step and exit
+                self._fit_loop()
+                self._fire(Event.TRAIN_END)
+                self._fire(Event.FIT_END)
+                self.accelerator.wait_for_checkpoint()  # fit returns once the last async save is committed
             self._fire(Event.TEARDOWN, "fit")
         except BaseException as exc:
             self._wait_for_checkpoint_quietly()
             self._fire(Event.EXCEPTION, exc)
             self._fire(Event.TEARDOWN, "fit")
             raise
+        if self.stop_requested is not None:  # TrainingStopped: exit code 128 + the signal number
+            raise stopped(self.stop_signals, self.global_step, self.callbacks, self.is_global_zero)
 
     def _setup_fit(self, module: TrainingModule, train_loader: Any, val_loaders: Any) -> None:
         self._none_steps, self._warned_none = 0, False
