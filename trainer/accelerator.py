@@ -37,6 +37,7 @@ from trainforge.trainer.accelerator_data import DataPreparation, data_options
 from trainforge.trainer.collectives import Collectives
 from trainforge.trainer.hooks import STEP_NAMES, step_arguments
 from trainforge.trainer.inference.api import BigModelInference
+from trainforge.trainer.preemption import SignalsArg, StopSignals
 from trainforge.trainer.process_control import ProcessControl
 from trainforge.trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
@@ -78,6 +79,7 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         kwargs_handlers: Optional[List[Any]] = None,
         rng_types: Optional[List[str]] = None,
         device_placement: bool = True,
+        stop_signals: SignalsArg = None,
         **accelerate_only: Any,
     ) -> None:
         from trainforge.trainer.launch_config import launch_defaults, strategy_kwargs
@@ -148,6 +150,7 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self.automatic_checkpoint_naming = automatic_checkpoint_naming
         self._async_checkpointer: Optional[AsyncCheckpointer] = None  # created by the first async save
         self.setup_accelerate(compat)
+        self.stop_signals = StopSignals(stop_signals, "Accelerator(stop_signals)", install=True)  # stop_requested
 
     # ---- topology --------------------------------------------------------------------------------
     device = property(lambda self: self.strategy.root_device)

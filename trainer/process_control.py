@@ -14,6 +14,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
+    from trainforge.trainer.preemption import StopSignals
 
 
 class ProcessControl:
@@ -21,6 +22,7 @@ class ProcessControl:
 
     if TYPE_CHECKING:  # the Accelerator's, for the type checker
         strategy: Strategy
+        stop_signals: StopSignals
         process_index: int
         num_processes: int
         is_main_process: bool
@@ -88,3 +90,22 @@ class ProcessControl:
         """The forward and backward inside all-reduce gradients even within ``no_sync`` (the
         gradients accumulated locally so far are synced with them)."""
         return self.strategy.force_backward_sync(model)
+
+    @property
+    def stop_requested(self) -> Optional[str]:
+        """With ``Accelerator(stop_signals=("SIGTERM", "SIGUSR1"))``: the signal's name once every process
+        is to stop here, else None. Read it once per optimizer step, on every process at the same point
+        (after ``optimizer.step()``): each read exchanges this process's flag with the others, one read
+        late, never waited for. Then save and exit with ``stop_exit_code``::
+
+            if accelerator.stop_requested:
+                accelerator.save_state(ckpt_dir)       # committed when it returns
+                sys.exit(accelerator.stop_exit_code)   # 128 + the signal number (143 for SIGTERM)
+
+        ``load_state(ckpt_dir)`` then continues the run exactly (``trainer/preemption.py``)."""
+        return self.stop_signals.poll(self.strategy)
+
+    @property
+    def stop_exit_code(self) -> Optional[int]:
+        """128 + the number of the signal ``stop_requested`` named; None before."""
+        return self.stop_signals.exit_code
