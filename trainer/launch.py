@@ -15,13 +15,20 @@ we add:
 
 ``--xla`` starts the processes with torch_xla's launcher instead (``trainforge.trainer.launch_xla``).
 
-Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments.
+Stop signals: SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 reaching the launcher are forwarded to
+the workers (torchrun's ``--signals-to-handle``, torch >= 2.9), which get ``--shutdown-timeout`` seconds
+(torch >= 2.12; else 30) to save their stop step (``trainer/preemption.py``) before torchrun SIGKILLs them.
+
+Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments, 128 + N
+when the launcher got signal N, or when every worker stopped on signal N after its checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import signal
 import sys
 from typing import Any, List, Mapping, Optional, Sequence
 
@@ -49,7 +56,12 @@ _TORCHRUN_FLAGS = (
     ("rdzv_endpoint", "--rdzv-endpoint"),
     ("max_restarts", "--max-restarts"),
     ("monitor_interval", "--monitor-interval"),
+    ("shutdown_timeout", "--shutdown-timeout"),
 )
+# torchrun's default SIGTERM, SIGINT, SIGHUP, SIGQUIT, and SLURM's warning signals (--signal=USR1@90):
+# the launcher forwards each to every worker's process group and waits --shutdown-timeout seconds
+# (torch's default: 30) for them to save and exit before it SIGKILLs them (trainer/preemption.py).
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +114,28 @@ def torchrun_argv(settings: Mapping[str, Any], script: str, script_args: Sequenc
             argv += [flag, str(settings[key])]
     if uses_standalone(settings):
         argv.append("--standalone")
+    if torchrun_accepts("signals_to_handle"):  # torch >= 2.9; before, SIGUSR1 ends the launcher alone
+        argv += ["--signals-to-handle", FORWARDED_SIGNALS]
     return argv + ["--module", "trainforge.trainer._bootstrap", script, *script_args]
+
+
+def torchrun_accepts(option: str) -> bool:
+    """Whether this torch's torchrun has ``option`` (a field of its LaunchConfig, e.g. shutdown_timeout)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return option in {field.name for field in dataclasses.fields(LaunchConfig)}
+
+
+def check_shutdown_timeout(settings: Mapping[str, Any]) -> None:
+    """``--shutdown-timeout`` needs a torchrun that has it (torch 2.12); older ones always wait 30 s."""
+    if settings.get("shutdown_timeout") is not None and not torchrun_accepts("shutdown_timeout"):
+        import torch
+
+        raise ConfigurationError(
+            f"--shutdown-timeout {settings['shutdown_timeout']} needs torchrun's --shutdown-timeout, which torch "
+            f"{torch.__version__} lacks (torch >= 2.12 has it): its launcher gives the workers 30 s after a stop "
+            "signal before SIGKILL. Upgrade torch, or leave --shutdown-timeout out"
+        )
 
 
 def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> None:
@@ -164,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             "use `trainforge launch --xla script.py` (torchrun does not start XLA processes)"
         )
     check_master_port(settings)
+    check_shutdown_timeout(settings)
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -177,6 +211,15 @@ def run(args: argparse.Namespace) -> int:
             torchrun.run(parsed)
         except ChildFailedError as error:
             rank, failure = error.get_first_failure()
+            stop = _stop_signal_of(failure.exitcode)
+            if stop is not None:  # the others got there too (they agreed on the step) or are stopped now
+                print(
+                    f"trainforge launch: the workers stopped on {stop} (exit code {failure.exitcode} = 128 + "
+                    f"{stop}: a stop signal, after the stop step's checkpoint; see the log above). Resume with "
+                    "Trainer(resume='auto')",
+                    file=sys.stderr,
+                )
+                return failure.exitcode
             print(error.format_msg(), file=sys.stderr)
             print(
                 f"trainforge launch: rank {rank} (local rank {failure.local_rank}) failed with exit code "
@@ -184,7 +227,20 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return failure.exitcode if 0 < failure.exitcode < 256 else 1
-        except SignalException as error:  # the launcher got SIGTERM/SIGINT/...; torchrun stopped the workers
-            print(f"trainforge launch: stopped by {error.sigval.name}; the workers were stopped", file=sys.stderr)
+        except SignalException as error:  # the launcher got SIGTERM/SIGUSR1/...; torchrun forwarded it and waited
+            print(
+                f"trainforge launch: got {error.sigval.name}; forwarded it to the workers and waited for them "
+                f"(a Trainer saves the stop step and exits with {128 + int(error.sigval)}; past "
+                "--shutdown-timeout, 30 s by default, torchrun SIGKILLs them)",
+                file=sys.stderr,
+            )
             return 128 + int(error.sigval)
     return 0
+
+
+def _stop_signal_of(exitcode: int) -> Optional[str]:
+    """The signal a worker stopped on after its checkpoint, from its exit code (128 + the number)."""
+    from trainforge.trainer.preemption import STOPPABLE
+
+    names = [n for n in STOPPABLE if getattr(signal, n, None) is not None and 128 + getattr(signal, n) == exitcode]
+    return names[0] if names else None

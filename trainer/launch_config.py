@@ -13,7 +13,7 @@ File layout (every key optional)::
     node_rank: 0
     master_addr: 10.0.0.1
     master_port: 29500
-    rdzv_backend: static                   # rdzv_endpoint, max_restarts, monitor_interval too
+    rdzv_backend: static                   # rdzv_endpoint, max_restarts, monitor_interval, shutdown_timeout too
     accelerator: auto                      # auto | cpu | gpu
     nproc_per_node: 8
     strategy: deepspeed                    # auto single ddp fsdp deepspeed
@@ -175,6 +175,13 @@ SETTINGS = (
     Setting("max_restarts", "--max-restarts", "Restarts of the whole group on a failure", _integer(0), asked=False),
     Setting(
         "monitor_interval", "--monitor-interval", "Seconds between worker health checks", _positive_float, asked=False
+    ),
+    Setting(
+        "shutdown_timeout",
+        "--shutdown-timeout",
+        "Seconds the workers get to save and exit after a stop signal, before SIGKILL",
+        _integer(0),
+        asked=False,
     ),
     Setting("accelerator", "--accelerator", "Which device type?", _choice("auto", "cpu", "gpu"), "auto"),
     Setting("nproc_per_node", "--nproc-per-node", "How many processes per machine?", _integer(1), _default_nproc),
