@@ -5,6 +5,9 @@
   --resume           Trainer(resume="auto"): continue from the newest valid checkpoint
   --strategy S       Trainer(strategy=S), e.g. ddp or fsdp (default: auto)
   --async-save       ModelCheckpoint(async_save=True): a kill may land while a save is being written
+  --step-sleep S     sleep S seconds after each step (a test signals the run between two steps)
+  --pid-file F       every rank writes its pid to F.rank<R> at fit start (a test signals one rank)
+  --stop-signals L   Trainer(stop_signals=L.split(",")); a stopped run exits with TrainingStopped's code
 The per-process batch is --global-batch // world size, so the global batch is preserved on any
 number of processes. Rank 0 writes the final weights to ROOT/final.safetensors.
 """
@@ -14,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 from safetensors.torch import save_file
@@ -67,6 +71,21 @@ class Record(Callback):
             f.write(json.dumps({"step": trainer.global_step, "ids": trainer._ids, "loss": float(outputs)}) + "\n")
 
 
+class Pace(Callback):
+    """--step-sleep / --pid-file: a run slow enough, and findable enough, to be signalled mid-way."""
+
+    def __init__(self, sleep, pid_file):
+        self.sleep, self.pid_file = sleep, pid_file
+
+    def on_train_start(self, trainer, module):
+        if self.pid_file:
+            with open(f"{self.pid_file}.rank{trainer.global_rank}", "w") as f:
+                f.write(str(os.getpid()))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        time.sleep(self.sleep)
+
+
 class KillSwitch(Callback):
     def __init__(self, step, rank, marker):
         self.step, self.rank, self.marker = step, rank, marker
@@ -98,6 +117,9 @@ def main():
     p.add_argument("--print-device", action="store_true")
     p.add_argument("--strategy", default=None)
     p.add_argument("--async-save", action="store_true", help="ModelCheckpoint(async_save=True)")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--pid-file", default=None)
+    p.add_argument("--stop-signals", default=None, help="comma-separated; default: the Trainer's")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     seed_everything(0)
@@ -105,6 +127,9 @@ def main():
     callbacks = [ModelCheckpoint(every_n_steps=a.ckpt_every, async_save=a.async_save or None), Record(a.record)]
     if a.kill_at is not None:
         callbacks.append(KillSwitch(a.kill_at, a.kill_rank, a.kill_marker))
+    if a.step_sleep or a.pid_file:
+        callbacks.append(Pace(a.step_sleep, a.pid_file))
+    stops = {} if a.stop_signals is None else {"stop_signals": a.stop_signals.split(",")}
     trainer = Trainer(
         max_steps=a.max_steps,
         max_epochs=a.max_epochs,
@@ -115,6 +140,7 @@ def main():
         resume="auto" if a.resume else None,
         precision=a.precision,
         strategy=a.strategy,
+        **stops,
     )
     if a.print_device:
         print(f"device: {trainer.device}")
