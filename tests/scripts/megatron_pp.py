@@ -234,7 +234,7 @@ def pp2(out: Path) -> Dict[str, Any]:
     res["compile"] = refused(MegatronStrategy(pipeline_parallel_size=2), compile=True)
     res["manual"] = refused(MegatronStrategy(pipeline_parallel_size=2), manual=True)
     # Trainer.validate on its own (no fit): the module is split then, the loss runs through the stages
-    metrics = Trainer(
+    [metrics] = Trainer(  # one dict per validation loader, as Lightning's validate returns
         strategy=MegatronStrategy(pipeline_parallel_size=2),
         limit_val_batches=2,
         max_steps=1,
