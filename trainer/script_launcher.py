@@ -27,9 +27,15 @@ from typing import Any, Deque, List, Optional
 
 from trainforge.strategies.environment import ClusterEnvironment, detect_environment, find_free_port
 from trainforge.strategies.errors import ConfigurationError, LaunchError
+from trainforge.trainer.preemption import STOPPABLE
 
 _TAIL_LINES = 60
-_FAILURE_SIGNAL = getattr(signal, "SIGUSR1", None)  # absent on Windows: the failure is raised at exit there
+# A real-time signal tells rank 0's main thread that a child failed: SIGUSR1/SIGUSR2 are stop signals a
+# scheduler sends (trainer/preemption.py) and must stay free for them. Absent on Windows and macOS: the
+# failure is raised at exit there.
+_FAILURE_SIGNAL = getattr(signal, "SIGRTMIN", None)
+# A child that saved and exited on a stop signal (128 + its number, trainer/preemption.py) did not fail.
+_STOPPED_CODES = {128 + int(getattr(signal, name)) for name in STOPPABLE if hasattr(signal, name)}
 
 
 def script_command() -> List[str]:
@@ -82,13 +88,17 @@ class _Launch:
         self.raised = False
         self.rank0_failed = False
         self.stopping = False
+
+    def start(self) -> None:
+        """Watch the children (after rank 0's failure handler is installed: no signal before it)."""
         threading.Thread(target=self._watch, name="trainforge-children", daemon=True).start()
 
     def _watch(self) -> None:
         while not self.stopping:
             for child in self.children:
                 code = child.proc.poll()
-                if code not in (None, 0) and not child.stopped and self.failure is None and not self.stopping:
+                failed = code not in (None, 0) and code not in _STOPPED_CODES and not child.stopped
+                if failed and self.failure is None and not self.stopping:
                     self.failure = child.failure()
                     self.stop_children()
                     if _FAILURE_SIGNAL is not None and not self.rank0_failed:
@@ -128,7 +138,7 @@ class _Launch:
         else:
             for child in self.children:
                 child.proc.wait()
-        failed = [c for c in self.children if c.proc.poll() not in (None, 0) and not c.stopped]
+        failed = [c for c in self.children if c.proc.poll() not in (None, 0, *_STOPPED_CODES) and not c.stopped]
         self.stop_children()
         if self.failure is None and failed:
             self.failure = failed[0].failure()
@@ -158,6 +168,7 @@ def launch_script(nprocs: int) -> ClusterEnvironment:
     launch = _Launch(children)
     if _FAILURE_SIGNAL is not None and threading.current_thread() is threading.main_thread():
         signal.signal(_FAILURE_SIGNAL, launch.raise_failure)
+    launch.start()
     previous_hook = sys.excepthook
 
     def excepthook(*args: Any) -> None:

@@ -379,3 +379,26 @@ def test_eval_arguments_refused(tmp_path):
         trainer.validate(Boring(), loader(), ckpt_path=str(tmp_path / "nope"))
     with pytest.raises(ConfigurationError, match="return_predictions='yes' must be True, False or None"):
         trainer.predict(Boring(), loader(), return_predictions="yes")
+
+
+def test_a_child_that_saved_on_a_stop_signal_is_not_a_failure_of_the_script_launch():
+    """Trainer(devices=N) from a plain script: a rank that exits 128 + a stop signal (it saved its step,
+    trainer/preemption.py) did not fail, so rank 0 neither raises nor exits 1; any other code does.
+    Rank 0's own failure signal is a real-time one, leaving SIGUSR1 (a default stop signal) free."""
+    import signal
+
+    from trainforge.trainer import script_launcher
+
+    assert script_launcher._FAILURE_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+    stopped = [script_launcher._Child(r, [sys.executable, "-c", "raise SystemExit(143)"], {}) for r in (1, 2)]
+    launch = script_launcher._Launch(stopped)  # not started: at_exit alone judges the exit codes
+    for child in stopped:
+        child.proc.wait(timeout=60)
+    launch.at_exit()  # would os._exit(1) on a failure
+    assert launch.failure is None
+    failing = script_launcher._Child(1, [sys.executable, "-c", "raise SystemExit(3)"], {})
+    failing.proc.wait(timeout=60)
+    launch = script_launcher._Launch([failing])
+    launch.rank0_failed = True  # rank0_failed: report, do not os._exit the test
+    launch.at_exit()
+    assert launch.failure is not None and "exited with code 3" in launch.failure
