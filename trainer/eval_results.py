@@ -6,6 +6,7 @@ after ``validate``/``test`` (``verbose=True``)."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import sys
 import warnings
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.module import TrainingModule
 
 log = logging.getLogger("trainforge")
+_LOADER_SUFFIX = re.compile(r"/dataloader_idx_\d+$")
 
 
 class EvaluationInputs:
@@ -107,6 +109,7 @@ class EvaluationInputs:
 
 def print_results(results: List[Dict[str, float]], stage: str) -> None:
     """The table of the metrics of each dataloader (Lightning prints the same after validate/test)."""
+    results = [{_LOADER_SUFFIX.sub("", k): v for k, v in r.items()} for r in results]  # as Lightning prints them
     names = sorted({k for r in results for k in r})
     if not names:
         return

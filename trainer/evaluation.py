@@ -7,6 +7,7 @@ mode (a frozen encoder, batch-norm statistics) stays there (Lightning 2.2+)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
@@ -16,6 +17,7 @@ from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.config import limited, loader_length
 from trainforge.trainer.eval_results import EvaluationInputs, print_results
 from trainforge.trainer.events import EVAL_EVENTS, Event
+from trainforge.trainer.hooks import check_dataloader_idx
 from trainforge.trainer.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,6 +26,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.config import LoopConfig
     from trainforge.trainer.metrics import MetricStore
     from trainforge.trainer.module import TrainingModule
+
+
+def _with_index(step: Any, dataloader_idx: int, batch: Any, batch_idx: int) -> Any:
+    return step(batch, batch_idx, dataloader_idx)
 
 
 def module_modes(module: nn.Module) -> Dict[nn.Module, bool]:
@@ -50,10 +56,13 @@ class Evaluation(EvaluationInputs):
         stage: str
         num_sanity_val_steps: int
         val_dataloaders: List[Any]
+        callbacks: List[Any]
         callback_metrics: Dict[str, Any]
         _metrics: Dict[str, MetricStore]
         _running: str
         _batch: Any
+        _dataloader_idx: Optional[int]
+        _loader_of: Dict[str, int]
 
         def _fire(self, event: Event, *args: Any) -> None: ...
         def _emit(self, metrics: Dict[str, float]) -> None: ...
@@ -71,12 +80,18 @@ class Evaluation(EvaluationInputs):
         assert module is not None, "a module is attached before its loops run"
         modes, self._running = module_modes(module), "val"
         module.eval()
+        several = len(loaders) > 1  # each loader's index goes to the step and batch hooks (Lightning)
+        check_dataloader_idx(module, self.callbacks, step_name, (batch_start.value, batch_end.value), len(loaders))
+        self._loader_of = {}
         self._fire(start)
         self._fire(epoch_start)
         with torch.no_grad():
             step = self.accelerator.step_function(self.model, step_name)
             loss_name = self._pipeline_loss_name(step_name) if self.strategy.pipelined else None
-            for loader in loaders:
+            for dataloader_idx, loader in enumerate(loaders):
+                extra = (dataloader_idx,) if several else ()
+                self._dataloader_idx = dataloader_idx if several else None
+                loader_step = step if not several else functools.partial(_with_index, step, dataloader_idx)
                 count = loader_length(loader)
                 name = _LIMITS[step_name]  # each loop its own limit (Lightning): test is not cut by validation's
                 limit = limited(count, getattr(self.config, name), name)
@@ -86,11 +101,12 @@ class Evaluation(EvaluationInputs):
                     if batch_idx >= limit:
                         break
                     self._batch = batch
-                    self._fire(batch_start, batch, batch_idx)
-                    out = self.strategy.evaluate_batch(self.model, step, batch, batch_idx)
+                    self._fire(batch_start, batch, batch_idx, *extra)
+                    out = self.strategy.evaluate_batch(self.model, loader_step, batch, batch_idx)
                     if loss_name is not None:  # a pipeline's loss through the stages
                         module.log(loss_name, out, sync_dist=True)
-                    self._fire(batch_end, out, batch, batch_idx)
+                    self._fire(batch_end, out, batch, batch_idx, *extra)
+            self._dataloader_idx = None
         sanity = self.stage == "sanity_check"
         metrics = self._metrics["val"].pop_epoch_metrics(self.strategy, compute=not sanity)
         if not sanity:  # the sanity check's values are dropped (Lightning)
@@ -161,8 +177,10 @@ class Evaluation(EvaluationInputs):
             self._fire(Event.EXCEPTION, exc)
             self._fire(Event.TEARDOWN, stage)
             raise
-        # one dict: the metrics of every loader together (each loader's own: not yet)
-        results = [{k: float(v) for k, v in self.callback_metrics.items() if before.get(k) is not v}]
+        # one dict per loader: what it logged (with several, names end in /dataloader_idx_N), and what the
+        # epoch-end hooks logged in each (Lightning)
+        logged = {k: float(v) for k, v in self.callback_metrics.items() if before.get(k) is not v}
+        results = [{k: v for k, v in logged.items() if self._loader_of.get(k, i) == i} for i in range(len(loaders))]
         if verbose and self.strategy.is_global_zero:
             print_results(results, stage)
         return results
@@ -186,30 +204,36 @@ class Evaluation(EvaluationInputs):
         self._prepare_eval(module, loaders)
         self._load_eval_weights(path)
         start, epoch_start, batch_start, batch_end, epoch_end, end = EVAL_EVENTS["predict_step"]
-        outputs: List[Any] = []
+        several = len(loaders) > 1  # Lightning: dataloader_idx passed, and one list of outputs per loader
+        check_dataloader_idx(module, self.callbacks, "predict_step", (batch_start.value, batch_end.value), len(loaders))
+        outputs: List[List[Any]] = []
         modes = module_modes(module)
         module.eval()
         self._fire(start)
         self._fire(epoch_start)
         step = self.accelerator.step_function(self.model, "predict_step")
         with torch.no_grad():
-            for loader in loaders:
+            for dataloader_idx, loader in enumerate(loaders):
+                extra = (dataloader_idx,) if several else ()
+                outputs.append([])
                 prepared = self.accelerator.prepare_data_loader(loader)
                 limit = limited(loader_length(prepared), self.config.limit_predict_batches, "limit_predict_batches")
                 for batch_idx, batch in enumerate(prepared):
                     if batch_idx >= limit:
                         break
-                    self._fire(batch_start, batch, batch_idx)
+                    self._fire(batch_start, batch, batch_idx, *extra)
                     with self.accelerator.autocast():
-                        out = step(batch, batch_idx)
+                        out = step(batch, batch_idx, *extra)
                     if return_predictions is not False:
-                        outputs.append(out)
-                    self._fire(batch_end, out, batch, batch_idx)
+                        outputs[-1].append(out)
+                    self._fire(batch_end, out, batch, batch_idx, *extra)
         self._fire(epoch_end)
         self._fire(end)
         restore_modes(modes)
         self._fire(Event.TEARDOWN, "predict")
-        return outputs if return_predictions is not False else None
+        if return_predictions is False:
+            return None
+        return outputs if several else outputs[0]
 
     def _prepare_eval(self, module: "TrainingModule", loaders: Any = ()) -> None:
         if self.model is None or self.accelerator.unwrap_model(self.model) is not module:

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 import torch
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
     from trainforge.trainer.metrics import MetricStore
     from trainforge.trainer.module import TrainingModule
+
+_EPOCH_NAME = re.compile(r"(.*)_epoch(/dataloader_idx_\d+)?")
 
 # the hook after which a loop's logged torchmetrics.Metric are reset, and that loop's MetricStore
 _LAST_HOOKS = {Event.EPOCH_END: "train", Event.VALIDATION_END: "val", Event.TEST_END: "val"}
@@ -58,6 +61,10 @@ class MetricLogging:
         self._not_logged: Set[str] = set()  # names logged with logger=False
         self._epoch_end_logged: Optional[Dict[str, torch.Tensor]] = None  # inside an epoch-end hook
         self._metric_ids: Tuple[Any, Set[int]] = (None, set())  # (module, ids of its torchmetrics.Metric)
+        # several evaluation loaders: the running one's index, and which loader logged each name (Lightning's
+        # "/dataloader_idx_N" suffix; validate/test return one dict per loader)
+        self._dataloader_idx: Optional[int] = None
+        self._loader_of: Dict[str, int] = {}
 
     @property
     def progress_bar_metrics(self) -> Dict[str, float]:
@@ -86,6 +93,7 @@ class MetricLogging:
         reduce_fx: str = "mean",
         rank_zero_only: bool = False,
         logger: bool = True,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """What ``TrainingModule.log`` calls: record one value under the loop's logging rules (``on_step`` /
         ``on_epoch`` defaults of the running hook, ``reduce_fx``, ``sync_dist``, torchmetrics objects)."""
@@ -108,8 +116,13 @@ class MetricLogging:
             return
         if reduce_fx not in REDUCE_FX:
             raise invalid_choice("self.log(reduce_fx)", reduce_fx, REDUCE_FX)
+        loader = self._dataloader_idx if self._epoch_end_logged is None else None
+        suffix = f"/dataloader_idx_{loader}" if loader is not None and add_dataloader_idx else ""
+        if loader is not None:  # the loader's own dict of validate/test's results (Lightning)
+            for logged in (name + suffix, f"{name}_step{suffix}", f"{name}_epoch{suffix}"):
+                self._loader_of[logged] = loader
         if not logger:
-            self._not_logged.add(name)
+            self._not_logged.update((name + suffix, f"{name}_step{suffix}", f"{name}_epoch{suffix}"))
         is_metric = not isinstance(value, (torch.Tensor, int, float)) and self._is_metric(name, value)
         if self._epoch_end_logged is not None:  # an epoch-end hook: the value is this epoch's
             if is_metric:  # computed now, over every rank; reset after the epoch-end hooks
@@ -127,7 +140,7 @@ class MetricLogging:
         on_epoch = (not training) if on_epoch is None else on_epoch
         store = self._metrics[self._running]
         if is_metric:
-            store.log_metric_object(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar)
+            store.log_metric_object(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, suffix=suffix)
         else:
             if on_epoch and batch_size is None:
                 batch_size = batch_size_of(self._batch)
@@ -140,12 +153,13 @@ class MetricLogging:
                 sync_dist=sync_dist and not rank_zero_only,
                 batch_size=batch_size or 1,
                 reduce_fx=reduce_fx,
+                suffix=suffix,
             )
         if on_step:
-            latest = store.step_values[f"{name}_step" if on_epoch else name]
-            cm[name] = latest
+            latest = store.step_values[f"{name}_step{suffix}" if on_epoch else name + suffix]
+            cm[name + suffix] = latest
             if on_epoch:
-                cm[f"{name}_step"] = latest
+                cm[f"{name}_step{suffix}"] = latest
 
     def _is_metric(self, name: str, value: Any) -> bool:
         """Whether ``value`` is a ``torchmetrics.Metric`` to log: one of the module's attributes, as
@@ -180,8 +194,10 @@ class MetricLogging:
     def _emit(self, metrics: Dict[str, float]) -> None:
         if not metrics:
             return
-        for name in [k for k in metrics if k.endswith("_epoch")]:  # the plain name: the newest value
-            self.callback_metrics[name[: -len("_epoch")]] = torch.tensor(metrics[name])
+        for name in metrics:  # the plain name: the newest value ("v_epoch/dataloader_idx_1" -> "v/dataloader_idx_1")
+            forked = _EPOCH_NAME.fullmatch(name)
+            if forked is not None:
+                self.callback_metrics[forked[1] + (forked[2] or "")] = torch.tensor(metrics[name])
         hidden = self._not_logged
         for name in hidden.intersection(metrics):
             self.callback_metrics[name] = torch.tensor(float(metrics[name]))

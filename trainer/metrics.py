@@ -60,10 +60,14 @@ class MetricStore:
     epoch_objects: Dict[str, Any] = field(default_factory=dict)  # torchmetrics.Metric logged on_epoch
     logged_objects: Dict[int, Any] = field(default_factory=dict)  # every Metric logged: reset at the epoch end
 
-    def log_metric_object(self, name: str, metric: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool) -> None:
+    def log_metric_object(
+        self, name: str, metric: Any, *, on_step: bool, on_epoch: bool, prog_bar: bool, suffix: str = ""
+    ) -> None:
         """A ``torchmetrics.Metric``: on_step its forward value for this batch, on_epoch its
-        ``compute()`` at the epoch end (``pop_epoch_metrics``)."""
+        ``compute()`` at the epoch end (``pop_epoch_metrics``). ``suffix``: Lightning's
+        ``/dataloader_idx_N``, after ``_step``/``_epoch``."""
         step_name, epoch_name = (f"{name}_step", f"{name}_epoch") if on_step and on_epoch else (name, name)
+        step_name, epoch_name = step_name + suffix, epoch_name + suffix
         self.logged_objects[id(metric)] = metric
         if on_step:
             value = metric._forward_cache  # what metric(preds, target) returned for the batch
@@ -101,6 +105,7 @@ class MetricStore:
         sync_dist: bool,
         batch_size: int,
         reduce_fx: str = "mean",
+        suffix: str = "",
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"log name={name!r} must be a non-empty string")
@@ -118,6 +123,7 @@ class MetricStore:
         else:
             raise ConfigurationError(f"self.log({name!r}, value={value!r}): value must be a number or a scalar tensor")
         step_name, epoch_name = (f"{name}_step", f"{name}_epoch") if on_step and on_epoch else (name, name)
+        step_name, epoch_name = step_name + suffix, epoch_name + suffix
         if on_step:
             self.step_values[step_name] = tensor
             self.step_sync[step_name] = sync_dist

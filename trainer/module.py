@@ -120,14 +120,18 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
         reduce_fx: str = "mean",
         rank_zero_only: bool = False,
         logger: bool = True,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Record a scalar. In training the default is per step; in validation/test per epoch, where
         the epoch value is ``reduce_fx`` over batches ("mean": weighted by batch size; "sum", "max",
         "min"), with ``sync_dist`` over all ranks too. ``rank_zero_only``: logged from rank 0 only, never
         synced; ``logger=False``: in ``trainer.callback_metrics`` but not sent to the trackers. In an
-        epoch-end hook the value is logged for that epoch (see ``trainer/metric_logging.py``)."""
+        epoch-end hook the value is logged for that epoch (see ``trainer/metric_logging.py``). With several
+        evaluation loaders the name gets Lightning's ``/dataloader_idx_N`` suffix unless ``add_dataloader_idx=False``."""
         if type(name) is not str or not name.strip():
             check_metric_name(name, "self.log(name)")
+        if type(add_dataloader_idx) is not bool:
+            raise ConfigurationError(f"self.log(add_dataloader_idx={add_dataloader_idx!r}) must be True or False")
         self.trainer.log_value(
             name,
             value,
@@ -139,6 +143,7 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
             reduce_fx=reduce_fx,
             rank_zero_only=rank_zero_only,
             logger=logger,
+            add_dataloader_idx=add_dataloader_idx,
         )
 
     # ---- manual optimization (Lightning's automatic_optimization = False; trainer/manual.py) -----
