@@ -21,6 +21,8 @@ _EXPORTS = {
     "Timer": "trainforge.callbacks.timer",
     "RNGSync": "trainforge.callbacks.rng_sync",
     "ModelSummary": "trainforge.callbacks.model_summary",
+    "WeightAveraging": "trainforge.callbacks.weight_averaging",
+    "EMAWeightAveraging": "trainforge.callbacks.weight_averaging",
     "TrackerCallback": "trainforge.callbacks.trackers.base",
     "FailurePolicy": "trainforge.callbacks.trackers.base",
     "TrackerWarning": "trainforge.callbacks.trackers.base",
