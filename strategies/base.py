@@ -9,7 +9,7 @@ A strategy owns placement, wrapping, collectives and sharded checkpoint I/O. It 
 ``configure`` hands over the run's settings as one frozen ``RunSettings`` (replaced whole, never
 edited field by field); what a strategy can do is declared on this class with defaults
 (``pipelined``, ``redirect_forward``, ``handles_accumulation``, ``loss_scaling_in_backend``,
-``input_dtype``, ``device_batches``), so callers read attributes instead of probing.
+``input_dtype``, ``device_batches``, ``grad_reduction``), so callers read attributes instead of probing.
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ class Strategy:
     loss_scaling_in_backend = False
     #: Floating inputs are cast to this dtype (parameters kept in half precision by the backend), or None.
     input_dtype: Optional[torch.dtype] = None
+    #: How gradients are combined over the data-parallel ranks at a sync step: "mean" (one device, DDP,
+    #: FSDP2), or None where trainforge cannot rescale them afterwards (DeepSpeed's engine scales them
+    #: itself, pipeline schedules, XLA). A loss summed over items (``trainer/token_loss.py``) needs "mean".
+    grad_reduction: Optional[str] = None
 
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         self._device = torch.device(device) if device is not None else None

@@ -177,6 +177,7 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
 
     name = "ddp"
     redirect_forward = True
+    grad_reduction = "mean"  # the reducer all-reduces and divides by world_size (so do the fp16/bf16 hooks)
 
     def __init__(
         self,

@@ -76,6 +76,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
 
     name = "fsdp"
     redirect_forward = True  # FSDP's unshard hooks run in the root's forward
+    grad_reduction = "mean"  # reduce-scatter (HSDP: and all-reduce) divided by the data-parallel size
 
     def __init__(
         self,

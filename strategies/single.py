@@ -14,6 +14,7 @@ from trainforge.strategies.errors import ConfigurationError
 
 class SingleDeviceStrategy(Strategy):
     name = "single"
+    grad_reduction = "mean"  # of one device's gradients: they are used as they are
 
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         super().__init__(device)

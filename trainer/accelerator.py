@@ -39,10 +39,11 @@ from trainforge.trainer.hooks import STEP_NAMES, step_arguments
 from trainforge.trainer.inference.api import BigModelInference
 from trainforge.trainer.preemption import SignalsArg, StopSignals
 from trainforge.trainer.process_control import ProcessControl
+from trainforge.trainer.token_loss import ItemWeightedLoss
 from trainforge.trainer.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
 
 
-class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessControl, AccelerateCompat):
+class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessControl, ItemWeightedLoss, AccelerateCompat):
     """Accelerate's options also accepted: ``even_batches`` (False: no padding duplicates on the
     last batch; ranks may get one batch fewer), ``split_batches`` (True: the loader's batch size is
     the global batch, split between processes; schedulers then step once per optimizer step),
@@ -269,10 +270,11 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         return prepared
 
     # ---- the step --------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None) -> None:
-        if self.gradient_accumulation_steps > 1 and not self.strategy.handles_accumulation:
-            loss = loss / self.gradient_accumulation_steps
-        self.strategy.backward(loss, model if model is not None else (self._models[0] if self._models else None))
+    def backward(self, loss: torch.Tensor, model: Optional[nn.Module] = None, num_items: Any = None) -> None:
+        """``num_items``: ``loss`` is summed over that many items (tokens): ``trainer/token_loss.py``."""
+        model = model if model is not None else (self._models[0] if self._models else None)
+        self.strategy.backward(self.loss_to_backward(loss, num_items), model)  # a mean divided by the steps
+        self.end_item_window(model)  # a no-op unless num_items were given and this micro-batch syncs
 
     def forward_backward(
         self, model: nn.Module, batch: Any, loss_fn: Optional[Callable[[Any, Any], Any]] = None

@@ -14,6 +14,7 @@ import torch
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.evaluation import module_modes, restore_modes
 from trainforge.trainer.events import Event
+from trainforge.trainer.token_loss import ITEMS_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
@@ -218,7 +219,8 @@ class FitLoop:
         self._last_output = output
         if loss is not None and self._check_loss(loss, batch_idx):
             self._fire(Event.BEFORE_BACKWARD, loss)
-            self.accelerator.backward(loss, self.model)
+            items = output.get(ITEMS_KEY) if isinstance(output, dict) else None  # a summed loss's count
+            self.accelerator.backward(loss, self.model, num_items=items)
             self._fire(Event.AFTER_BACKWARD)
 
     def _after_pipeline_step(self, loss: torch.Tensor, batch_idx: int) -> None:
@@ -293,6 +295,7 @@ class FitLoop:
 
     def _optimizer_step(self) -> None:
         acc, cfg, optimizer = self.accelerator, self.config, self.optimizer.optimizer
+        acc.end_item_window(self.model)  # summed losses: the window's count (if its last backward was skipped)
         if acc.precision.scaler is not None:
             acc.precision.unscale_(optimizer)
         self._fire(Event.BEFORE_OPTIMIZER_STEP, optimizer)
