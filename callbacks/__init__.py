@@ -30,6 +30,7 @@ _EXPORTS = {
     "MLflowLogger": "trainforge.callbacks.trackers.mlflow",
     "CometLogger": "trainforge.callbacks.trackers.comet",
     "TensorBoardLogger": "trainforge.callbacks.trackers.tensorboard",
+    "WandbLogger": "trainforge.callbacks.trackers.wandb",
 }
 
 __all__ = ["Callback", "TrainerView", *_EXPORTS]

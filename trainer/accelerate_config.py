@@ -269,6 +269,7 @@ class LoggerType(str, enum.Enum):
     TENSORBOARD = "tensorboard"
     MLFLOW = "mlflow"
     COMETML = "comet_ml"
+    WANDB = "wandb"
     CSV = "csv"
 
     def __str__(self) -> str:

@@ -6,7 +6,8 @@ calls, so they keep their failure policy (a slow or dead backend never stalls th
 a background thread). Names: ``"tensorboard"`` (``TensorBoardLogger``, in
 ``<logging_dir>/<project_name>``), ``"mlflow"`` (``MLflowLogger``, experiment ``project_name``; its
 default store is ``<logging_dir>/mlflow.db``), ``"comet_ml"`` (``CometLogger``, project
-``project_name``), ``"csv"`` (``CSVLogger``, ``<logging_dir>/<project_name>/metrics.csv``; trainforge's,
+``project_name``), ``"wandb"`` (``WandbLogger``, project ``project_name``, in ``<logging_dir>/wandb``),
+``"csv"`` (``CSVLogger``, ``<logging_dir>/<project_name>/metrics.csv``; trainforge's,
 not in Accelerate), ``"all"`` (each of those whose package is installed), or a ``TrackerCallback``
 instance. ``init_kwargs={"<name>": {...}}`` go to that tracker's constructor.
 """
@@ -25,12 +26,13 @@ from trainforge.strategies.errors import ConfigurationError, invalid_choice
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
 
-LOG_WITH = ("all", "tensorboard", "mlflow", "comet_ml", "csv")
+LOG_WITH = ("all", "tensorboard", "mlflow", "comet_ml", "wandb", "csv")
 # name -> (package it needs or None, pip extra, class name in trainforge.callbacks)
 _TRACKERS = {
     "tensorboard": ("tensorboard", "tensorboard", "TensorBoardLogger"),
     "mlflow": ("mlflow", "mlflow", "MLflowLogger"),
     "comet_ml": ("comet_ml", "comet", "CometLogger"),
+    "wandb": ("wandb", "wandb", "WandbLogger"),
     "csv": (None, "", "CSVLogger"),
 }
 _WRITE_IN_LOGGING_DIR = ("tensorboard", "csv")
@@ -168,7 +170,7 @@ class Tracking:
             tracker.on_log(cast(Any, view), cast(Any, None), dict(values), step)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Optional[TrackerCallback]:
-        """The tracker ``name`` (``"tensorboard"``, ``"mlflow"``, ``"comet_ml"``, ``"csv"``, or a tracker's
+        """The tracker ``name`` (``"tensorboard"``, ``"mlflow"``, ``"comet_ml"``, ``"wandb"``, ``"csv"``, or a tracker's
         ``name``) on the main process; None elsewhere. ``unwrap=True`` is refused (the backend object
         belongs to the tracker's writer thread)."""
         if unwrap:
@@ -215,6 +217,8 @@ def _build(name: str, project_name: str, logging_dir: Optional[str], kwargs: Map
         defaults["path"] = os.path.join(str(logging_dir), project_name, "metrics.csv")
     elif name == "mlflow":
         defaults["experiment_name"] = project_name
+    elif name == "wandb":
+        defaults["project"] = project_name  # save_dir "." is the logging directory (the run's root)
     else:
         defaults["project_name"] = project_name
     arguments = {**defaults, **kwargs}

@@ -1,4 +1,4 @@
-"""Experiment trackers (callbacks): MLflow, Comet, TensorBoard and CSV, with one failure policy.
+"""Experiment trackers (callbacks): MLflow, Comet, TensorBoard, CSV and Weights & Biases, with one failure policy.
 
 Backends are imported lazily, when a tracker is constructed, so this package imports without them.
 """
@@ -8,6 +8,7 @@ from trainforge.callbacks.trackers.comet import CometLogger
 from trainforge.callbacks.trackers.csv import CSVLogger
 from trainforge.callbacks.trackers.mlflow import MLflowLogger
 from trainforge.callbacks.trackers.tensorboard import TensorBoardLogger
+from trainforge.callbacks.trackers.wandb import WandbLogger
 
 __all__ = [
     "CSVLogger",
@@ -17,4 +18,5 @@ __all__ = [
     "TensorBoardLogger",
     "TrackerCallback",
     "TrackerWarning",
+    "WandbLogger",
 ]

@@ -117,8 +117,8 @@ def test_mixed_precision_maps_onto_trainforges_precisions(given, name):
         ({"cpu": True, "accelerator": "gpu"}, r"cpu=True and accelerator='gpu' disagree"),
         ({"device_placement": None}, r"device_placement=None must be True or False"),
         (
-            {"log_with": "wandb"},
-            r"log_with='wandb' is not one of: all, tensorboard, mlflow, comet_ml, csv.*TrackerCallback",
+            {"log_with": "aim"},
+            r"log_with='aim' is not one of: all, tensorboard, mlflow, comet_ml, wandb, csv.*TrackerCallback",
         ),
         ({"log_with": ["csv", 3], "project_dir": "p"}, r"log_with=3 is not one of"),
         ({"log_with": "csv"}, r"log_with='csv' writes csv files in the logging directory.*project_dir="),
