@@ -51,6 +51,31 @@ def test_summed_loss_over_four_micro_batches_equals_the_concatenated_batch():
     assert mean_of_means > 1e-3, "the default weighs a token of a short batch more: the bug this fixes"
 
 
+def test_a_skipped_last_micro_batch_is_left_out_of_the_count():
+    """nonfinite_loss='skip' on the window's last micro-batch: no backward syncs the window, the
+    Trainer divides by the items of the 3 micro-batches trained before its optimizer step."""
+    module = run.TokenLM()
+    step = module.training_step
+
+    def training_step(batch, batch_idx):
+        out = step(batch, batch_idx)
+        return {**out, "loss": out["loss"] * float("nan")} if batch_idx == 3 else out
+
+    module.training_step = training_step
+    grads = run.GradsBeforeStep()
+    trainer = Trainer(
+        max_steps=1,
+        accumulate_grad_batches=4,
+        nonfinite_loss="skip",
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        logger=False,
+        callbacks=[grads],
+    )
+    trainer.fit(module, DataLoader(run.sequences(), batch_size=2))
+    assert max_diff(grads.grads[0], run.reference_grads(range(6))) < TOL
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_times_four_micro_batches_equal_one_process_on_the_whole_batch(tmp_path, strategy):
