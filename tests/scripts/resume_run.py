@@ -90,7 +90,9 @@ class KillSwitch(Callback):
     def __init__(self, step, rank, marker):
         self.step, self.rank, self.marker = step, rank, marker
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+    # At the next batch's start: at a batch's end the checkpointing callbacks run last, so a kill there
+    # would come before step S's checkpoint is written (and a resume would start over, proving nothing).
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
             if self.marker:
                 if os.path.exists(self.marker):

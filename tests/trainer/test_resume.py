@@ -76,6 +76,8 @@ def test_sigkill_right_after_checkpoint_then_resume_is_bit_identical(tmp_path, n
     cut_record = tmp_path / "cut.rec"
     assert max(steps(cut_record)) == 5
     run(tmp_path, "cut", "--ckpt-every", "5", "--resume", nproc=nproc)
+    rows = (tmp_path / "cut.rec.rank0.jsonl").read_text().splitlines()
+    assert [json.loads(row)["step"] for row in rows] == list(range(1, 13)), "resumed at step 5, not from the start"
     assert_same_weights(full_dir, tmp_path / "cut")
     expected, got = steps(full), steps(cut_record)
     assert sorted(got) == list(range(1, 13))
