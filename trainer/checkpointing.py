@@ -235,7 +235,8 @@ def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
         log.warning(
             "trainforge: resuming a checkpoint written by %d process(es) on %d; the data position "
             "continues from the same global sample, but the random streams (dropout, later epochs' "
-            "shuffle order) continue from rank 0's and differ from an uninterrupted run on %d",
+            "shuffle order) continue from rank 0's and differ from an uninterrupted run on %d, and the "
+            "DataLoader workers' (augmentation) restart from their seeds for the rest of the saved epoch",
             old_world,
             strategy.world_size,
             strategy.world_size,

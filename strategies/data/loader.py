@@ -11,8 +11,8 @@ Where the position comes from: ``StatefulDataLoader`` snapshots the sampler's st
 dispatches a batch and returns the snapshot belonging to the last batch handed to the loop, so
 batches that workers prefetched are never counted. On load, the position is applied to the
 sampler directly (it must win over a later ``set_epoch``), and torchdata's own state (worker seeds,
-stateful dataset states) is restored only when world size, rank, batch size and worker count all
-match; otherwise the loader starts fresh iterators at the saved global position.
+stateful dataset states) and the workers' random streams (``worker_rng.py``) are restored only when
+world size, rank, batch size and worker count match; otherwise fresh iterators start at the saved position.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .sampler import (
     epoch_length,
 )
 from .split import drop_padding, split_between_processes  # noqa: F401  (re-exported)
+from .worker_rng import WorkerStreams
 
 __all__ = [
     "ResumableDataLoader",
@@ -76,6 +77,7 @@ class ResumableDataLoader(StatefulDataLoader):
         self.rank, self.world_size, self.kind = rank, world_size, kind
         self.last_padding = 0  # "stream": duplicates in the round of the last batch handed out
         self.last_fingerprint: Optional[str] = None  # "stream": the first sample's digest, on a reader's first batch
+        self.worker_streams = WorkerStreams()  # workers' random states, saved for an exact resume (worker_rng.py)
         if kind == "map" and WholeBatchSampler is not None and self.batch_size is not None:
             # torchdata builds batches one index at a time in Python; ours takes whole batches and
             # keeps torchdata's state format. DataLoader forbids reassigning batch_sampler after
@@ -83,7 +85,9 @@ class ResumableDataLoader(StatefulDataLoader):
             object.__setattr__(self, "batch_sampler", WholeBatchSampler(self.sampler, self.batch_size, self.drop_last))
 
     def __iter__(self) -> Any:
-        iterator = super().__iter__()
+        with self.worker_streams.starting(self):  # workers send their random states with each batch
+            iterator = super().__iter__()
+        iterator = self.worker_streams.handed_out(iterator) if self.num_workers > 0 else iterator
         return self._untagged(iterator) if self.kind == "stream" else iterator
 
     def _untagged(self, iterator: Any) -> Any:
@@ -115,6 +119,7 @@ class ResumableDataLoader(StatefulDataLoader):
             "batch_size": self.batch_size,
             "num_workers": self.num_workers,
             "loader": loader_state,
+            "worker_rng": self.worker_streams.state_dict(started=self._iterator is not None),
         }
         if self.kind == "map":
             sampler_state = self._position(loader_state)
@@ -175,6 +180,7 @@ class ResumableDataLoader(StatefulDataLoader):
             self._warn_replay(state)
             self.next_iter_state = None
             super().load_state_dict(state["loader"])
+            self.worker_streams.load(state, self, same_layout=True)
             return
         self.sampler.check_compatible(state["sampler"])
         self._check_global_batch(state)
@@ -182,7 +188,8 @@ class ResumableDataLoader(StatefulDataLoader):
         # torchdata would re-apply the sampler's snapshot lazily at the next iter(), after any
         # set_epoch(); mark it so the position just applied stays authoritative.
         self.next_iter_state = None
-        super().load_state_dict(_keep_position(state["loader"]) if same_layout else {})
+        restore = self.worker_streams.load(state, self, same_layout=same_layout)  # and the workers' random states
+        super().load_state_dict(_keep_position(state["loader"]) if restore else {})
 
     def _warn_replay(self, state: Dict[str, Any]) -> None:
         """An IterableDataset without state_dict/load_state_dict is put back at its position by

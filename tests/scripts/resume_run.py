@@ -15,10 +15,12 @@ number of processes. Rank 0 writes the final weights to ROOT/final.safetensors.
 import argparse
 import json
 import os
+import random
 import signal
 import sys
 import time
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -40,7 +42,10 @@ class Indexed(Dataset):
         return len(self.x)
 
     def __getitem__(self, i):
-        return torch.tensor(i), self.x[i], self.y[i]
+        # random augmentation in the DataLoader workers (torch, python, numpy): a resumed worker must
+        # continue its random streams where its last batch before the checkpoint left them
+        noise = 0.1 * (torch.rand(8) + random.random() + float(np.random.rand()))
+        return torch.tensor(i), self.x[i] + noise, self.y[i]
 
 
 class Model(TrainingModule):
