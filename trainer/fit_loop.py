@@ -99,11 +99,14 @@ class FitLoop:
                 p.batch_idx += 1
                 # the epoch's last batch: by count, or (a loader without length) when the data ended
                 p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches or self._data_ended)
-                if self._validation_due():
+                validated = self._validation_due()
+                if validated:
                     self._run_validation(self.val_dataloaders, "validation_step")
                 self.stop_signals.poll(self.strategy, p.global_step)  # all ranks stop at one step on a signal
                 self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
                 self._batch = self._last_output = batch = None  # free them before the next batch arrives
+                if not validated and self._stopping_early() and self._validation_epoch():
+                    self._run_validation(self.val_dataloaders, "validation_step")  # Lightning validates, then stops
                 if self._finished() or p.epoch_end_pending:
                     break
             if p.batch_idx == first_batch == 0:  # a stream that yields nothing (audit N-IT3): say so, save nothing
@@ -113,7 +116,9 @@ class FitLoop:
                     "empty, or a filter that drops everything?)"
                 )
             self._warn_none_epoch(p.batch_idx - first_batch)
-            if p.epoch_end_pending:  # a complete epoch (not a max_steps/should_stop cut)
+            # a complete epoch, or one that trainer.should_stop ends (Lightning ends it: epoch-end hooks, epoch
+            # metrics and schedulers, current_epoch + 1); a max_steps or stop-signal cut ends fit at that batch
+            if p.epoch_end_pending or self._stopping_early():
                 self._end_epoch()
                 self._refuse_endless(first_step)
             else:
@@ -123,6 +128,8 @@ class FitLoop:
 
     def _end_epoch(self) -> None:
         p = self.progress
+        if p.batch_idx < self.num_training_batches != float("inf"):  # ended by should_stop: a checkpoint written
+            p.batch_idx = int(self.num_training_batches)  # at EPOCH_END resumes at the next epoch (Lightning)
         self._emit(self._metrics["train"].pop_epoch_metrics(self.strategy))
         self._step_schedulers("epoch")
         p.epoch_end_pending = 0  # a checkpoint written from here on already includes the epoch's end
@@ -172,6 +179,10 @@ class FitLoop:
         if max_steps >= 0 and self.progress.global_step >= max_steps:
             return True
         return self.should_stop and self._can_stop_early()
+
+    def _stopping_early(self) -> bool:
+        """``trainer.should_stop`` is set and may be obeyed (min_epochs/min_steps met, no stop signal)."""
+        return self.should_stop and self.stop_signals.agreed is None and self._can_stop_early()
 
     _told_min_stop = False  # the "training will continue" line is logged once per Trainer
 
@@ -372,12 +383,17 @@ class FitLoop:
                 else:
                     scheduler.step()
 
-    def _validation_due(self) -> bool:
+    def _validation_epoch(self) -> bool:
+        """Whether this epoch validates at all (loaders, limit_val_batches, check_val_every_n_epoch)."""
         if not self.val_dataloaders or self.config.limit_val_batches == 0:
             return False
         every_epoch = self.config.check_val_every_n_epoch
-        if every_epoch is not None and (self.current_epoch + 1) % every_epoch != 0:
+        return every_epoch is None or (self.current_epoch + 1) % every_epoch == 0
+
+    def _validation_due(self) -> bool:
+        if not self._validation_epoch():
             return False
+        every_epoch = self.config.check_val_every_n_epoch
         interval = self.config.val_check_interval
         n = self.num_training_batches
         if n == float("inf"):  # a loader without length: 1.0 means the epoch's end; int counts within the epoch

@@ -88,7 +88,8 @@ def test_min_steps_keeps_training_past_should_stop(tmp_path):
     stop = EarlyStopping("valid_loss", patience=0)
     trainer = make(tmp_path, max_epochs=10, min_steps=10, callbacks=[stop], enable_checkpointing=False)
     trainer.fit(Boring(), loader(), loader(16, 1))
-    assert stop.stopped_epoch == 1 and trainer.global_step == 10  # the first check past 10 steps (as Lightning)
+    # Lightning 2.6: stopped at step 10 mid-epoch 2, after validating there and ending the epoch
+    assert stop.stopped_epoch == 2 and trainer.global_step == 10 and trainer.current_epoch == 3
 
 
 @pytest.mark.parametrize("name, value", [("min_epochs", -1), ("min_steps", 2.5), ("min_epochs", True)])
