@@ -104,6 +104,17 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
         return self._trainer.global_step if self._trainer is not None else 0
 
     @property
+    def logger(self) -> Any:
+        """The trainer's first tracker (Lightning's ``self.logger``; ``.experiment`` is its backend object:
+        ``callbacks/trackers/experiment.py``), or None without a trainer or with ``logger=False``."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> List[Any]:
+        """Every tracker of the trainer (Lightning's ``self.loggers``); [] without a trainer."""
+        return list(self._trainer.loggers) if self._trainer is not None else []
+
+    @property
     def current_epoch(self) -> int:
         return self._trainer.current_epoch if self._trainer is not None else 0
 

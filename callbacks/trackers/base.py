@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from trainforge.callbacks.base import Callback
+from trainforge.callbacks.trackers.experiment import experiment_or_stand_in
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.md "Floors"
@@ -319,6 +320,7 @@ class TrackerCallback(Callback):
         self._writer: Optional[_Writer] = None
         self._warned_first = False
         self.last_report: Optional[str] = None  # the end-of-run failure summary, if there was one
+        self._rank_zero: Optional[bool] = None  # set at fit start: where ``experiment`` is the real object
 
     # --- backend interface (``_prepare`` on the training thread, the rest on the writer thread) ---
     def _prepare(self, trainer: "TrainerView") -> None:
@@ -339,6 +341,10 @@ class TrackerCallback(Callback):
     def _close(self, status: str) -> None:
         raise NotImplementedError
 
+    def _backend(self) -> Any:
+        """The backend's own object once opened, else None (``experiment``; writer thread's object)."""
+        return None
+
     def _secrets(self) -> List[str]:
         """Strings that must never appear in a message (API keys)."""
         return []
@@ -351,6 +357,7 @@ class TrackerCallback(Callback):
 
     # --- hooks ---
     def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+        self._rank_zero = trainer.is_global_zero
         if trainer.is_global_zero:
             self._start(trainer)
 
@@ -394,6 +401,12 @@ class TrackerCallback(Callback):
         ok = self._writer.flush(self.failure_policy.flush_timeout_s if timeout is None else timeout)
         self._warn_first_failure()
         return ok
+
+    @property
+    def experiment(self) -> Any:
+        """Lightning's ``logger.experiment``: the backend's object during fit (``trackers/experiment.py``)."""
+        self._wait_opened(self.failure_policy.flush_timeout_s)
+        return experiment_or_stand_in(type(self).__name__, self._backend(), self._rank_zero, TrackerWarning)
 
     @property
     def dropped_values(self) -> int:

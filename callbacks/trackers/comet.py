@@ -153,6 +153,9 @@ class CometLogger(TrackerCallback):
         for step, values in records:
             self._experiment.log_metrics(values, step=step)
 
+    def _backend(self) -> Any:
+        return self._experiment  # the comet_ml Experiment (Lightning's CometLogger.experiment)
+
     def _close(self, status: str) -> None:
         if status != "FINISHED":
             self._experiment.log_other("trainforge_status", status)

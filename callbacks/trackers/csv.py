@@ -68,6 +68,16 @@ class CSVLogger(TrackerCallback):
         """The CSV file of the current (or last) run."""
         return self._file
 
+    @property
+    def experiment(self) -> Any:
+        """Refused: a CSV file has no backend object to hand out (Lightning's CSVLogger.experiment is its
+        own ExperimentWriter, which trainforge does not have)."""
+        raise ConfigurationError(
+            "CSVLogger.experiment: CSVLogger writes the logged numbers to a CSV file and has no backend object; "
+            "log numbers with self.log(...), and for images, text or histograms pass "
+            "Trainer(logger=TensorBoardLogger()), whose experiment is TensorBoard's SummaryWriter"
+        )
+
     def state_dict(self) -> Dict[str, Any]:
         # where the file was, relative to the run (for reading only: a resume writes where the current
         # run's settings say, so a copied or downloaded checkpoint never names the file to write)

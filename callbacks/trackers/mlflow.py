@@ -250,6 +250,9 @@ class MLflowLogger(TrackerCallback):
             self._run_id = run.info.run_id
         self._client = client
 
+    def _backend(self) -> Any:
+        return self._client  # the MlflowClient once opened (Lightning's MLFlowLogger.experiment)
+
     def _write_params(self, params: Dict[str, Any]) -> None:
         from mlflow.entities import Param
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH

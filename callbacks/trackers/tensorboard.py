@@ -88,6 +88,9 @@ class TensorBoardLogger(TrackerCallback):
 
         self._summary = SummaryWriter(log_dir=self._dir, purge_step=self._purge_step)
 
+    def _backend(self) -> Any:
+        return self._summary  # the SummaryWriter (Lightning's TensorBoardLogger.experiment)
+
     def _write_params(self, params: Dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams
 

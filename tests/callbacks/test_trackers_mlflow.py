@@ -167,3 +167,19 @@ def test_bad_arguments_are_rejected_with_the_value():
     for uri in (5000, "", ["http://127.0.0.1:5000"]):  # audit: an integer URI failed deep inside MLflow
         with pytest.raises(ConfigurationError, match=r"tracking_uri=.* must be a URI string"):
             MLflowLogger(tracking_uri=uri)
+
+
+def test_experiment_is_the_mlflow_client_during_fit(tmp_path, store):
+    """Lightning's ``MLFlowLogger.experiment``: the MlflowClient (with ``logger.run_id``)."""
+    from trainforge.callbacks import Callback
+
+    logger, seen = MLflowLogger(), []
+
+    class Grab(Callback):
+        def on_train_end(self, trainer, module):
+            seen.append(module.logger.experiment)
+            module.logger.experiment.set_tag(logger.run_id, "from_experiment", "yes")
+
+    fit([logger, Grab()], tmp_path)
+    assert isinstance(seen[0], MlflowClient)
+    assert client_for(tmp_path).get_run(logger.run_id).data.tags["from_experiment"] == "yes"
