@@ -29,22 +29,47 @@ class EarlyStopping(Callback):
     """Stop after ``patience`` validations without an improvement larger than ``min_delta``.
 
     Also stops at once when the value is not finite (``check_finite``), reaches
-    ``stopping_threshold`` (good enough) or crosses ``divergence_threshold`` (hopeless).
+    ``stopping_threshold`` (good enough) or crosses ``divergence_threshold`` (hopeless). The arguments
+    are Lightning's, in its order and with its defaults (``verbose=False``); ``log_rank_zero_only``:
+    the stop is printed by rank 0 only.
     """
 
     def __init__(
         self,
         monitor: str,
-        mode: str = "min",
-        patience: int = 3,
         min_delta: float = 0.0,
+        patience: int = 3,
+        verbose: bool = False,
+        mode: str = "min",
+        strict: bool = True,
         check_finite: bool = True,
         stopping_threshold: Optional[float] = None,
         divergence_threshold: Optional[float] = None,
-        verbose: bool = True,
-        strict: bool = True,
         check_on_train_epoch_end: Optional[bool] = None,
+        log_rank_zero_only: bool = False,
     ) -> None:
+        # Lightning's order and defaults (a ported EarlyStopping("val_loss", 0.01, 5) means the same here)
+        for flag, value in (("verbose", verbose), ("strict", strict), ("check_finite", check_finite)):
+            if type(value) is not bool:
+                raise ConfigurationError(f"EarlyStopping({flag}={value!r}) must be True or False")
+        if type(log_rank_zero_only) is not bool:
+            raise ConfigurationError(
+                f"EarlyStopping(log_rank_zero_only={log_rank_zero_only!r}) must be True (the stop is printed by "
+                "rank 0 only) or False (by each rank that asks to stop)"
+            )
+        if check_on_train_epoch_end not in (None, True, False):
+            raise ConfigurationError(
+                f"EarlyStopping(check_on_train_epoch_end={check_on_train_epoch_end!r}) must be None (at the training "
+                "epoch end only without validation), True or False"
+            )
+        for name, bound in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
+                raise ConfigurationError(f"EarlyStopping({name}={bound!r}) must be a number or None")
+        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
+            raise ConfigurationError(
+                f"EarlyStopping(min_delta={min_delta!r}) must be a number >= 0 (the second argument, as in "
+                "Lightning: EarlyStopping(monitor, min_delta, patience, verbose, mode, ...))"
+            )
         if mode not in MODES:
             raise invalid_choice(
                 "EarlyStopping(mode)", mode, MODES, "use 'min' for losses and errors, 'max' for accuracies and scores"
@@ -69,6 +94,7 @@ class EarlyStopping(Callback):
         self.verbose = verbose
         self.strict = strict  # False: a missing metric only warns (Lightning)
         self.check_on_train_epoch_end = check_on_train_epoch_end  # None: there when there is no validation loop
+        self.log_rank_zero_only = log_rank_zero_only
         self.wait_count = 0
         self.best_score = math.inf if mode == "min" else -math.inf
         self.stopped_epoch = -1
@@ -118,7 +144,9 @@ class EarlyStopping(Callback):
             self.stopped_step = int(trainer.global_step)
             self.stopping_reason = reason or "another rank asked to stop"
             trainer.should_stop = True
-            if self.verbose and (reason or trainer.is_global_zero):
+            if self.verbose and (
+                trainer.is_global_zero if self.log_rank_zero_only else reason or trainer.is_global_zero
+            ):
                 print(
                     f"[rank {trainer.global_rank}] EarlyStopping at epoch {self.stopped_epoch}, "
                     f"step {self.stopped_step}: {self.stopping_reason}"

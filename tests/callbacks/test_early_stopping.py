@@ -37,10 +37,66 @@ def _fit(callback, values, val_every=2, max_steps=100):
 
 def test_stops_after_patience_non_improving_validations(capsys):
     values = [1.0, 0.8, 0.85, 0.8, 0.9] + [0.1] * 20  # best 0.8, then 3 validations without improvement
-    trainer, seen = _fit(EarlyStopping("val/loss", patience=3), values)
+    trainer, seen = _fit(EarlyStopping("val/loss", patience=3, verbose=True), values)
     assert len(seen) == 5 and trainer.should_stop
     assert trainer.global_step == 10  # 5th validation at step 10; nothing after it
     assert "did not improve" in capsys.readouterr().out
+
+
+def test_lightnings_positional_order_and_defaults():
+    """EarlyStopping(monitor, min_delta, patience, verbose, mode, strict, check_finite, stopping_threshold,
+    divergence_threshold, check_on_train_epoch_end, log_rank_zero_only), Lightning's defaults."""
+    cb = EarlyStopping("val/acc", 0.05, 2, True, "max", False, False, 0.99, 0.1, True, True)
+    assert (cb.min_delta, cb.patience, cb.verbose, cb.mode, cb.strict, cb.check_finite) == (
+        0.05,
+        2,
+        True,
+        "max",
+        False,
+        False,
+    )
+    assert (cb.stopping_threshold, cb.divergence_threshold, cb.check_on_train_epoch_end) == (0.99, 0.1, True)
+    assert cb.log_rank_zero_only is True
+    default = EarlyStopping("val/loss")
+    assert (default.min_delta, default.patience, default.verbose, default.mode) == (0.0, 3, False, "min")
+    assert default.log_rank_zero_only is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"min_delta": "max"}, r"min_delta='max'\) must be a number >= 0 \(the second argument, as in Lightning"),
+        ({"verbose": "yes"}, r"verbose='yes'\) must be True or False"),
+        ({"log_rank_zero_only": 1}, r"log_rank_zero_only=1\) must be True \(the stop is printed by rank 0 only\)"),
+        ({"check_on_train_epoch_end": "epoch"}, r"check_on_train_epoch_end='epoch'\) must be None"),
+        ({"stopping_threshold": "0.1"}, r"stopping_threshold='0.1'\) must be a number or None"),
+    ],
+)
+def test_new_and_reordered_arguments_refuse_bad_values(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        EarlyStopping("val/loss", **kwargs)
+
+
+@pytest.mark.parametrize("rank_zero_only, printed", [(False, True), (True, False)])
+def test_log_rank_zero_only_keeps_other_ranks_quiet(capsys, rank_zero_only, printed):
+    from types import SimpleNamespace
+
+    strategy = SimpleNamespace(all_reduce=lambda t, op: t)
+    rank1 = SimpleNamespace(
+        callback_metrics={"val/loss": 1.0},
+        device="cpu",
+        strategy=strategy,
+        current_epoch=0,
+        global_step=4,
+        val_dataloaders=[],
+        global_rank=1,
+        is_global_zero=False,
+        should_stop=False,
+    )
+    cb = EarlyStopping("val/loss", patience=0, verbose=True, log_rank_zero_only=rank_zero_only)
+    cb.best_score = 0.5  # no improvement: rank 1 asks to stop
+    cb.on_train_epoch_end(rank1, None)  # no validation loop: checked at the epoch end
+    assert rank1.should_stop and ("[rank 1] EarlyStopping at epoch 0" in capsys.readouterr().out) == printed
 
 
 def test_min_delta_and_max_mode():
