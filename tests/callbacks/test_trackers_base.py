@@ -345,6 +345,7 @@ def test_bad_policy_is_rejected_with_the_value(bad):
         ("mlflow", "MLflowLogger", "mlflow"),
         ("comet_ml", "CometLogger", "comet"),
         ("tensorboard", "TensorBoardLogger", "tensorboard"),
+        ("wandb", "WandbLogger", "wandb"),
     ],
 )
 def test_missing_backend_names_the_pip_extra_at_construction(monkeypatch, module, cls, extra):
@@ -360,12 +361,12 @@ def test_missing_backend_names_the_pip_extra_at_construction(monkeypatch, module
 
 def test_trackers_import_without_any_backend():
     code = (
-        "import sys\nfor m in ('mlflow', 'comet_ml', 'tensorboard'): sys.modules[m] = None\n"
+        "import sys\nfor m in ('mlflow', 'comet_ml', 'tensorboard', 'wandb'): sys.modules[m] = None\n"
         "import trainforge.callbacks.trackers as t\nprint(sorted(t.__all__))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "MLflowLogger" in out.stdout and "CSVLogger" in out.stdout
+    assert "MLflowLogger" in out.stdout and "CSVLogger" in out.stdout and "WandbLogger" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Trackers (CSV, MLflow) in a real 2-process fit (torchrun, DDP on gloo): only rank 0 writes, and values logged
+"""Trackers (CSV, MLflow, W&B offline) in a real 2-process fit (torchrun, DDP on gloo): only rank 0 writes, and values logged
 with ``sync_dist=True`` reach the trackers as the mean over ranks.
 
 The test runs this file itself as the training script under ``torch.distributed.run``.
@@ -25,7 +25,7 @@ def main(root: Path) -> None:
 
     from tests.callbacks.test_trackers_base import Recorder, make_loader
     from trainforge import Trainer, TrainingModule
-    from trainforge.callbacks.trackers import CSVLogger, MLflowLogger
+    from trainforge.callbacks.trackers import CSVLogger, FailurePolicy, MLflowLogger, WandbLogger
 
     class RankModule(TrainingModule):
         def __init__(self):
@@ -50,7 +50,12 @@ def main(root: Path) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     recorder = Recorder()
-    loggers = [CSVLogger(), MLflowLogger()]
+    # Importing and opening MLflow and W&B together on a busy 2-core machine can outlast the 8 steps and the
+    # default 5 s the end of fit waits for pending writes: this test checks what they write, so it waits.
+    patient = FailurePolicy(flush_timeout_s=60)
+    quiet = {"x_disable_stats": True, "x_disable_meta": True, "disable_git": True, "save_code": False}
+    wandb = WandbLogger(offline=True, settings=quiet, failure_policy=patient)
+    loggers = [CSVLogger(), MLflowLogger(failure_policy=patient), wandb]
     trainer = Trainer(
         strategy="ddp",
         max_epochs=1,
@@ -71,6 +76,8 @@ def main(root: Path) -> None:
         "csv": loggers[0].file,
         "mlflow": loggers[1]._run_id,
         "imported_mlflow": "mlflow" in sys.modules,
+        "wandb": wandb.save_dir,
+        "imported_wandb": "wandb" in sys.modules,
     }
     (root / f"rank{rank}.json").write_text(json.dumps(seen))
 
@@ -78,19 +85,25 @@ def main(root: Path) -> None:
 @pytest.mark.slow
 def test_two_process_fit_only_rank_zero_writes_and_sync_dist_is_the_mean(tmp_path, tmp_path_factory):
     pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
     from mlflow.tracking import MlflowClient
 
     from tests.callbacks.test_trackers_base import mlflow_store
     from tests.callbacks.test_trackers_csv import read_csv
+    from tests.callbacks.test_trackers_wandb import history as history_of
+    from tests.callbacks.test_trackers_wandb import read_run, run_files
 
     uri = mlflow_store(tmp_path_factory, tmp_path / "mlflow.db")  # the default store, already migrated
-    procs.run(procs.torchrun(__file__, tmp_path), env=procs.test_env(MASTER_ADDR="127.0.0.1"), timeout=LAUNCH_TIMEOUT_S)
+    wandb_env = {f"WANDB_{k}": str(tmp_path / f"wandb-{k.lower()}") for k in ("DIR", "CONFIG_DIR", "CACHE_DIR")}
+    env = procs.test_env(MASTER_ADDR="127.0.0.1", WANDB_MODE="offline", WANDB_SILENT="true", **wandb_env)
+    procs.run(procs.torchrun(__file__, tmp_path), env=env, timeout=LAUNCH_TIMEOUT_S)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world_size"] == 2
 
     # Only rank 0 opened anything; rank 1's trackers never resolved a file or a run.
     assert r0["csv"] and r0["mlflow"] and (r1["csv"], r1["mlflow"]) == (None, None)
     assert r0["imported_mlflow"] and not r1["imported_mlflow"]  # rank 1 never even imported the backend
+    assert r0["wandb"] == str(tmp_path) and r1["wandb"] is None and not r1["imported_wandb"]
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("trainforge").experiment_id])
     assert [r.info.run_id for r in runs] == [r0["mlflow"]]
@@ -115,6 +128,8 @@ def test_two_process_fit_only_rank_zero_writes_and_sync_dist_is_the_mean(tmp_pat
     _, rows = read_csv(tmp_path / "metrics.csv")
     assert [(int(r["step"]), float(r["train/loss"])) for r in rows if r["train/loss"]] == history
     assert len(rows) == len(logged)
+    (wandb_file,) = run_files(tmp_path)  # one W&B run, rank 0's, with the same history
+    assert history_of(read_run(wandb_file)[2], "train/loss") == history
 
 
 if __name__ == "__main__":
