@@ -98,7 +98,9 @@ class WeightAveraging(Callback):
         self._val_swapped = False
         self._ended = False  # TRAIN_END has swapped the average in for good
         self._pending: Optional[Dict[str, Any]] = None  # a loaded state, applied once the module is placed
-        self._module: Optional[torch.nn.Module] = None  # the module averaged (state_dict reads it)
+        self._tensors: List[Any] = []  # its parameters (and buffers), as the optimizer holds them
+        self._group_averaged: List[List[torch.Tensor]] = []
+        self._group_live: Optional[List[List[torch.Tensor]]] = None
 
     # ---- Lightning's extension point ---------------------------------------------------------------
     def should_update(self, step_idx: Optional[int] = None, epoch_idx: Optional[int] = None) -> bool:
@@ -117,41 +119,54 @@ class WeightAveraging(Callback):
             return itertools.chain(module.named_parameters(), module.named_buffers())
         return module.named_parameters()
 
-    def _live(self, module: torch.nn.Module) -> List[torch.Tensor]:
+    def _live(self) -> List[torch.Tensor]:
         """The module's tensors in the averaged list's order: a DTensor's local shard, detached."""
-        return [
-            t.to_local().detach() if spec is not None else t.detach()
-            for (_, t), spec in zip(self._sources(module), self._specs)
-        ]
+        return [t.to_local().detach() if spec is not None else t for t, spec in zip(self._tensors, self._specs)]
 
     @torch.no_grad()
     def _build(self, module: torch.nn.Module) -> None:
+        """The tensors averaged are the module's parameters (and buffers) at fit start, held like the
+        optimizer holds them: one walk over the module, not one per step (a module that replaces a buffer
+        object during training instead of updating it in place wants ``use_buffers=False``)."""
         dtensor = _dtensor_type()
-        self._module, self._names, self._specs, averaged = module, [], [], []
+        self._names, self._specs, self._tensors, averaged = [], [], [], []
         for name, t in self._sources(module):
             is_dt = dtensor is not None and isinstance(t, dtensor)
             local = t.to_local() if is_dt else t
             self._names.append(name)
+            self._tensors.append(t)
             self._specs.append((t.device_mesh, t.placements, t.shape, t.stride()) if is_dt else None)
             averaged.append(local.detach().clone().to(self._device) if self._device else local.detach().clone())
         groups: Dict[Tuple[Any, Any], List[int]] = {}
         for i, a in enumerate(averaged):
             groups.setdefault((a.device, a.dtype), []).append(i)
         self._averaged, self._groups = averaged, list(groups.values())
+        self._group_averaged = [[averaged[i] for i in idx] for idx in self._groups]
+        # plain tensors beside their average: the lists handed to multi_avg_fn are built once
+        same_place = all(s is None for s in self._specs) and all(
+            a.device == t.device for a, t in zip(averaged, self._tensors)
+        )
+        self._group_live = [[self._tensors[i] for i in idx] for idx in self._groups] if same_place else None
         self._n_averaged, self._averaged_in, self._val_swapped, self._ended = 0, False, False, False
 
     @torch.no_grad()
     def _update(self, module: torch.nn.Module) -> None:
-        self._show_current(module)
+        if self._averaged_in:
+            self._swap(module)
         averaged = self._averaged
         assert averaged is not None
-        live = [c if c.device == a.device else c.to(a.device) for c, a in zip(self._live(module), averaged)]
+        if self._n_averaged > 0 and self._multi_avg_fn is not None and self._group_live is not None:
+            for avgs, lives in zip(self._group_averaged, self._group_live):  # the per-step path: no list built
+                self._multi_avg_fn(avgs, lives, self._n_averaged)
+            self._n_averaged += 1
+            return
+        live = [c if c.device == a.device else c.to(a.device) for c, a in zip(self._live(), averaged)]
         if self._n_averaged == 0:
             for a, c in zip(averaged, live):
                 a.copy_(c)
         elif self._multi_avg_fn is not None:
-            for idx in self._groups:
-                self._multi_avg_fn([averaged[i] for i in idx], [live[i] for i in idx], self._n_averaged)
+            for avgs, idx in zip(self._group_averaged, self._groups):
+                self._multi_avg_fn(avgs, [live[i] for i in idx], self._n_averaged)
         else:
             assert self._avg_fn is not None
             for a, c in zip(averaged, live):
@@ -161,7 +176,7 @@ class WeightAveraging(Callback):
     @torch.no_grad()
     def _swap(self, module: torch.nn.Module) -> None:
         assert self._averaged is not None
-        for a, c in zip(self._averaged, self._live(module)):
+        for a, c in zip(self._averaged, self._live()):
             tmp = a.clone()
             a.copy_(c)
             c.copy_(tmp)
@@ -242,7 +257,7 @@ class WeightAveraging(Callback):
             if averaged is not None:  # written outside a checkpoint's SAVE_CHECKPOINT
                 for a, spec, name in zip(self._averaged or [], self._specs, self._names):
                     a.copy_(self._shard(averaged[name], spec))
-            for c, spec, name in zip(self._live(module), self._specs, self._names):
+            for c, spec, name in zip(self._live(), self._specs, self._names):
                 c.copy_(self._shard(current[name], spec))
 
     # ---- state ---------------------------------------------------------------------------------------
@@ -278,8 +293,7 @@ class WeightAveraging(Callback):
         if self._averaged_in:  # inside a checkpoint: the module (written as the model) holds the average
             state["current_model_state"] = self._full(self._averaged)
         else:
-            assert self._module is not None
-            state["current_model_state"] = self._full(self._live(self._module))
+            state["current_model_state"] = self._full([t.detach() for t in self._live()])
             state["average_model_state"] = self._full(self._averaged)
         return state
 
@@ -322,9 +336,9 @@ class EMAWeightAveraging(WeightAveraging):
             )
         super().__init__(device=device, use_buffers=use_buffers, multi_avg_fn=get_ema_multi_avg_fn(float(decay)))
         self.decay = float(decay)
-        self.update_every_n_steps = update_every_n_steps
-        self.update_starting_at_step = update_starting_at_step
-        self.update_starting_at_epoch = update_starting_at_epoch
+        self.update_every_n_steps: int = update_every_n_steps
+        self.update_starting_at_step: Optional[int] = update_starting_at_step
+        self.update_starting_at_epoch: Optional[int] = update_starting_at_epoch
 
     def should_update(self, step_idx: Optional[int] = None, epoch_idx: Optional[int] = None) -> bool:
         if step_idx is not None:
