@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from trainforge.trainer.events import Event
 
@@ -215,8 +215,8 @@ def check_dataloader_idx(module: Any, callbacks: Any, step_name: str, batch_hook
     from trainforge.trainer.module import TrainingModule
 
     loader = {"validation_step": "val_dataloader", "test_step": "test_dataloader"}.get(step_name, "predict_dataloader")
-    owners = [(module, TrainingModule, (step_name, *batch_hooks))]
-    owners += [(cb, Callback, batch_hooks) for cb in callbacks]
+    owners: List[Tuple[Any, type, Tuple[str, ...]]] = [(module, TrainingModule, (step_name, *batch_hooks))]
+    owners += [(cb, Callback, tuple(batch_hooks)) for cb in callbacks]
     for target, base, names in owners:
         for name in names:
             if getattr(type(target), name, None) is getattr(base, name, None):
