@@ -131,6 +131,11 @@ class WeightAveraging(Callback):
         dtensor = _dtensor_type()
         self._names, self._specs, self._tensors, averaged = [], [], [], []
         for name, t in self._sources(module):
+            if getattr(t, "ds_numel", 0) > t.numel():  # a torch tensor's attribute, set by DeepSpeed
+                raise ConfigurationError(
+                    f"{type(self).__name__}: {name} is partitioned by DeepSpeed ZeRO-3 (its weights live in the "
+                    "engine outside forward); average with ZeRO stage 1-2 or FSDP2 (strategy='fsdp')"
+                )
             is_dt = dtensor is not None and isinstance(t, dtensor)
             local = t.to_local() if is_dt else t
             self._names.append(name)
