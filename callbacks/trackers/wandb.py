@@ -1,7 +1,9 @@
 """``WandbLogger``: parameters and metrics of a run in Weights & Biases, online or offline.
 
 Lightning's name and arguments (``name``, ``save_dir``, ``version``/``id``, ``offline``, ``dir``,
-``project``, ``prefix``, ``experiment``, ``**kwargs`` for ``wandb.init``) on trainforge's tracker base:
+``project``, ``prefix``, ``experiment``, ``**kwargs`` for ``wandb.init``) on trainforge's tracker base.
+``logger.experiment`` is the wandb ``Run`` during fit on rank 0 (``experiment.py``: a stand-in elsewhere);
+``version`` is the run id. Everything else goes through the base class:
 the run is opened, and every write made, on the tracker's writer thread of the main process, in
 batches, under the failure policy (``base.py``). Metrics are logged with ``trainer/global_step`` as
 their x-axis (``define_metric``, as Lightning does), never as wandb's own ``step``, so a resumed run
@@ -10,7 +12,8 @@ whose step lies behind what the crashed run logged loses nothing.
 Where: ``<save_dir>/wandb/``; a relative ``save_dir`` (default ``"."``) is relative to the Trainer's
 ``default_root_dir`` (Lightning's is the working directory, which is also the Trainer's default).
 Offline runs (``offline=True``, or ``WANDB_MODE=offline``) write ``offline-run-*/run-<id>.wandb`` there;
-upload them later with ``wandb sync``.
+upload them later with ``wandb sync``. (wandb's service writes that file out shortly after
+``run.finish()`` returns, and before the process exits.)
 
 Online: before ``wandb.init``, one TCP connection to the server (``WANDB_BASE_URL``, or
 ``settings={"base_url": ...}``; else wandb's default) is tried for ``CONNECT_TIMEOUT_S``: a
@@ -192,14 +195,6 @@ class WandbLogger(TrackerCallback):
 
     # --- Lightning's properties ---
     @property
-    def experiment(self) -> Any:
-        """The wandb Run on the main process once it was opened (waits ``flush_timeout_s`` at most for
-        the writer thread to open it); None before fit, on other processes, or when it could not open.
-        Calls made on it go to wandb directly, outside the failure policy."""
-        self._wait_opened(self.failure_policy.flush_timeout_s)
-        return self._run if self._run is not None else self._given
-
-    @property
     def version(self) -> Optional[str]:
         """The W&B run id (known once the run opened)."""
         self._wait_opened(self.failure_policy.flush_timeout_s)
@@ -283,6 +278,9 @@ class WandbLogger(TrackerCallback):
         run.define_metric(STEP_KEY)
         run.define_metric("*", step_metric=STEP_KEY, step_sync=True)
         self._run, self._run_id = run, run.id
+
+    def _backend(self) -> Any:
+        return self._run if self._run is not None else self._given  # the wandb Run (Lightning's .experiment)
 
     def _write_params(self, params: Dict[str, Any]) -> None:
         self._run.config.update(params, allow_val_change=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import time
 import warnings
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -21,8 +22,9 @@ import pytest
 from tests.callbacks.test_trackers_base import Recorder, fit, make_loader, make_module, tracker_warnings
 from tests.callbacks.test_trackers_dead import closed_port, timed
 from trainforge.callbacks import ModelCheckpoint
-from trainforge.callbacks.trackers import FailurePolicy
+from trainforge.callbacks.trackers import FailurePolicy, TrackerWarning
 from trainforge.callbacks.trackers.base import flatten_params
+from trainforge.callbacks.trackers.experiment import NO_EXPERIMENT
 from trainforge.strategies.errors import ConfigurationError
 
 pytest.importorskip("wandb")
@@ -47,11 +49,23 @@ def offline_env(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
 
 
-def read_run(path: Path) -> Tuple[str, Dict[str, object], List[Dict[str, float]]]:
-    """(run id, config {key: value}, history rows) of one ``.wandb`` file."""
+def read_run(path: Path, wait_s: float = 30.0) -> Tuple[str, Dict[str, object], List[Dict[str, float]]]:
+    """(run id, config {key: value}, history rows) of one finished ``.wandb`` file. Offline,
+    ``run.finish()`` returns before wandb's service has written the file out: wait for its exit record."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        run_id, config, rows, ended = parse_run(path)
+        if ended or time.monotonic() > deadline:
+            return run_id, config, rows
+        time.sleep(0.05)
+
+
+def parse_run(path: Path) -> Tuple[str, Dict[str, object], List[Dict[str, float]], bool]:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, block = path.read_bytes(), 32768
+    data, block, ended = path.read_bytes(), 32768, False
+    if len(data) < 7:  # not written out yet
+        return "", {}, [], False
     assert data[:4] == b":W&B", data[:7]
     pos, buf, run_id, config, rows = 7, b"", "", {}, []
     while pos + 7 <= len(data):
@@ -76,7 +90,8 @@ def read_run(path: Path) -> Tuple[str, Dict[str, object], List[Dict[str, float]]
             config.update({i.key: json.loads(i.value_json) for i in record.config.update})
         elif which == "history":
             rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return run_id, config, rows
+        ended = ended or which == "exit"
+    return run_id, config, rows, ended
 
 
 def run_files(save_dir: Path) -> List[Path]:
@@ -114,7 +129,8 @@ def test_offline_fit_writes_the_config_and_the_metric_history(tmp_path):
     assert expected and {k: config[k] for k in expected} == expected
     for name in ("train/loss", "val/loss"):
         assert sorted(history(rows, name)) == sorted(recorder.history(name)) != []
-    assert logger.experiment is None  # the run was finished with the fit
+    with pytest.warns(TrackerWarning, match="the backend is not open"):
+        assert logger.experiment is NO_EXPERIMENT  # the run was finished with the fit
 
 
 def test_resume_continues_the_same_run_and_a_foreign_state_starts_a_new_one(tmp_path, caplog):
@@ -210,6 +226,7 @@ def test_accelerator_log_with_wandb(tmp_path):
     for step in range(3):
         acc.log({"loss": 1.0 / (step + 1)}, step=step)
     tracker = acc.get_tracker("wandb")
+    assert tracker.experiment.id == tracker.version  # the wandb Run, while the run lasts
     acc.end_training()
     assert isinstance(tracker, WandbLogger) and tracker.project == "acc-project"
     (file,) = run_files(tmp_path)  # the logging directory is the Accelerator's project_dir
