@@ -26,12 +26,14 @@
                 VALIDATION_START, VALIDATION_EPOCH_START
                 for each val batch: VALIDATION_BATCH_START(batch, batch_idx); module.validation_step(...);
                                     VALIDATION_BATCH_END(outputs, batch, batch_idx)
+                (several loaders: dataloader_idx follows batch_idx in the step and both events)
                 LOG(validation epoch metrics, step)
                 VALIDATION_EPOCH_END
                 VALIDATION_END                     # monitored checkpoints and early stopping act here
             BATCH_END(outputs, batch, batch_idx)   # step checkpoints are written here
-            if trainer.should_stop or max_steps reached: break
-        if the epoch ran to its end:
+            [the validation above, if trainer.should_stop may be obeyed, this epoch validates and it did not run]
+            if trainer.should_stop (min_epochs/min_steps met) or max_steps reached: break
+        if the epoch ran to its end or trainer.should_stop ended it (Lightning; not max_steps):
             LOG(training epoch metrics, step)
             scheduler.step() ("epoch")
             EPOCH_END                              # epoch checkpoints are written here
