@@ -153,6 +153,10 @@ class WandbLogger(TrackerCallback):
                 f"on{hint}. It takes name, save_dir, version, offline, dir, id, project, prefix, experiment, "
                 f"failure_policy and these wandb.init arguments: {', '.join(INIT_KWARGS)}"
             )
+        if kwargs.get("mode") not in (None, "online", "offline", "disabled", "shared"):
+            raise ConfigurationError(
+                f"WandbLogger(mode={kwargs['mode']!r}) must be 'online', 'offline', 'disabled' or 'shared' (or None)"
+            )
         settings = kwargs.get("settings")
         if settings is not None and not isinstance(settings, Mapping) and type(settings).__name__ != "Settings":
             raise ConfigurationError(f"WandbLogger(settings={settings!r}) must be a dict or a wandb.Settings")

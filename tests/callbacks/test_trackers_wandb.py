@@ -163,6 +163,22 @@ def test_a_run_id_from_a_checkpoint_is_data(tmp_path):
     assert [f.parent.parent.parent for f in run_files(tmp_path)] == [tmp_path]
 
 
+def test_a_run_of_the_users_is_logged_to_with_the_prefix_and_left_open(tmp_path):
+    import wandb
+
+    run = wandb.init(project="mine", dir=str(tmp_path), mode="offline", reinit="create_new", settings=QUIET)
+    logger = WandbLogger(experiment=run, prefix="tf", failure_policy=PATIENT)
+    recorder = Recorder()
+    fit([recorder, logger], tmp_path / "fit", max_epochs=1)
+    assert logger.version == run.id
+    run.log({"user/after_fit": 1.0})  # the user's run is still open: the user finishes it
+    run.finish()
+    (file,) = run_files(tmp_path)
+    rows = read_run(file)[2]
+    assert history(rows, "tf-train/loss") == recorder.history("train/loss") != []
+    assert any("user/after_fit" in r for r in rows)
+
+
 def test_a_dead_server_is_bounded_by_the_policy_and_the_key_never_shows(tmp_path, monkeypatch):
     key = "0123456789abcdef0123456789abcdefSECRET99"
     monkeypatch.setenv("WANDB_MODE", "online")
@@ -196,6 +212,7 @@ def test_a_dead_server_is_bounded_by_the_policy_and_the_key_never_shows(tmp_path
         ({"entitty": "me"}, r"WandbLogger\(entitty=...\): not an argument.*entity, notes"),
         ({"resume": "must"}, r"'resume' is set by WandbLogger from version=/id="),
         ({"settings": 1}, r"settings=1\) must be a dict or a wandb.Settings"),
+        ({"mode": "dryrun-ish"}, r"mode='dryrun-ish'\) must be 'online', 'offline'"),
         ({"experiment": object()}, r"must be a wandb Run"),
     ],
 )
