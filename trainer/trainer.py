@@ -49,6 +49,7 @@ from trainforge.trainer.metrics import MetricStore
 from trainforge.trainer.module import TrainingModule
 from trainforge.trainer.preemption import DEFAULT_STOP_SIGNALS, SignalsArg, StopSignals, stopped
 from trainforge.trainer.seed import seed_everything
+from trainforge.trainer.wrappers import PreparedDataLoader
 
 log = logging.getLogger("trainforge")
 
@@ -280,6 +281,10 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
             self._fire(Event.EXCEPTION, exc)
             self._fire(Event.TEARDOWN, "fit")
             raise
+        finally:  # workers of a pass fit left mid-epoch stop now, not at garbage collection (5 s each there)
+            for loader in [self.train_dataloader, *self.val_dataloaders]:
+                if isinstance(loader, PreparedDataLoader):
+                    loader.release_workers()
         if self.stop_requested is not None:  # TrainingStopped: exit code 128 + the signal number
             raise stopped(self.stop_signals, self.global_step, self.callbacks, self.is_global_zero)
 

@@ -329,6 +329,11 @@ class PreparedDataLoader:
         users = [g for g in (self.base_generator, self.order_generator) if g is not None]
         self._generators_after = [g.get_state() for i, g in enumerate(users) if g not in users[:i]]
 
+    def release_workers(self) -> None:
+        """Stop DataLoader workers left running by a pass that ended early (``ResumableDataLoader``)."""
+        if self.dispatcher is None:
+            self.loader.release_workers()
+
     def skip_first_batches(self, num_batches: int) -> "PreparedDataLoader":
         """Start the next pass ``num_batches`` into the epoch. After ``load_state`` (which restored the
         position already) the count a ported Accelerate script computes is checked against the restored

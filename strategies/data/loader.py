@@ -107,6 +107,14 @@ class ResumableDataLoader(StatefulDataLoader):
                 target.set_epoch(epoch)
                 return
 
+    def release_workers(self) -> None:
+        """Stop the workers of a pass left before its end (fit stopped mid-epoch) now, not when the loader
+        is collected; the position is kept: ``state_dict()`` and the next ``iter()`` continue from it."""
+        if self._iterator is not None and self.num_workers > 0 and self.kind == "map":  # streams: replay
+            state = self.state_dict()
+            self._iterator = None  # its only reference: torch's __del__ shuts the workers down
+            self.load_state_dict(state)
+
     # -- save ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The position after the last batch handed to the loop (plain Python types)."""
