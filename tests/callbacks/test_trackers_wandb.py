@@ -15,7 +15,7 @@ import struct
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -55,17 +55,18 @@ def read_run(path: Path, wait_s: float = 30.0) -> Tuple[str, Dict[str, object], 
     deadline = time.monotonic() + wait_s
     while True:
         run_id, config, rows, ended = parse_run(path)
-        if ended or time.monotonic() > deadline:
+        if ended is not None or time.monotonic() > deadline:
             return run_id, config, rows
         time.sleep(0.05)
 
 
-def parse_run(path: Path) -> Tuple[str, Dict[str, object], List[Dict[str, float]], bool]:
+def parse_run(path: Path) -> Tuple[str, Dict[str, object], List[Dict[str, float]], Optional[int]]:
+    """As ``read_run``, plus the run's exit code (None while it has none)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, block, ended = path.read_bytes(), 32768, False
+    data, block, ended = path.read_bytes(), 32768, None
     if len(data) < 7:  # not written out yet
-        return "", {}, [], False
+        return "", {}, [], None
     assert data[:4] == b":W&B", data[:7]
     pos, buf, run_id, config, rows = 7, b"", "", {}, []
     while pos + 7 <= len(data):
@@ -90,7 +91,8 @@ def parse_run(path: Path) -> Tuple[str, Dict[str, object], List[Dict[str, float]
             config.update({i.key: json.loads(i.value_json) for i in record.config.update})
         elif which == "history":
             rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-        ended = ended or which == "exit"
+        if which == "exit":
+            ended = record.exit.exit_code
     return run_id, config, rows, ended
 
 
@@ -153,6 +155,15 @@ def test_resume_continues_the_same_run_and_a_foreign_state_starts_a_new_one(tmp_
     )  # the checkpoint's run belongs to project "tiny"
     fit_from([other], tmp_path / "other", max_epochs=1, ckpt_path=str(ckpt))
     assert other.version != first.version and "is not continued" in caplog.text
+
+
+def test_a_fit_that_raises_ends_its_run_as_failed(tmp_path):
+    logger = WandbLogger(settings=QUIET, failure_policy=PATIENT)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        fit([logger], tmp_path, module=make_module(fail_at_step=2), val=False)
+    (file,) = run_files(tmp_path)
+    read_run(file)
+    assert parse_run(file)[3] == 1
 
 
 def test_a_run_id_from_a_checkpoint_is_data(tmp_path):
