@@ -67,6 +67,8 @@ class ResumableDataLoader(StatefulDataLoader):
     Build it with :func:`prepare_dataloader`.
     """
 
+    _iterator: Any  # torchdata's iterator of the current pass (None between passes)
+
     def __init__(self, dataset: Any, *, rank: int, world_size: int, kind: str, **kwargs: Any) -> None:
         if kind not in _KINDS:
             raise ConfigurationError(f"kind={kind!r} is not one of: {', '.join(_KINDS)}")
@@ -107,14 +109,6 @@ class ResumableDataLoader(StatefulDataLoader):
                 target.set_epoch(epoch)
                 return
 
-    def release_workers(self) -> None:
-        """Stop the workers of a pass left before its end (fit stopped mid-epoch) now, not when the loader
-        is collected; the position is kept: ``state_dict()`` and the next ``iter()`` continue from it."""
-        if self._iterator is not None and self.num_workers > 0 and self.kind == "map":  # streams: replay
-            state = self.state_dict()
-            self._iterator = None  # its only reference: torch's __del__ shuts the workers down
-            self.load_state_dict(state)
-
     # -- save ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The position after the last batch handed to the loop (plain Python types)."""
@@ -138,6 +132,14 @@ class ResumableDataLoader(StatefulDataLoader):
         if self._iterator is None:  # not iterated since construction or load: keep what is pending
             return copy.deepcopy(self.next_iter_state or {})
         return copy.deepcopy(super().state_dict())
+
+    def release_workers(self) -> None:
+        """Stop the workers of a pass left before its end (fit stopped mid-epoch) now, not when the loader
+        is collected; the position is kept: ``state_dict()`` and the next ``iter()`` continue from it."""
+        if self._iterator is not None and self.num_workers > 0 and self.kind == "map":  # streams: replay
+            state = self.state_dict()
+            self._iterator = None  # its only reference: torch's __del__ shuts the workers down
+            self.load_state_dict(state)
 
     def _position(self, loader_state: Dict[str, Any]) -> Dict[str, Any]:
         live = self.sampler.state_dict()
