@@ -166,6 +166,25 @@ def test_a_fit_that_raises_ends_its_run_as_failed(tmp_path):
     assert parse_run(file)[3] == 1
 
 
+def test_the_tracker_draws_nothing_from_the_runs_random_generators(tmp_path):
+    """Exact resume: the run id comes from ``secrets``, and wandb (offline) uses no global RNG."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from trainforge import seed_everything
+
+    def after(callbacks, root):
+        seed_everything(0)
+        module = make_module()
+        fit(callbacks, root, module=module, max_epochs=1, val=False)
+        return random.random(), float(np.random.rand()), float(torch.rand(1)), module.net.weight.tolist()
+
+    with_wandb = after([WandbLogger(settings=QUIET, failure_policy=PATIENT)], tmp_path / "a")
+    assert with_wandb == after([], tmp_path / "b")
+
+
 def test_a_run_id_from_a_checkpoint_is_data(tmp_path):
     logger = WandbLogger(project="tiny", settings=QUIET, failure_policy=PATIENT)
     logger.load_state_dict({"id": "../../elsewhere", "project": "tiny"})
