@@ -262,6 +262,11 @@ class AccelerateCompat(Tracking):
         def prepare(self, *objects: Any) -> Any: ...
         def reduce(self, data: Any, reduction: str = "sum") -> Any: ...
         def unwrap_model(self, model: nn.Module) -> nn.Module: ...
+        def free_memory(self, *objects: Any) -> List[Any]: ...
+
+        project_dir: Optional[str]
+        automatic_checkpoint_naming: bool
+        total_limit: Optional[int]
 
     def setup_accelerate(self, options: AccelerateOptions) -> None:
         """Called by the Accelerator's constructor once its strategy and precision exist."""
@@ -293,6 +298,21 @@ class AccelerateCompat(Tracking):
     @property
     def is_last_process(self) -> bool:
         return self.process_index == self.num_processes - 1
+
+    @property
+    def project_configuration(self) -> ProjectConfiguration:
+        """Accelerate's attribute: the project settings in effect, as a ``ProjectConfiguration`` (a copy:
+        change them through the Accelerator's arguments)."""
+        return ProjectConfiguration(
+            project_dir=self.project_dir,
+            logging_dir=self.logging_dir,
+            automatic_checkpoint_naming=self.automatic_checkpoint_naming,
+            total_limit=self.total_limit,
+        )
+
+    def clear(self, *objects: Any) -> List[Any]:
+        """Accelerate's alias of ``free_memory``."""
+        return self.free_memory(*objects)
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         """``torch.save(obj, f)`` on the main process only (``safe_serialization=True``: a dict of tensors

@@ -383,3 +383,16 @@ def test_log_with_a_tracker_instance_tensorboard_and_all(tmp_path):
     assert list((tmp_path / "proj").glob("events.out.tfevents.*"))
     everything = parse_log_with("all", str(tmp_path))
     assert everything[0] == "tensorboard" and "csv" in everything and set(everything) <= set(LoggerType) - {"all"}
+
+
+def test_project_configuration_and_clear_are_accelerates_names(tmp_path):
+    acc = Accelerator(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    config = acc.project_configuration
+    assert (config.project_dir, config.logging_dir, config.automatic_checkpoint_naming, config.total_limit) == (
+        str(tmp_path),
+        str(tmp_path),
+        True,
+        2,
+    )
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    assert acc.clear(model) == [None] and acc.project_configuration.total_limit == 2
