@@ -403,3 +403,15 @@ def test_a_child_that_saved_on_a_stop_signal_is_not_a_failure_of_the_script_laun
     launch.rank0_failed = True  # rank0_failed: report, do not os._exit the test
     launch.at_exit()
     assert launch.failure is not None and "exited with code 3" in launch.failure
+
+
+def test_trainforge_lightning_gives_lightnings_names_for_trainforges_classes():
+    import trainforge
+    import trainforge.lightning as L
+
+    assert (L.LightningModule, L.LightningDataModule, L.Trainer) == (
+        trainforge.TrainingModule,
+        trainforge.DataModule,
+        trainforge.Trainer,
+    )
+    assert L.Callback is trainforge.callbacks.Callback and L.seed_everything is trainforge.seed_everything

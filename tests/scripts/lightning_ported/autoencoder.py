@@ -1,15 +1,10 @@
 """Lightning's README autoencoder, imports changed only; MNIST replaced by 8x8 synthetic images (no
 download), the layers shrunk to match, and the trainer's directory given."""
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn, optim, utils
 
-import trainforge
-
-# was: import lightning as L (trainforge has no LightningModule name: its TrainingModule is one)
-L = SimpleNamespace(LightningModule=trainforge.TrainingModule, Trainer=trainforge.Trainer)
+import trainforge.lightning as L  # was: import lightning as L
 
 # define any number of nn.Modules (or use your current ones)
 encoder = nn.Sequential(nn.Linear(8 * 8, 16), nn.ReLU(), nn.Linear(16, 3))

@@ -1,0 +1,15 @@
+"""Lightning's names for trainforge's classes, so that a Lightning program changes only its import lines:
+``import lightning as L`` / ``import pytorch_lightning as pl`` becomes ``import trainforge.lightning as L``
+(``as pl``), and ``L.LightningModule``, ``L.LightningDataModule``, ``L.Trainer``, ``L.Callback``,
+``L.seed_everything`` keep working; ``from lightning.pytorch import Trainer, LightningModule`` becomes
+``from trainforge.lightning import ...``. The classes are trainforge's own (``TrainingModule`` is the
+LightningModule); README "Coming from Lightning" lists what they take and where they differ.
+
+A submodule, not top-level names: ``trainforge`` itself keeps one name per thing."""
+
+from trainforge.callbacks import Callback
+from trainforge.trainer import DataModule as LightningDataModule
+from trainforge.trainer import Trainer, seed_everything
+from trainforge.trainer import TrainingModule as LightningModule
+
+__all__ = ["LightningModule", "LightningDataModule", "Trainer", "Callback", "seed_everything"]
