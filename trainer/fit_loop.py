@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+from trainforge.callbacks.loss_spikes import METRIC as SKIPPED_METRIC
+from trainforge.callbacks.loss_spikes import LossSpikes, find_loss_spikes
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.evaluation import module_modes, restore_modes
 from trainforge.trainer.events import Event
@@ -42,6 +44,7 @@ class FitLoop:
         stop_signals: StopSignals
         train_dataloader: Any
         val_dataloaders: List[Any]
+        callbacks: List[Any]
         lr_scheduler_configs: List[Dict[str, Any]]
         num_training_batches: Any  # int, or float("inf") for a loader without length
         callback_metrics: Dict[str, Any]
@@ -79,8 +82,12 @@ class FitLoop:
             raise ConfigurationError("no module is attached: the loop runs inside fit(module, ...)")
         return module
 
+    _loss_spikes: Optional[LossSpikes] = None  # callbacks/loss_spikes.py: set at the loop's start
+
     def _fit_loop(self) -> None:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
+        automatic = self._fit_module.automatic_optimization
+        self._loss_spikes = find_loss_spikes(self.callbacks, automatic, cfg.nonfinite_loss)
         train_modes = module_modes(self._fit_module)  # the user's per-submodule modes (a frozen part stays in eval)
         if p.batch_idx >= self.num_training_batches or p.epoch_end_pending:  # resumed at the epoch's last batch
             if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
@@ -228,7 +235,9 @@ class FitLoop:
         """After the forward of an ordinary strategy: the loss in ``output``, BEFORE_BACKWARD, backward."""
         loss = self._loss_of(output, batch_idx)
         self._last_output = output
-        if loss is not None and self._check_loss(loss, batch_idx):
+        if loss is not None and self._loss_spikes is not None:
+            self._loss_spikes.record(loss)  # decided for every rank at the optimizer step
+        if loss is not None and (self._loss_spikes is not None or self._check_loss(loss, batch_idx)):
             self._fire(Event.BEFORE_BACKWARD, loss)
             items = output.get(ITEMS_KEY) if isinstance(output, dict) else None  # a summed loss's count
             self.accelerator.backward(loss, self.model, num_items=items)
@@ -240,7 +249,9 @@ class FitLoop:
         is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
         self._last_output = loss
         self._fit_module.log("train/loss", loss)
-        if self._check_loss(loss, batch_idx):
+        if self._loss_spikes is not None:
+            self._loss_spikes.record(loss)
+        if self._loss_spikes is not None or self._check_loss(loss, batch_idx):
             self._fire(Event.AFTER_BACKWARD)
         else:
             for opt in self.optimizers:
@@ -307,6 +318,10 @@ class FitLoop:
     def _optimizer_step(self) -> None:
         acc, cfg, optimizer = self.accelerator, self.config, self.optimizer.optimizer
         acc.end_item_window(self.model)  # summed losses: the window's count (if its last backward was skipped)
+        spikes = self._loss_spikes
+        if spikes is not None and spikes.should_skip(self.strategy, self.global_step, self.is_global_zero):
+            optimizer.zero_grad()  # every rank together: no optimizer or scheduler step, the batches count
+            return self._emit({SKIPPED_METRIC: float(spikes.skipped_steps)})
         if acc.precision.scaler is not None:
             acc.precision.unscale_(optimizer)
         self._fire(Event.BEFORE_OPTIMIZER_STEP, optimizer)
