@@ -19,6 +19,8 @@ _EXPORTS = {
     "MemoryLeakWarning": "trainforge.callbacks.memory",
     "ThroughputMonitor": "trainforge.callbacks.throughput",
     "Timer": "trainforge.callbacks.timer",
+    "PyTorchProfiler": "trainforge.callbacks.profiler",
+    "SimpleProfiler": "trainforge.callbacks.profiler",
     "RNGSync": "trainforge.callbacks.rng_sync",
     "ModelSummary": "trainforge.callbacks.model_summary",
     "WeightAveraging": "trainforge.callbacks.weight_averaging",

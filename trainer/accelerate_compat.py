@@ -32,6 +32,7 @@ from trainforge.trainer.accelerate_config import (
 )
 from trainforge.trainer.accelerate_state import DistributedType, PartialState, distributed_type_of, mixed_precision_name
 from trainforge.trainer.accelerate_trackers import Tracking, parse_log_with
+from trainforge.trainer.profiling import ProfileKwargs, Profiling
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
@@ -248,7 +249,7 @@ def _rng_types(rng_types: Optional[List[str]]) -> List[str]:
     return names
 
 
-class AccelerateCompat(Tracking):
+class AccelerateCompat(Tracking, Profiling):  # profile(): trainer/profiling.py
     """Mixed into ``Accelerator``: Accelerate's members that trainforge had under other names or not at all."""
 
     if TYPE_CHECKING:  # the Accelerator's, for the type checker
@@ -273,6 +274,7 @@ class AccelerateCompat(Tracking):
         options.apply_precision(self.precision)
         self.device_placement = options.device_placement
         self.rng_types = options.rng_types
+        self.profile_handler: Optional[ProfileKwargs] = options.handlers.get(ProfileKwargs)  # profile()'s default
         self.flag_tensor: Optional[torch.Tensor] = None
         self.setup_tracking(options.log_with, options.logging_dir)
 

@@ -3,8 +3,8 @@ trainforge honours them. Each field is either acted on or refused when the objec
 trainforge way in the message; none is accepted and then ignored.
 
 ``kwargs_handlers=[...]`` of the Accelerator takes ``DistributedDataParallelKwargs``,
-``GradScalerKwargs`` and ``InitProcessGroupKwargs``. Accelerate's plugins and handlers that trainforge
-does differently (``DeepSpeedPlugin``, ``FullyShardedDataParallelPlugin``, ``AutocastKwargs``, ...)
+``GradScalerKwargs``, ``InitProcessGroupKwargs`` and ``ProfileKwargs`` (``trainer/profiling.py``).
+Accelerate's plugins and handlers that trainforge does differently (``DeepSpeedPlugin``, ``FullyShardedDataParallelPlugin``, ``AutocastKwargs``, ...)
 exist under their names so that a ported import works; building one raises a ConfigurationError
 that names what to use instead.
 """
@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any, Dict, NoReturn, Optional
 
 from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.profiling import ProfileKwargs  # Accelerator.profile()
 
 
 @dataclass
@@ -200,7 +201,7 @@ class InitProcessGroupKwargs(KwargsHandler):
         return kwargs
 
 
-HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)
+HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
 
 
 def _refusing(name: str, instead: str) -> type:
@@ -242,10 +243,6 @@ FP8RecipeKwargs = _refusing(
     "Accelerator(mixed_precision='fp8') trains with torchao's float8 recipe (tensorwise scaling); "
     "it takes no recipe arguments",
 )
-ProfileKwargs = _refusing(
-    "ProfileKwargs",
-    "Use torch.profiler.profile(...) around your loop directly (Accelerator.profile does not exist)",
-)
 TorchDynamoPlugin = _refusing(
     "TorchDynamoPlugin",
     "Call model = torch.compile(model, backend=..., mode=...) before accelerator.prepare(model)",
@@ -257,7 +254,6 @@ REFUSED = (
     GradientAccumulationPlugin,
     AutocastKwargs,
     FP8RecipeKwargs,
-    ProfileKwargs,
     TorchDynamoPlugin,
 )
 

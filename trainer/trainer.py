@@ -48,6 +48,7 @@ from trainforge.trainer.metric_logging import MetricLogging
 from trainforge.trainer.metrics import MetricStore
 from trainforge.trainer.module import TrainingModule
 from trainforge.trainer.preemption import DEFAULT_STOP_SIGNALS, SignalsArg, StopSignals, stopped
+from trainforge.trainer.profiling import instrument, reset_profilers, with_profiler
 from trainforge.trainer.seed import seed_everything
 from trainforge.trainer.wrappers import PreparedDataLoader
 
@@ -90,9 +91,11 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         resume: Optional[str] = None,
         num_sanity_val_steps: int = 2,
         stop_signals: SignalsArg = DEFAULT_STOP_SIGNALS,
+        profiler: Any = None,
     ) -> None:
         callbacks = check_callbacks(callback_list(callbacks, Callback), Callback)  # before anything is built
         callbacks, default_tracker = tracker_callbacks(logger, callbacks)
+        callbacks = with_profiler(profiler, callbacks)  # None, "simple", "pytorch" (trainer/profiling.py)
         self.config = LoopConfig(
             max_epochs=max_epochs,
             min_epochs=min_epochs,
@@ -221,12 +224,16 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
     def _build_listeners(self) -> None:
         """Per event, the bound hooks of the targets that override it (no-op hooks are skipped): the
         module's with Lightning's signatures (``trainer/hooks.py``), bound once here."""
-        listeners = {}
+        listeners, module_name = {}, type(self.module).__name__
+        reset_profilers(self.callbacks)
         for event in Event:
             module_hook = bind_module_hook(self.module, event)
-            listeners[event] = ([module_hook] if module_hook is not None else []) + [
-                getattr(cb, event.value) for cb in self.callbacks if _overrides(cb, event.value)
+            targets = ([(f"{module_name}.{event.value}", module_hook)] if module_hook is not None else []) + [
+                (f"{type(cb).__name__}.{event.value}", getattr(cb, event.value))
+                for cb in self.callbacks
+                if _overrides(cb, event.value)
             ]
+            listeners[event] = instrument(targets, self.callbacks)  # wrapped only when a profiler is installed
         self._listeners = listeners
 
     # ---- fit -------------------------------------------------------------------------------------

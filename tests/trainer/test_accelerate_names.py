@@ -42,7 +42,6 @@ from trainforge.utils import (
     InitProcessGroupKwargs,
     LoggerType,
     MegatronLMPlugin,
-    ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
     release_memory,
@@ -243,7 +242,6 @@ def test_grad_scaler_kwargs_configure_the_fp16_scaler():
         (GradientAccumulationPlugin, "gradient_accumulation_steps"),
         (AutocastKwargs, "torch.autocast"),
         (FP8RecipeKwargs, "mixed_precision='fp8'"),
-        (ProfileKwargs, "torch.profiler"),
         (TorchDynamoPlugin, "torch.compile"),
     ],
 )

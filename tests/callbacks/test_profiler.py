@@ -1,0 +1,147 @@
+"""Profilers: PyTorchProfiler traces (loop phases, callback hooks, schedule, TensorBoard handler),
+Accelerator.profile(), the SimpleProfiler hook timer, and refused settings. In-process, CPU."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests.helpers.models import Regressor, make_net, regression_data
+from trainforge import Accelerator, Trainer
+from trainforge.callbacks import Callback, PyTorchProfiler, SimpleProfiler
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.profiling import instrument
+from trainforge.utils import ProfileKwargs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kineto_started_once():
+    """torch.profiler's first start in a process initialises Kineto (2-5 s here), once per process."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        pass
+
+
+class Marker(Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        pass
+
+
+class Slow(Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        time.sleep(0.01)
+
+
+def _fit(tmp_path, profiler, callbacks=(), steps=6):
+    trainer = Trainer(
+        max_steps=steps,
+        profiler=profiler,
+        callbacks=list(callbacks),
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
+    trainer.fit(Regressor(make_net()), DataLoader(regression_data(), batch_size=4))
+    return trainer
+
+
+def _names(path):
+    return [e.get("name", "") for e in json.loads(open(path).read())["traceEvents"]]
+
+
+def test_chrome_trace_holds_the_loop_phases_and_each_callback_hook(tmp_path):
+    profiler = PyTorchProfiler()
+    _fit(tmp_path, profiler, [Marker()], steps=3)
+    traces = sorted((tmp_path / "profiler").glob("rank0.*.pt.trace.json"))
+    assert [str(p) for p in traces] == profiler.trace_files and len(traces) == 1
+    names = set(_names(traces[0]))
+    for phase in ("training_batch", "training_step", "backward", "optimizer_step"):
+        assert f"[loop] {phase}" in names
+    assert "Marker.on_train_batch_start" in names
+    assert "Regressor.on_before_backward" not in names  # not overridden: not dispatched, not recorded
+    assert "PyTorchProfiler.on_train_batch_start" not in names  # its own hooks are not wrapped
+    assert (tmp_path / "profiler" / "rank0-summary.txt").read_text() == profiler.summary + "\n"
+
+
+def test_schedule_records_exactly_the_active_steps(tmp_path):
+    profiler = PyTorchProfiler(wait=1, warmup=1, active=2, filename="sched")
+    _fit(tmp_path, profiler, steps=6)
+    (trace,) = (tmp_path / "profiler").glob("sched-rank0.*.pt.trace.json")
+    steps = sorted({n for n in _names(trace) if n.startswith("ProfilerStep#")})
+    assert steps == ["ProfilerStep#2", "ProfilerStep#3"]
+
+
+def test_tensorboard_handler_writes_its_trace(tmp_path):
+    _fit(tmp_path, PyTorchProfiler(dirpath=str(tmp_path / "tb"), trace_handler="tensorboard"), steps=2)
+    (trace,) = (tmp_path / "tb").glob("rank0.*.pt.trace.json")
+    assert "[loop] training_step" in _names(trace)
+
+
+def test_trainer_profiler_pytorch_string(tmp_path):
+    trainer = _fit(tmp_path, "pytorch", steps=1)
+    assert isinstance(trainer.callbacks[0], PyTorchProfiler)
+    assert list((tmp_path / "profiler").glob("rank0.*.pt.trace.json"))
+
+
+def test_simple_profiler_names_the_slow_callback_most_expensive(tmp_path, capsys):
+    trainer = _fit(tmp_path, "simple", [Marker(), Slow()], steps=4)
+    profiler = trainer.callbacks[0]
+    assert isinstance(profiler, SimpleProfiler)
+    costliest = max(profiler.totals.items(), key=lambda item: item[1][0])
+    assert costliest[0] == "Slow.on_train_batch_end" and costliest[1][1] == 4
+    assert profiler.totals["Marker.on_train_batch_start"][1] == 4
+    report = capsys.readouterr().out
+    assert "over 4 optimizer steps" in report
+    rows = [line.split()[0] for line in report.splitlines()[2:] if line.strip()]
+    assert rows[0] == "Slow.on_train_batch_end"
+
+
+def test_without_a_profiler_the_dispatched_hooks_are_the_callbacks_own_methods():
+    marker = Marker()
+    hook = marker.on_train_batch_start
+    assert instrument([("Marker.on_train_batch_start", hook)], [marker]) == [hook]
+    (wrapped,) = instrument([("Marker.on_train_batch_start", hook)], [marker, SimpleProfiler()])
+    assert wrapped != hook
+
+
+def test_accelerator_profile_yields_a_profiler_and_writes_a_trace(tmp_path):
+    acc = Accelerator(cpu=True)
+    handler = ProfileKwargs(output_trace_dir=str(tmp_path / "acc"))
+    with acc.profile(handler) as prof:
+        with torch.profiler.record_function("my_block"):
+            torch.ones(4).sum()
+    assert isinstance(prof, torch.profiler.profile)
+    assert "my_block" in _names(tmp_path / "acc" / "profile_0.json")
+    acc = Accelerator(cpu=True, kwargs_handlers=[ProfileKwargs(schedule_option=dict(wait=0, warmup=0, active=1))])
+    with acc.profile() as prof:
+        prof.step()
+    assert isinstance(prof, torch.profiler.profile)
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: PyTorchProfiler(wait=0, warmup=0, active=0), r"active=0 records no step.*active >= 1"),
+        (lambda: PyTorchProfiler(wait=-1, active=2), r"wait=-1 must be an int >= 0.*wait=1, warmup=1, active=2"),
+        (lambda: PyTorchProfiler(active="2"), r"active='2' must be an int >= 0"),
+        (lambda: PyTorchProfiler(trace_handler="html"), r"trace_handler\)='html' is not one of: chrome, tensorboard"),
+        (lambda: PyTorchProfiler(schedule=3), r"schedule=3\) must be torch.profiler.schedule"),
+        (lambda: PyTorchProfiler(row_limit="20"), r"row_limit='20'\) must be an int"),
+        (lambda: ProfileKwargs(schedule_option=dict(wait=0, warmup=0, active=0)), r"schedule_option\).*active=0"),
+        (lambda: ProfileKwargs(schedule_option=dict(waits=1, active=1)), r"key='waits' is not one of: wait"),
+        (lambda: ProfileKwargs(activities=["gpu"]), r"activities=\['gpu'\].*'cpu', 'cuda'"),
+        (lambda: Trainer(profiler="fast"), r"profiler='fast'\) is not one of: None, 'simple', 'pytorch'"),
+        (lambda: Trainer(profiler=1), r"profiler=1\) is not one of"),
+        (lambda: Trainer(profiler="advanced"), r"'advanced'.*cProfile.*profiler='simple'"),
+        (lambda: Accelerator(cpu=True).profile(profile_handler={"a": 1}).__enter__(), r"must be a .*ProfileKwargs"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_value_and_the_fix(build, match):
+    with pytest.raises(ConfigurationError, match=match):
+        build()
