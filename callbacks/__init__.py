@@ -21,6 +21,7 @@ _EXPORTS = {
     "Timer": "trainforge.callbacks.timer",
     "PyTorchProfiler": "trainforge.callbacks.profiler",
     "SimpleProfiler": "trainforge.callbacks.profiler",
+    "HangWatchdog": "trainforge.callbacks.hang_watchdog",
     "RNGSync": "trainforge.callbacks.rng_sync",
     "ModelSummary": "trainforge.callbacks.model_summary",
     "WeightAveraging": "trainforge.callbacks.weight_averaging",

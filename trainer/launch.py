@@ -20,7 +20,9 @@ the workers (torchrun's ``--signals-to-handle``, torch >= 2.9), which get ``--sh
 (torch >= 2.12; else 30) to save their stop step (``trainer/preemption.py``) before torchrun SIGKILLs them.
 
 Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments, 128 + N
-when the launcher got signal N, or when every worker stopped on signal N after its checkpoint.
+when the launcher got signal N, or when every worker stopped on signal N after its checkpoint, 124 when a
+rank's hang watchdog ended it (``Trainer(hang_timeout=...)``; the summary names the ranks that were behind
+and each rank's stack file: ``strategies/watchdog.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 from trainforge.strategies.environment import port_is_free
 from trainforge.strategies.errors import ConfigurationError, LaunchError
+from trainforge.strategies.watchdog import HANG_EXIT_CODE, hang_summary
 from trainforge.trainer.launch_config import (
     add_setting_arguments,
     default_config_path,
@@ -221,6 +224,11 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return failure.exitcode
             print(error.format_msg(), file=sys.stderr)
+            hung = {r: _message(f.message) for r, f in error.failures.items() if f.exitcode == HANG_EXIT_CODE}
+            summary = hang_summary(hung)  # strategies/watchdog.py: which ranks were behind, where the stacks are
+            if summary is not None:
+                print(summary, file=sys.stderr)
+                return HANG_EXIT_CODE
             print(
                 f"trainforge launch: rank {rank} (local rank {failure.local_rank}) failed with exit code "
                 f"{failure.exitcode}; the other ranks were stopped. Its traceback is above.",
@@ -236,6 +244,11 @@ def run(args: argparse.Namespace) -> int:
             )
             return 128 + int(error.sigval)
     return 0
+
+
+def _message(message: Any) -> str:
+    """A failure's message: the error file's text (torch elastic stores it as a dict or a str)."""
+    return str(message.get("message", "") if isinstance(message, dict) else message)
 
 
 def _stop_signal_of(exitcode: int) -> Optional[str]:

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Sized, Union, cast
 import torch
 
 from trainforge.callbacks.base import Callback
+from trainforge.callbacks.hang_watchdog import hang_callbacks
 from trainforge.strategies import Strategy
 from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.errors import ConfigurationError
@@ -91,11 +92,13 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         resume: Optional[str] = None,
         num_sanity_val_steps: int = 2,
         stop_signals: SignalsArg = DEFAULT_STOP_SIGNALS,
+        hang_timeout: Optional[float] = None,
         profiler: Any = None,
     ) -> None:
         callbacks = check_callbacks(callback_list(callbacks, Callback), Callback)  # before anything is built
         callbacks, default_tracker = tracker_callbacks(logger, callbacks)
         callbacks = with_profiler(profiler, callbacks)  # None, "simple", "pytorch" (trainer/profiling.py)
+        callbacks = hang_callbacks(hang_timeout, callbacks)  # callbacks/hang_watchdog.py; None: off
         self.config = LoopConfig(
             max_epochs=max_epochs,
             min_epochs=min_epochs,

@@ -1,0 +1,93 @@
+"""Hangs are diagnosed, not waited out (strategies/watchdog.py, callbacks/hang_watchdog.py): 2 real gloo
+processes through `trainforge launch` where rank 1 stalls inside training_step; a slow validation that
+is no hang; stragglers logged; bad input refused. tests/scripts/hang_run.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.helpers import procs
+from trainforge import ConfigurationError, Trainer, TrainingModule
+from trainforge.callbacks import HangWatchdog
+from trainforge.strategies.watchdog import HANG_EXIT_CODE
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "scripts" / "hang_run.py"
+
+
+@pytest.mark.slow
+def test_a_rank_that_stalls_ends_the_job_with_every_ranks_stacks(tmp_path):
+    start = time.monotonic()
+    out = procs.run(procs.trainforge_launch(SCRIPT, "hang", tmp_path), timeout=90, check=False)
+    wall = time.monotonic() - start
+    assert wall < 60, out.stdout[-4000:]
+    assert out.returncode == HANG_EXIT_CODE, out.stdout[-6000:]
+    stalled = (tmp_path / "hang" / "rank1.txt").read_text()
+    waiting = (tmp_path / "hang" / "rank0.txt").read_text()
+    assert "rank 1" in stalled and "global step 3" in stalled, stalled
+    assert "in training_step" in stalled, stalled  # the frame it is stuck in
+    assert "in backward" in waiting and "in training_step" not in waiting, waiting  # in the gradient all-reduce
+    assert "in backward (global step 3)" in waiting, waiting  # its last progress: batch 3's forward
+    assert "behind: rank(s) [1]" in out.stdout, out.stdout[-4000:]  # the launcher's summary
+    assert "rank1.txt" in out.stdout and "rank0.txt" in out.stdout, out.stdout[-4000:]
+
+
+@pytest.mark.slow
+def test_a_rank_far_slower_than_the_median_is_logged_with_its_host(tmp_path):
+    out = procs.run(procs.trainforge_launch(SCRIPT, "straggler", tmp_path), timeout=120)
+    assert "straggler: rank 1 on " in out.stdout, out.stdout[-4000:]
+    assert "straggler: rank 0" not in out.stdout, out.stdout[-4000:]
+
+
+class SlowValidation(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.4)  # each batch well under the timeout; the validation (2 s) far above it
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_validation_longer_than_the_timeout_with_short_batches_does_not_fire(tmp_path):
+    data = TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
+    trainer = Trainer(
+        max_steps=4,
+        hang_timeout=1.0,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(SlowValidation(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    assert trainer.global_step == 4
+    assert not (tmp_path / "hang").exists()
+
+
+@pytest.mark.parametrize("value", [0, -5, "30", True, float("nan"), float("inf")])
+def test_bad_hang_timeout_is_refused_naming_the_value_and_the_fix(value):
+    with pytest.raises(ConfigurationError) as info:
+        Trainer(hang_timeout=value)
+    message = str(info.value)
+    assert f"hang_timeout={value!r}" in message and "None (off)" in message and "positive number of seconds" in message
+
+
+def test_hang_timeout_and_a_hang_watchdog_callback_are_not_both_given():
+    with pytest.raises(ConfigurationError, match="give one of them"):
+        Trainer(hang_timeout=10, callbacks=[HangWatchdog(10)])
+    with pytest.raises(ConfigurationError, match="straggler_every=0"):
+        HangWatchdog(10, straggler_every=0)
+    with pytest.raises(ConfigurationError, match="straggler_factor=0.5"):
+        HangWatchdog(10, straggler_factor=0.5)
