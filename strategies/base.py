@@ -9,7 +9,8 @@ A strategy owns placement, wrapping, collectives and sharded checkpoint I/O. It 
 ``configure`` hands over the run's settings as one frozen ``RunSettings`` (replaced whole, never
 edited field by field); what a strategy can do is declared on this class with defaults
 (``pipelined``, ``redirect_forward``, ``handles_accumulation``, ``loss_scaling_in_backend``,
-``input_dtype``, ``device_batches``, ``grad_reduction``), so callers read attributes instead of probing.
+``input_dtype``, ``device_batches``, ``grad_reduction``, ``window_grads_in_params``), so callers read
+attributes instead of probing.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class Strategy:
     #: FSDP2), or None where trainforge cannot rescale them afterwards (DeepSpeed's engine scales them
     #: itself, pipeline schedules, XLA). A loss summed over items (``trainer/token_loss.py``) needs "mean".
     grad_reduction: Optional[str] = None
+    #: Inside an accumulation window (no sync yet) each rank's ``param.grad`` holds all of its partial
+    #: gradient as a plain tensor, so a checkpoint written there can save and restore it
+    #: (``trainer/partial_grads.py``): one device, DDP. False where the backend keeps it elsewhere
+    #: (FSDP2's unsharded accumulated gradients, DeepSpeed's engine, pipeline stages, XLA).
+    window_grads_in_params = False
 
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         self._device = torch.device(device) if device is not None else None

@@ -178,6 +178,7 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
     name = "ddp"
     redirect_forward = True
     grad_reduction = "mean"  # the reducer all-reduces and divides by world_size (so do the fp16/bf16 hooks)
+    window_grads_in_params = True  # mid-window: each rank's .grad, accumulated locally
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from trainforge.strategies.errors import ConfigurationError
 class SingleDeviceStrategy(Strategy):
     name = "single"
     grad_reduction = "mean"  # of one device's gradients: they are used as they are
+    window_grads_in_params = True  # mid-window: each rank's .grad, accumulated locally
 
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         super().__init__(device)

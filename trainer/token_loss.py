@@ -26,9 +26,9 @@ the loop would read batches ahead of the ones it trains, so a checkpoint inside 
 record a data position past batches not yet trained, BATCH_START/END would no longer bracket the
 batch being read, and the count would have to come from the batch rather than from the step that
 computes the loss. Scaling after the window keeps the loop, the data position and the events as
-they are, and the count comes with the loss. A checkpoint inside a window saves neither the
-partial gradients nor this count (``accumulation_step`` only), so a resume restarts both together;
-checkpoints at window ends (every ModelCheckpoint step save) resume bit for bit.
+they are, and the count comes with the loss. A checkpoint written inside a window saves this rank's
+count (``item_window_state_dict``) with its partial gradients (``trainer/partial_grads.py``), so a
+resume from there is bit for bit too; at window ends there is no count to save.
 
 Refused, with a ConfigurationError at the first backward (before any optimizer step), where the
 gradients cannot be rescaled exactly afterwards: DeepSpeed (the engine scales and reduces them
@@ -38,7 +38,7 @@ itself), pipeline schedules and XLA (``grad_reduction`` None).
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -79,6 +79,17 @@ class ItemWeightedLoss:
         count = check_num_items(num_items, self.strategy)
         self.items_in_window = count if self.items_in_window is None else self.items_in_window + count
         return loss
+
+    def item_window_state_dict(self) -> Dict[str, Any]:
+        """This rank's count of the current window (summed over the ranks only at the window's end),
+        for a checkpoint written inside the window (``trainer/partial_grads.py``)."""
+        count = self.items_in_window
+        return {"items_in_window": count.detach().cpu() if isinstance(count, torch.Tensor) else count}
+
+    def load_item_window_state_dict(self, state: Dict[str, Any]) -> None:
+        count = state["items_in_window"]
+        is_tensor = isinstance(count, torch.Tensor)
+        self.items_in_window = count.to(self.strategy.root_device) if is_tensor else count
 
     def end_item_window(self, model: Optional[nn.Module]) -> None:
         """On a sync step, after its backward: gradients divided by the window's items on all ranks."""
