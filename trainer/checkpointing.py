@@ -11,6 +11,8 @@ Layout of one checkpoint directory::
                                   objects, the module's hyperparameters (rank 0)
     rng_rank{r}.pt                python/numpy/torch/CUDA generator states of rank r
     dataloader_rank{r}.pt         position of rank r's loader (a global sample count inside)
+    grads_rank{r}.pt              only inside an accumulation window: rank r's partial gradients
+                                  and item count (trainer/partial_grads.py)
     metadata.json                 format version, step, world size, strategy, precision, versions, manifest
 
 RNG states are restored last, just before the loop continues, so nothing between loading and the
@@ -37,6 +39,12 @@ from trainforge.strategies.checkpoint.io import (
     resolve_checkpoint,
 )
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.trainer.partial_grads import (
+    check_mid_window_save,
+    read_partial_gradients,
+    restore_partial_gradients,
+    save_partial_gradients,
+)
 from trainforge.trainer.scheduler_clock import convert_scheduler_states, scheduler_clock
 from trainforge.trainer.seed import rng_state, set_rng_state
 
@@ -87,6 +95,7 @@ def save_state(
 ) -> Path:
     """The one writer of a resumable checkpoint (layout in this module's docstring)."""
     strategy = acc.strategy
+    check_mid_window_save(acc)
     writer = _open_writer(acc, path, async_save, kind=parts.kind)
     state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": {}}
     if before_write is not None:
@@ -108,6 +117,7 @@ def save_state(
     )
     if parts.datamodule is not None:
         state["datamodule"] = parts.datamodule.state_dict()
+    save_partial_gradients(acc, writer, parts.model, state)  # inside a window only
     if strategy.is_global_zero:
         writer.save_object("trainer_state", state)
     writer.save_object(f"rng_rank{strategy.global_rank}", rng_state())
@@ -133,6 +143,7 @@ def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple
     strategy = acc.strategy
     state = load_object(path, "trainer_state")
     _check_parts(path, meta, state, parts)
+    partial_grads = read_partial_gradients(acc, path, state, parts.model)  # checked before anything is restored
     if parts.model is not None:
         strategy.load_checkpoint(path, parts.model, [o.optimizer for o in parts.optimizers])
     sched_states = convert_scheduler_states(
@@ -147,6 +158,7 @@ def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple
         sched.load_state_dict(sched_state)
     acc.precision.load_state_dict(state["precision"])
     acc.step = int(state.get("accumulation_step", 0))
+    restore_partial_gradients(acc, partial_grads)  # after the weights and optimizers, before the next micro-batch
     for obj, obj_state in zip(parts.custom, state.get("custom", [])):
         obj.load_state_dict(obj_state)
     for opt in parts.optimizers:
