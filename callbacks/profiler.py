@@ -70,8 +70,8 @@ class HookProfiler(Callback):
 
 
 class SimpleProfiler(HookProfiler):
-    """Each hook's wall time (``time.perf_counter``), reported at fit end on rank 0 as a table sorted by
-    cost: total seconds, milliseconds per optimizer step, calls. ``dirpath``/``filename``: also written to
+    """Each hook's wall time (``time.perf_counter``), reported at the end of fit (its teardown) on rank 0
+    as a table sorted by cost: total seconds, milliseconds per optimizer step, calls. ``dirpath``/``filename``: also written to
     ``dirpath/filename`` (rank 0). ``report`` holds the last table; ``totals`` ``{name: (seconds, calls)}``."""
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None) -> None:
@@ -107,9 +107,12 @@ class SimpleProfiler(HookProfiler):
     def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._first_step = trainer.global_step
 
-    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
+        """The report, once every other hook but teardown has run (this callback's hooks run first)."""
+        if stage != "fit":
+            return
         steps = max(trainer.global_step - self._first_step, 1)
-        rows = sorted(self.totals.items(), key=lambda item: -item[1][0])
+        rows = sorted(((k, v) for k, v in self.totals.items() if v[1]), key=lambda item: -item[1][0])
         width = max([len(name) for name, _ in rows] + [4])
         lines = [f"{'hook':<{width}}  {'total s':>10}  {'ms/step':>10}  {'calls':>8}"]
         lines += [f"{name:<{width}}  {t:>10.4f}  {1000 * t / steps:>10.4f}  {n:>8}" for name, (t, n) in rows]
