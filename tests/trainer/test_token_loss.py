@@ -176,8 +176,8 @@ def _fit_checkpointed(root, max_steps, ckpt_path=None):
 
 def test_resume_from_a_window_end_is_bit_identical(tmp_path):
     """Step checkpoints are written at window ends, where no count is pending: the resumed run is
-    the uninterrupted one bit for bit (the count is not part of a checkpoint, as the partial
-    gradients of a window are not)."""
+    the uninterrupted one bit for bit (checkpoints inside a window save the count with the partial
+    gradients: tests/trainer/test_midwindow_resume.py)."""
     torch.manual_seed(3)
     full = _fit_checkpointed(tmp_path / "full", max_steps=3)
     torch.manual_seed(3)
