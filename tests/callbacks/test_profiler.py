@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.helpers.models import Regressor, make_net, regression_data
+from tests.scripts.cb_launch import multirank
 from trainforge import Accelerator, Trainer
 from trainforge.callbacks import Callback, PyTorchProfiler, SimpleProfiler
 from trainforge.strategies.errors import ConfigurationError
@@ -145,3 +146,11 @@ def test_accelerator_profile_yields_a_profiler_and_writes_a_trace(tmp_path):
 def test_bad_settings_are_refused_with_the_value_and_the_fix(build, match):
     with pytest.raises(ConfigurationError, match=match):
         build()
+
+
+@pytest.mark.slow
+def test_two_ranks_write_one_trace_each():
+    r0, r1 = multirank("profiler")  # the callbacks' shared 2-process launch (tests/scripts/cb_multirank.py)
+    assert (r0["mine"], r1["mine"]) == ("rank0.0.pt.trace.json", "rank1.0.pt.trace.json")
+    assert r0["files"] == r1["files"] == ["rank0.0.pt.trace.json", "rank1.0.pt.trace.json"]
+    assert "[loop] training_step" in r0["phases"] and r0["phases"] == r1["phases"]

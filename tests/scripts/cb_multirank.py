@@ -209,12 +209,30 @@ def scenario_dtensor_grad_norm(rank: int) -> dict:
     return out
 
 
+def scenario_profiler(rank: int) -> dict:
+    """Both ranks write into one directory: each its own trace, with the loop's phases in it."""
+    from trainforge.callbacks.profiler import PyTorchProfiler
+
+    profiler = PyTorchProfiler(dirpath=os.path.join(OUT, "root", "profiler", "traces"), row_limit=0)
+    trainer("profiler", [profiler], max_steps=2).fit(Net(), loader(2 * 2 * BATCH))
+    dist.barrier()
+    (mine,) = profiler.trace_files
+    with open(mine) as fh:
+        names = {event.get("name", "") for event in json.load(fh)["traceEvents"]}
+    return {
+        "files": sorted(os.listdir(os.path.dirname(mine))),
+        "mine": os.path.basename(mine),
+        "phases": sorted(n for n in names if n.startswith("[loop]")),
+    }
+
+
 SCENARIOS = {
     "monitors": scenario_monitors,
     "rng": scenario_rng,
     "early_stopping": scenario_early_stopping,
     "timer": scenario_timer,
     "dtensor_grad_norm": scenario_dtensor_grad_norm,
+    "profiler": scenario_profiler,
 }
 
 
