@@ -30,6 +30,12 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("trainforge")
 TRACE_HANDLERS = ("chrome", "tensorboard")
 SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first")
+SORT_KEYS = tuple(
+    f"{self_}{kind}_{what}"
+    for self_ in ("", "self_")
+    for kind in ("cpu", "cuda", "device")
+    for what in ("time_total", "memory_usage")
+) + ("cpu_time", "cuda_time", "device_time", "count")
 
 
 def profiler_schedule(where: str, **steps: Optional[int]) -> Optional[Callable[[int], Any]]:
@@ -175,6 +181,8 @@ class PyTorchProfiler(HookProfiler):
     ) -> None:
         if trace_handler not in TRACE_HANDLERS:
             raise invalid_choice("PyTorchProfiler(trace_handler)", trace_handler, TRACE_HANDLERS)
+        if sort_by_key is not None and sort_by_key not in SORT_KEYS:
+            raise invalid_choice("PyTorchProfiler(sort_by_key)", sort_by_key, SORT_KEYS)
         if not isinstance(row_limit, int) or isinstance(row_limit, bool):
             raise ConfigurationError(f"PyTorchProfiler(row_limit={row_limit!r}) must be an int (-1: every row)")
         for name, value in (("dirpath", dirpath), ("filename", filename)):
@@ -303,7 +311,7 @@ class PyTorchProfiler(HookProfiler):
             averages = prof.key_averages(group_by_input_shape=self.group_by_input_shapes)
         except (AssertionError, RuntimeError):  # nothing was recorded (the schedule never reached active)
             return
-        sort_by = self.sort_by_key or ("cuda_time_total" if torch.cuda.is_available() else "cpu_time_total")
+        sort_by = self.sort_by_key or ("device_time_total" if torch.cuda.is_available() else "cpu_time_total")
         self.summary = averages.table(sort_by=sort_by, row_limit=self.row_limit)
         stem = f"{self.filename}-" if self.filename else ""
         with open(os.path.join(self._out_dir(trainer), f"{stem}rank{trainer.global_rank}-summary.txt"), "w") as f:

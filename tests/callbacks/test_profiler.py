@@ -36,7 +36,7 @@ class Slow(Callback):
         time.sleep(0.01)
 
 
-def _fit(tmp_path, profiler, callbacks=(), steps=6):
+def _fit(tmp_path, profiler, callbacks=(), steps=6, val=False):
     trainer = Trainer(
         max_steps=steps,
         profiler=profiler,
@@ -47,8 +47,11 @@ def _fit(tmp_path, profiler, callbacks=(), steps=6):
         enable_model_summary=False,
         num_sanity_val_steps=0,
         log_every_n_steps=1,
+        val_check_interval=2 if val else 1.0,
+        limit_val_batches=1,
     )
-    trainer.fit(Regressor(make_net()), DataLoader(regression_data(), batch_size=4))
+    loader = DataLoader(regression_data(), batch_size=4)
+    trainer.fit(Regressor(make_net()), loader, DataLoader(regression_data(8), batch_size=4) if val else None)
     return trainer
 
 
@@ -58,11 +61,11 @@ def _names(path):
 
 def test_chrome_trace_holds_the_loop_phases_and_each_callback_hook(tmp_path):
     profiler = PyTorchProfiler()
-    _fit(tmp_path, profiler, [Marker()], steps=3)
+    _fit(tmp_path, profiler, [Marker()], steps=3, val=True)
     traces = sorted((tmp_path / "profiler").glob("rank0.*.pt.trace.json"))
     assert [str(p) for p in traces] == profiler.trace_files and len(traces) == 1
     names = set(_names(traces[0]))
-    for phase in ("training_batch", "training_step", "backward", "optimizer_step"):
+    for phase in ("training_batch", "training_step", "backward", "optimizer_step", "validation"):
         assert f"[loop] {phase}" in names
     assert "Marker.on_train_batch_start" in names
     assert "Regressor.on_before_backward" not in names  # not overridden: not dispatched, not recorded
@@ -133,6 +136,7 @@ def test_accelerator_profile_yields_a_profiler_and_writes_a_trace(tmp_path):
         (lambda: PyTorchProfiler(active="2"), r"active='2' must be an int >= 0"),
         (lambda: PyTorchProfiler(trace_handler="html"), r"trace_handler\)='html' is not one of: chrome, tensorboard"),
         (lambda: PyTorchProfiler(schedule=3), r"schedule=3\) must be torch.profiler.schedule"),
+        (lambda: PyTorchProfiler(sort_by_key="time"), r"sort_by_key\)='time' is not one of: cpu_time_total"),
         (lambda: PyTorchProfiler(row_limit="20"), r"row_limit='20'\) must be an int"),
         (lambda: ProfileKwargs(schedule_option=dict(wait=0, warmup=0, active=0)), r"schedule_option\).*active=0"),
         (lambda: ProfileKwargs(schedule_option=dict(waits=1, active=1)), r"key='waits' is not one of: wait"),
