@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, record_function, tensorboard_trace_handler
@@ -156,7 +156,8 @@ class PyTorchProfiler(HookProfiler):
     ``wait``/``warmup``/``active``/``repeat``/``skip_first``: torch.profiler's schedule in training batches
     (or pass ``schedule=torch.profiler.schedule(...)``); none given records every batch. ``repeat`` defaults
     to 1 cycle here (0: cycle until fit ends, torch's default). Each hook runs
-    inside ``record_function("<Class>.<hook>")``; the loop's phases are ``[loop] ...`` ranges.
+    inside ``record_function("<Class>.<hook>")``; the loop's phases are ``[loop] ...`` ranges and, with
+    ``record_module_names``, each submodule's forward is ``[module] <path> (<Class>)``.
     At fit end ``summary`` holds ``key_averages().table(sort_by=sort_by_key, row_limit=row_limit)``
     (``group_by_input_shapes`` needs ``record_shapes=True``), also written next to the trace.
     ``profiler_kwargs`` go to ``torch.profiler.profile`` (``activities``, ``record_shapes``,
@@ -170,6 +171,7 @@ class PyTorchProfiler(HookProfiler):
         group_by_input_shapes: bool = False,
         export_to_chrome: bool = True,
         row_limit: int = 20,
+        record_module_names: bool = True,
         sort_by_key: Optional[str] = None,
         trace_handler: str = "chrome",
         wait: Optional[int] = None,
@@ -216,6 +218,13 @@ class PyTorchProfiler(HookProfiler):
         self.summary = ""
         self.trace_files: List[str] = []
         self._open: Dict[str, Any] = {}
+        if not isinstance(record_module_names, bool):
+            raise ConfigurationError(
+                f"PyTorchProfiler(record_module_names={record_module_names!r}) must be True or False"
+            )
+        self.record_module_names = record_module_names
+        self._module_ranges: List[Any] = []  # open ranges of the module forwards being run
+        self._module_hooks: List[Any] = []
 
     def wrap(self, name: str, hook: Callable[..., None]) -> Callable[..., None]:
         def recorded(*args: Any) -> None:
@@ -246,7 +255,28 @@ class PyTorchProfiler(HookProfiler):
             kwargs["on_trace_ready"] = chrome if self.trace_handler == "chrome" else tensorboard
         self.summary, self.trace_files = "", []
         self.profiler = torch.profiler.profile(**kwargs)
+        if self.record_module_names:
+            self._record_modules(module)
         self.profiler.start()
+
+    def _record_modules(self, module: torch.nn.Module) -> None:
+        """``[module] <path> (<Class>)`` around each submodule's forward, while this profiler runs."""
+        ranges = self._module_ranges
+
+        def hooks(name: str) -> Tuple[Callable[..., None], Callable[..., None]]:
+            def enter(*args: Any) -> None:
+                ranges.append(record_function(name).__enter__())
+
+            def leave(*args: Any) -> None:
+                if ranges:
+                    ranges.pop().__exit__(None, None, None)
+
+            return enter, leave
+
+        for path, sub in module.named_modules():
+            if path:
+                enter, leave = hooks(f"[module] {path} ({type(sub).__name__})")
+                self._module_hooks += [sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave)]
 
     def _enter(self, names: tuple) -> None:
         for name in names:
@@ -301,6 +331,11 @@ class PyTorchProfiler(HookProfiler):
 
     def _stop(self, trainer: "TrainerView") -> None:
         self._exit(tuple(reversed(self._open)))
+        for handle in self._module_hooks:
+            handle.remove()
+        while self._module_ranges:  # a forward that raised
+            self._module_ranges.pop().__exit__(None, None, None)
+        self._module_hooks = []
         prof, self.profiler = self.profiler, None
         if prof is None:
             return

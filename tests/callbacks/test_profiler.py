@@ -68,6 +68,7 @@ def test_chrome_trace_holds_the_loop_phases_and_each_callback_hook(tmp_path):
     for phase in ("training_batch", "training_step", "backward", "optimizer_step", "validation"):
         assert f"[loop] {phase}" in names
     assert "Marker.on_train_batch_start" in names
+    assert "[module] net.0 (Linear)" in names and "[module] net.1 (Tanh)" in names
     assert "Regressor.on_before_backward" not in names  # not overridden: not dispatched, not recorded
     assert "PyTorchProfiler.on_train_batch_start" not in names  # its own hooks are not wrapped
     assert (tmp_path / "profiler" / "rank0-summary.txt").read_text() == profiler.summary + "\n"
@@ -82,9 +83,15 @@ def test_schedule_records_exactly_the_active_steps(tmp_path):
 
 
 def test_tensorboard_handler_writes_its_trace(tmp_path):
-    _fit(tmp_path, PyTorchProfiler(dirpath=str(tmp_path / "tb"), trace_handler="tensorboard"), steps=2)
+    trainer = _fit(
+        tmp_path,
+        PyTorchProfiler(dirpath=str(tmp_path / "tb"), trace_handler="tensorboard", record_module_names=False),
+        steps=2,
+    )
     (trace,) = (tmp_path / "tb").glob("rank0.*.pt.trace.json")
     assert "[loop] training_step" in _names(trace)
+    assert not [n for n in _names(trace) if n.startswith("[module]")]
+    assert not trainer.model.net[0]._forward_hooks  # nothing left on the model after fit
 
 
 def test_trainer_profiler_pytorch_string(tmp_path):
