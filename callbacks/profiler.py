@@ -12,6 +12,7 @@ which hook cost how much per optimizer step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -169,6 +170,7 @@ class PyTorchProfiler(HookProfiler):
         dirpath: Optional[str] = None,
         filename: Optional[str] = None,
         group_by_input_shapes: bool = False,
+        emit_nvtx: bool = False,
         export_to_chrome: bool = True,
         row_limit: int = 20,
         record_module_names: bool = True,
@@ -183,6 +185,18 @@ class PyTorchProfiler(HookProfiler):
     ) -> None:
         if trace_handler not in TRACE_HANDLERS:
             raise invalid_choice("PyTorchProfiler(trace_handler)", trace_handler, TRACE_HANDLERS)
+        if emit_nvtx:
+            raise ConfigurationError(
+                f"PyTorchProfiler(emit_nvtx={emit_nvtx!r}) is not supported: for Nsight Systems ranges, run under "
+                "`nsys profile` with `with torch.autograd.profiler.emit_nvtx():` around trainer.fit yourself"
+            )
+        known = set(inspect.signature(torch.profiler.profile).parameters)
+        unknown = sorted(set(profiler_kwargs) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"PyTorchProfiler got {unknown[0]}={profiler_kwargs[unknown[0]]!r}, which is neither its own argument "
+                f"nor torch.profiler.profile's: those are {', '.join(sorted(known))}"
+            )
         if sort_by_key is not None and sort_by_key not in SORT_KEYS:
             raise invalid_choice("PyTorchProfiler(sort_by_key)", sort_by_key, SORT_KEYS)
         if not isinstance(row_limit, int) or isinstance(row_limit, bool):

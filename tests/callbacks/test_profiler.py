@@ -144,6 +144,8 @@ def test_accelerator_profile_yields_a_profiler_and_writes_a_trace(tmp_path):
         (lambda: PyTorchProfiler(trace_handler="html"), r"trace_handler\)='html' is not one of: chrome, tensorboard"),
         (lambda: PyTorchProfiler(schedule=3), r"schedule=3\) must be torch.profiler.schedule"),
         (lambda: PyTorchProfiler(sort_by_key="time"), r"sort_by_key\)='time' is not one of: cpu_time_total"),
+        (lambda: PyTorchProfiler(emit_nvtx=True), r"emit_nvtx=True\) is not supported.*emit_nvtx\(\)"),
+        (lambda: PyTorchProfiler(record_shape=True), r"record_shape=True, which is neither.*record_shapes"),
         (lambda: PyTorchProfiler(row_limit="20"), r"row_limit='20'\) must be an int"),
         (lambda: ProfileKwargs(schedule_option=dict(wait=0, warmup=0, active=0)), r"schedule_option\).*active=0"),
         (lambda: ProfileKwargs(schedule_option=dict(waits=1, active=1)), r"key='waits' is not one of: wait"),
