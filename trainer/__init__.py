@@ -12,6 +12,7 @@ from trainforge.trainer.module import TrainingModule
 from trainforge.trainer.preemption import TrainingStopped
 from trainforge.trainer.seed import seed_everything
 from trainforge.trainer.trainer import Trainer
+from trainforge.trainer.tuner import Tuner
 
 
 def notebook_launcher(*args, **kwargs):  # noqa: D103 - documented in trainforge.trainer.notebook
@@ -22,6 +23,7 @@ def notebook_launcher(*args, **kwargs):  # noqa: D103 - documented in trainforge
 
 __all__ = [
     "Trainer",
+    "Tuner",
     "TrainingModule",
     "DataModule",
     "Accelerator",

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.accelerate_compat import release_memory
 from trainforge.trainer.accelerate_state import DistributedType
+from trainforge.trainer.oom_agreement import FAILED, OK, OOM, agree_on_outcome
 from trainforge.trainer.seed import seed_everything
 from trainforge.trainer.wrappers import PreparedDataLoader
 
@@ -113,7 +114,12 @@ def find_executable_batch_size(
 ) -> Any:
     """Decorator (Accelerate's): call ``function(batch_size, *args)`` from ``starting_batch_size``; on an
     out-of-memory error free memory and retry with half the batch size (or ``reduce_batch_size_fn``'s),
-    until it runs; a batch size of 0 is a RuntimeError. Call the decorated function without batch_size."""
+    until it runs; a batch size of 0 is a RuntimeError. Call the decorated function without batch_size.
+    Under several processes every process calls it: after each attempt they agree (an out-of-memory error
+    on any rank lowers the size on every rank; another error on one rank stops all of them), so no rank
+    returns into the collectives that follow while another retries. A collective inside ``function`` (a DDP
+    backward) can hang: a rank out of memory before it never enters it. Search with local work (the model
+    unwrapped, or ``Tuner.scale_batch_size``), then train with the size found."""
     if function is None:
         return functools.partial(
             find_executable_batch_size,
@@ -141,13 +147,29 @@ def find_executable_batch_size(
         while True:
             if batch_size <= 0:
                 raise RuntimeError("No executable batch size found, reached zero.")
+            # Every process reaches the agreement after each attempt, whatever the attempt did: an
+            # out-of-memory error on any rank lowers the size on all of them (trainer/oom_agreement.py).
+            error: Optional[BaseException] = None
+            result: Any = None
             try:
-                return function(batch_size, *args, **kwargs)
+                result = function(batch_size, *args, **kwargs)
+                outcome = OK
             except Exception as err:
-                if not should_reduce_batch_size(err):
-                    raise
-                release_memory()
-                batch_size = reduce(batch_size)
+                outcome = OOM if should_reduce_batch_size(err) else FAILED
+                error = err if outcome == FAILED else None
+                del err  # its traceback holds the attempt's tensors: free them before retrying
+            agreed = agree_on_outcome(outcome)
+            if error is not None:
+                raise error
+            if agreed == FAILED:
+                raise RuntimeError(
+                    f"find_executable_batch_size: another process raised an error at batch size {batch_size} "
+                    "(see its traceback); this process stops too"
+                )
+            if agreed == OK:
+                return result
+            release_memory()
+            batch_size = reduce(batch_size)
 
     return decorator
 
