@@ -137,6 +137,8 @@ class Tuner:
         size, last_ok, lowest_oom = init_val, None, None
         before = [(h, h[name] if isinstance(h, Mapping) else getattr(h, name)) for h in holders]
         with _NoTrace(model), _PutBack(before, name):
+            if datamodule is not None:  # once: each trial builds the loader again, not the datasets
+                datamodule.setup("fit")
             for _ in range(max_trials):
                 _set(holders, name, size)
                 outcome = self._agreed(lambda: self._train(model, datamodule, None, steps_per_trial), size)
@@ -220,6 +222,8 @@ class Tuner:
             return diverged or (early_stop_threshold is not None and smooth > early_stop_threshold * state["best"])
 
         with _NoTrace(model):
+            if datamodule is not None and train_dataloaders is None:
+                datamodule.setup("fit")
             outcome = self._agreed(
                 lambda: self._train(model, datamodule, train_dataloaders, num_training, rate, record)
             )
@@ -268,7 +272,6 @@ class Tuner:
             )
         if loader is None:
             if datamodule is not None:
-                datamodule.setup("fit")
                 loader = datamodule.train_dataloader()
             else:
                 lightning_hooks: Any = model  # train_dataloader() is the user's (Lightning's hook), undeclared

@@ -80,7 +80,10 @@ def test_scale_batch_size_on_hparams_and_datamodule(tmp_path):
     class Data(DataModule):
         def __init__(self) -> None:
             super().__init__()
-            self.batch_size = 4
+            self.batch_size, self.setups = 4, 0
+
+        def setup(self, stage: str) -> None:
+            self.setups += 1
 
         def train_dataloader(self):
             return DataLoader(_data(), batch_size=self.batch_size)
@@ -92,7 +95,7 @@ def test_scale_batch_size_on_hparams_and_datamodule(tmp_path):
 
     data = Data()
     assert Tuner(_trainer(tmp_path)).scale_batch_size(NoSize(), datamodule=data, init_val=4) == 16
-    assert data.batch_size == 16
+    assert data.batch_size == 16 and data.setups == 1  # the datasets are built once, the loader per trial
 
 
 def test_scale_batch_size_halves_below_init_val_and_fails_clearly(tmp_path):
