@@ -187,7 +187,11 @@ class StopSignals:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
-        self._exchange = None  # a flag in flight: its result is no longer needed
+        if deliver and self._exchange is not None and self._exchange.pending:
+            # Every rank started this exchange at the same poll: wait for it, so that no collective is in
+            # flight when the process group is destroyed or the interpreter exits (strategies/clean_exit.py).
+            self._exchange.result()
+        self._exchange = None
         pending, self.received = self.received, None
         if deliver and pending is not None and self.agreed is None:
             signal.raise_signal(pending)
