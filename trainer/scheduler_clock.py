@@ -83,7 +83,7 @@ def convert_scheduler_states(
         )
     if old == new:
         return states
-    converted = [_convert(path, state, sched, old / new, saved, now) for state, sched in zip(states, schedulers)]
+    converted = [_convert(path, state, sched, old, new, saved, now) for state, sched in zip(states, schedulers)]
     if announce:
         log.warning(
             "trainforge: %s: one learning-rate scheduler step was %s sample(s) and is %s in this run; the "
@@ -110,12 +110,18 @@ def _check_clock(path: Any, clock: Any) -> None:
 
 
 def _convert(
-    path: Any, state: Dict[str, Any], sched: Any, ratio: Fraction, saved: Dict[str, Any], now: Dict[str, Any]
+    path: Any,
+    state: Dict[str, Any],
+    sched: Any,
+    old_unit: Fraction,
+    new_unit: Fraction,
+    saved: Dict[str, Any],
+    now: Dict[str, Any],
 ) -> Dict[str, Any]:
     inner = sched.scheduler  # a PreparedScheduler: only the Accelerator's side records a clock
     if isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau):
         return state  # driven by a metric, not by a step count
-    old_unit, new_unit = _unit(saved), _unit(now)
+    ratio = old_unit / new_unit
     position = Fraction(state.get("last_epoch", 0)) * ratio
     if not isinstance(inner, torch.optim.lr_scheduler.LambdaLR) or position.denominator != 1:
         why = (
