@@ -192,3 +192,20 @@ def test_another_number_of_workers_resumes_the_position_and_says_the_augmentatio
     with pytest.warns(UserWarning, match="random streams"):
         rest, _ = _acc_run(tmp_path, load=True, workers=1)
     assert len(rest) == 12 - 3
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "abc",
+        {5: {}},  # a worker id the loader does not have
+        {0: {"torch": b"short"}},  # not a generator state trainforge saves
+        {"0": {}},
+    ],
+)
+def test_a_malformed_worker_rng_in_a_data_position_is_refused(bad):
+    from trainforge.strategies.data.worker_rng import check_states
+    from trainforge.strategies.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=r"random states in this data position are malformed.*0\.\.1"):
+        check_states(bad, num_workers=2)
