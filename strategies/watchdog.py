@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.files import open_new
 
 HANG_EXIT_CODE = 124
 GRACE_S = 2.0
@@ -111,6 +112,12 @@ class ProgressWatchdog:
 
     def _fire(self, idle: float) -> None:
         path = self.dump_dir / f"rank{self.rank}.txt"
+        f: Any = None
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            f, path = open_new(path)  # rank<r>-1.txt... when one exists: nothing is overwritten
+        except OSError as exc:
+            failure = f" (could not write {path}: {exc})"
         host = socket.gethostname()
         message = (
             f"trainforge hang watchdog: rank {self.rank} on {host} (pid {os.getpid()}) made no progress for "
@@ -118,14 +125,16 @@ class ProgressWatchdog:
             f"{self._beats}). Every thread's "
             f"stack follows and is in {path}; exiting with code {HANG_EXIT_CODE}"
         )
-        try:
-            self.dump_dir.mkdir(parents=True, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(message + "\n\n")
-                f.flush()
-                faulthandler.dump_traceback(f, all_threads=True)
-        except OSError as exc:
-            message += f" (could not write {path}: {exc})"
+        if f is None:
+            message += failure
+        else:
+            try:
+                with f:
+                    f.write(message + "\n\n")
+                    f.flush()
+                    faulthandler.dump_traceback(f, all_threads=True)
+            except OSError as exc:
+                message += f" (could not write {path}: {exc})"
         print(message, file=sys.stderr, flush=True)
         try:
             faulthandler.dump_traceback(sys.stderr, all_threads=True)

@@ -91,3 +91,29 @@ def test_hang_timeout_and_a_hang_watchdog_callback_are_not_both_given():
         HangWatchdog(10, straggler_every=0)
     with pytest.raises(ConfigurationError, match="straggler_factor=0.5"):
         HangWatchdog(10, straggler_factor=0.5)
+
+
+def test_a_hang_report_never_overwrites_an_existing_file(tmp_path):
+    """<root>/hang/rank0.txt may be a user's file or an earlier run's report: the new one goes beside it."""
+    import subprocess
+    import sys
+
+    from trainforge.strategies.files import open_new
+
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "rank0.txt").write_text("the user's notes\n")
+    script = (
+        "import sys, time\n"
+        "from trainforge.strategies.watchdog import ProgressWatchdog\n"
+        "w = ProgressWatchdog(0.5, sys.argv[1], rank=0, grace_s=0)\n"
+        "w.start()\n"
+        "time.sleep(30)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(hang)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 124, out.stderr[-2000:]
+    assert (hang / "rank0.txt").read_text() == "the user's notes\n"
+    assert "made no progress" in (hang / "rank0-1.txt").read_text() and str(hang / "rank0-1.txt") in out.stderr
+    f, path = open_new(hang / "rank0.txt")
+    f.close()
+    assert path == hang / "rank0-2.txt"
