@@ -18,7 +18,14 @@ if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.m
 
 class Callback:
     """Subclass and override the hooks you need. Callbacks with state implement
-    ``state_dict``/``load_state_dict``; the state is saved in checkpoints under ``state_key``."""
+    ``state_dict``/``load_state_dict``; the state is saved in checkpoints under ``state_key``.
+
+    ``restore_on_rollback``: whether ``LossSpikes(rollback_after=N)`` restores this callback's state with the
+    weights when it rolls back to a checkpoint (True for state that follows the weights, as a weight
+    average; False, the default, for state that records what the run did: checkpoints written, time,
+    tracker runs)."""
+
+    restore_on_rollback: bool = False
 
     @property
     def state_key(self) -> str:

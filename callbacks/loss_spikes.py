@@ -27,10 +27,26 @@ The loss the policy sees is what ``training_step`` returns (before accumulation 
 policy decides non-finite losses itself: ``nonfinite_loss="skip"`` (which skips one rank's backward
 per batch) cannot be combined with it. Manual optimization is refused (the user's code steps).
 
-Not built: rolling back to the last checkpoint after N consecutive skips. Reloading in-process means
-either reading the bad batches again (the same spike repeats, deterministically) or keeping the
-data position while restoring older weights, a mix no checkpoint describes, so resume would no
-longer be exact; ``consecutive_skips`` is exposed for a user's callback to stop the run instead.
+Rollback (``rollback_after=N``): after N consecutive skipped steps the loop restores the newest
+checkpoint this run committed (``trainer/fit_checkpoints.py`` ``_roll_back``, through the resume path
+``load_state``): the weights, optimizers, schedulers, grad scaler, ``global_step``, every rank's RNG and
+the states of the callbacks that follow the weights (``Callback.restore_on_rollback``: weight
+averaging). The data position is *not* restored: the loop goes on with the batch after the last
+skipped one, so the batches read since the checkpoint are not replayed (the weights rolled back, the
+data skipped, as the PaLM and OPT runs restarted past their spikes; replaying them would spike the
+same way, deterministically). ``global_step`` goes back with the weights (it counts the optimizer
+steps they had), so a run bounded by ``max_steps`` reads more batches. This callback's own state is
+kept (it counts what the run has done) except ``consecutive_skips``, which restarts at 0; other
+callbacks (checkpointing, trackers, timers, early stopping) keep theirs. Every rank rolls back at the
+same step (the skip decision is agreed), to the checkpoint rank 0 names. Rollbacks are counted
+(``rollbacks``, in the checkpoint), logged as ``train/rollbacks`` and warned about on rank 0; after
+``max_rollbacks`` the next one is a ``TrainforgeError`` instead (the run keeps spiking: something
+other than a few bad batches is wrong). A rollback needs a checkpoint: a fit without a
+``ModelCheckpoint`` that writes full checkpoints is refused at its start, and a streak before the
+run's first checkpoint is a ``CheckpointError`` naming the fix. A checkpoint written after a
+rollback resumes exactly, as every checkpoint does; one written before it replays the same spikes and
+the same rollback. Save often (``ModelCheckpoint(every_n_steps=...)``): the newest checkpoint is the
+one restored, and the nearer it is to the streak, the fewer good steps are lost.
 """
 
 from __future__ import annotations
@@ -44,7 +60,8 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, Optional
 import torch
 
 from trainforge.callbacks.base import Callback
-from trainforge.strategies.errors import ConfigurationError
+from trainforge.callbacks.checkpoint import ModelCheckpoint
+from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
@@ -52,13 +69,17 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("trainforge")
 
 METRIC = "train/skipped_steps"
+ROLLBACK_METRIC = "train/rollbacks"
 
 
 class LossSpikes(Callback):
     """Skip optimizer steps whose loss is non-finite or above ``threshold`` x the median of the
-    last ``window`` accepted step losses (see the module docstring)."""
+    last ``window`` accepted step losses; with ``rollback_after=N``, restore the newest checkpoint
+    after N consecutive skips, at most ``max_rollbacks`` times (see the module docstring)."""
 
-    def __init__(self, threshold: float = 10.0, window: int = 50) -> None:
+    def __init__(
+        self, threshold: float = 10.0, window: int = 50, rollback_after: Optional[int] = None, max_rollbacks: int = 3
+    ) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 1:
             raise ConfigurationError(
                 f"LossSpikes(threshold={threshold!r}): threshold must be a number > 1 (a step is skipped when "
@@ -70,8 +91,24 @@ class LossSpikes(Callback):
                 f"LossSpikes(window={window!r}): window must be an int >= 2 (the number of earlier step "
                 "losses the median is taken over); pass e.g. window=50"
             )
+        if rollback_after is not None and (
+            isinstance(rollback_after, bool) or not isinstance(rollback_after, int) or rollback_after < 1
+        ):
+            raise ConfigurationError(
+                f"LossSpikes(rollback_after={rollback_after!r}): rollback_after must be None (never roll back) or "
+                "an int >= 1 (the number of consecutive skipped steps after which the newest checkpoint is "
+                "restored); pass e.g. rollback_after=3"
+            )
+        if isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int) or max_rollbacks < 1:
+            raise ConfigurationError(
+                f"LossSpikes(max_rollbacks={max_rollbacks!r}): max_rollbacks must be an int >= 1 (rollbacks "
+                "allowed before the run stops with an error); pass e.g. max_rollbacks=3"
+            )
         self.threshold = float(threshold)
         self.window = window
+        self.rollback_after = rollback_after
+        self.max_rollbacks = max_rollbacks
+        self.rollbacks = 0
         self.history: Deque[float] = deque(maxlen=window)
         self.skipped_steps = 0
         self.consecutive_skips = 0
@@ -116,11 +153,44 @@ class LossSpikes(Callback):
             )
         return True
 
+    @property
+    def rollback_due(self) -> bool:
+        """Whether the loop rolls back now: ``rollback_after`` consecutive steps were skipped (the same on
+        every rank). Past ``max_rollbacks`` this raises instead."""
+        if self.rollback_after is None or self.consecutive_skips < self.rollback_after:
+            return False
+        if self.rollbacks >= self.max_rollbacks:
+            raise TrainforgeError(
+                f"LossSpikes: {self.consecutive_skips} consecutive optimizer steps were skipped again after "
+                f"{self.rollbacks} rollback(s) (max_rollbacks={self.max_rollbacks}); the loss keeps spiking on "
+                "fresh data from restored weights, so more than a few bad batches is wrong. Lower the learning "
+                "rate (or add warmup / gradient clipping), check the data, or raise max_rollbacks"
+            )
+        return True
+
+    def rolled_back(self, path: str, from_step: int, to_step: int, is_global_zero: bool) -> None:
+        """Called by the loop once the checkpoint at ``path`` is restored."""
+        self.rollbacks += 1
+        self.consecutive_skips = 0
+        if is_global_zero:
+            log.warning(
+                "trainforge: LossSpikes rolled back to %s after %d consecutive skipped steps: global step %d -> "
+                "%d, the weights, optimizer, schedulers and RNG of that checkpoint; the data goes on after the "
+                "skipped batches (rollback %d of at most %d)",
+                path,
+                self.rollback_after,
+                from_step,
+                to_step,
+                self.rollbacks,
+                self.max_rollbacks,
+            )
+
     def state_dict(self) -> Dict[str, Any]:
         return {
             "history": list(self.history),
             "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
+            "rollbacks": self.rollbacks,
             "window_sum": None if self._sum is None else float(self._sum),
             "window_count": self._count,
         }
@@ -129,6 +199,7 @@ class LossSpikes(Callback):
         self.history = deque((float(v) for v in state_dict["history"]), maxlen=self.window)
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.consecutive_skips = int(state_dict["consecutive_skips"])
+        self.rollbacks = int(state_dict.get("rollbacks", 0))
         partial = state_dict.get("window_sum")
         self._sum = None if partial is None else torch.tensor(float(partial))
         self._count = int(state_dict.get("window_count", 0))
@@ -152,4 +223,15 @@ def find_loss_spikes(callbacks: Any, automatic_optimization: bool, nonfinite_los
             "nonfinite_loss='skip' and LossSpikes both skip non-finite losses (the first per rank and batch, "
             "LossSpikes per optimizer step on every rank together); remove nonfinite_loss='skip'"
         )
+    if found[0].rollback_after is not None and not any(_writes_checkpoints(cb) for cb in callbacks):
+        raise ConfigurationError(
+            f"LossSpikes(rollback_after={found[0].rollback_after}) restores the newest checkpoint of the run, "
+            "and this fit writes none (no ModelCheckpoint, enable_checkpointing=False, or only "
+            "save_weights_only=True ones); add ModelCheckpoint(every_n_steps=...) to the callbacks, or leave "
+            "rollback_after out"
+        )
     return found[0]
+
+
+def _writes_checkpoints(callback: Any) -> bool:
+    return isinstance(callback, ModelCheckpoint) and not callback.save_weights_only

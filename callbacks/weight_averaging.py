@@ -70,6 +70,8 @@ class WeightAveraging(Callback):
     or ``multi_avg_fn`` (torch.optim.swa_utils signatures) says otherwise. ``device``: where the average
     lives (default: beside each weight; ``"cpu"`` saves accelerator memory)."""
 
+    restore_on_rollback = True  # the average follows the weights (LossSpikes(rollback_after=N))
+
     def __init__(
         self, device: Optional[Union[torch.device, str, int]] = None, use_buffers: bool = True, **kwargs: Any
     ) -> None:

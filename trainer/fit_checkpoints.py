@@ -1,16 +1,20 @@
 """The Trainer's side of the one checkpoint path (``trainer/checkpointing.py``): which parts it
-saves, resuming at fit start, and the RNG restored last, just before the loop continues."""
+saves, resuming at fit start, the RNG restored last, just before the loop continues, and rolling back
+to the newest checkpoint in the middle of a fit (``LossSpikes(rollback_after=N)``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
+from trainforge.callbacks.loss_spikes import LossSpikes
 from trainforge.strategies.checkpoint.io import list_checkpoints, read_metadata, resolve_checkpoint
 from trainforge.strategies.errors import CheckpointError
 from trainforge.trainer.checkpointing import CheckpointParts, load_state, save_state
+from trainforge.trainer.config import Progress
 from trainforge.trainer.events import Event
 from trainforge.trainer.hparams import DATAMODULE_PREFIX, checkpoint_hparams
 from trainforge.trainer.seed import set_rng_state
@@ -20,7 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from trainforge.strategies.base import Strategy
     from trainforge.trainer.accelerator import Accelerator
-    from trainforge.trainer.config import Progress
     from trainforge.trainer.trainer import Trainer
 
 log = logging.getLogger("trainforge")
@@ -63,6 +66,7 @@ class FitCheckpoints:
         names collide; nothing of another run is replaced) and says so once, with how to resume."""
         self.run_id = self.strategy.broadcast(uuid.uuid4().hex, 0)
         path = self._load_checkpoint(ckpt_path, required=required) if ckpt_path is not None else None
+        self._newest_checkpoint = path  # what LossSpikes(rollback_after=N) restores, until this fit saves
         if path is not None:
             self.run_id = read_metadata(path).get("run_id") or self.run_id
         elif self.is_global_zero:
@@ -93,14 +97,17 @@ class FitCheckpoints:
             run_id=self.run_id,
         )
 
+    _newest_checkpoint: Optional[Path] = None  # written by this fit (or resumed from): rollbacks restore it
+
     def _save_checkpoint(self, path: os.PathLike | str, async_save: bool = False) -> Path:
-        return save_state(
+        self._newest_checkpoint = save_state(
             self.accelerator,
             path,
             self._checkpoint_parts(),
             async_save,
             before_write=self._before_checkpoint_write,
         )
+        return self._newest_checkpoint
 
     def _before_checkpoint_write(self, state: Dict[str, Any]) -> None:
         """The hyperparameters (for ``load_from_checkpoint``), then SAVE_CHECKPOINT: the module and the
@@ -137,3 +144,49 @@ class FitCheckpoints:
         if self._pending_rng is not None:
             set_rng_state(self._pending_rng)
             self._pending_rng = None
+
+    def _roll_back(self, spikes: LossSpikes) -> None:
+        """``LossSpikes(rollback_after=N)``, on every rank at the same optimizer step (a skipped one, its
+        gradients zeroed): restore the newest checkpoint this fit committed (or resumed from) through
+        ``load_state``, all but the data position (callbacks/loss_spikes.py says why). An asynchronous save
+        in flight is committed first, so the checkpoint chosen never depends on timing. Not the newest in
+        the directory: after a resume from an older checkpoint, the newer ones there belong to the branch
+        that was abandoned."""
+        self.accelerator.wait_for_checkpoint()
+        found = self._verified_newest() if self.is_global_zero else ("", "")
+        chosen, why = self.strategy.broadcast(found, 0)  # rank 0 names it: every rank restores the same one
+        if not chosen:
+            raise CheckpointError(
+                f"LossSpikes(rollback_after={spikes.rollback_after}): {spikes.consecutive_skips} consecutive "
+                f"steps were skipped at global step {self.progress.global_step} and there is no checkpoint to "
+                f"roll back to: {why}. Save earlier (ModelCheckpoint(every_n_steps=...) with a smaller n), or "
+                "raise rollback_after"
+            )
+        path, before, acc = Path(chosen), self.progress.global_step, self.accelerator
+        saved_progress = Progress()
+        parts = dataclasses.replace(
+            self._checkpoint_parts(),
+            loaders=[],  # the data goes on past the skipped batches
+            callbacks=[cb for cb in self.callbacks if cb.restore_on_rollback],
+            progress=saved_progress,
+            datamodule=None,
+        )
+        state, rng = load_state(acc, path, parts)
+        self.progress.global_step = saved_progress.global_step  # the optimizer steps the restored weights had
+        acc.step = 0  # at a window boundary, whatever the checkpoint's window was: its partial gradients go
+        acc.load_item_window_state_dict({"items_in_window": None})
+        for opt in self._prepared_optimizers:
+            opt.optimizer.zero_grad()
+        self._fire(Event.LOAD_CHECKPOINT, state)
+        set_rng_state(rng)
+        spikes.rolled_back(str(path), before, self.progress.global_step, self.is_global_zero)
+
+    def _verified_newest(self) -> "tuple[str, str]":
+        """The newest checkpoint of this fit if it verifies, else ``""`` and why (said on every rank)."""
+        newest = self._newest_checkpoint
+        if newest is None:
+            return "", "this fit has written no checkpoint yet and did not resume from one"
+        try:
+            return str(resolve_checkpoint(newest.parent, newest)), ""
+        except CheckpointError as e:
+            return "", str(e)

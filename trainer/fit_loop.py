@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 from trainforge.callbacks.loss_spikes import METRIC as SKIPPED_METRIC
-from trainforge.callbacks.loss_spikes import LossSpikes, find_loss_spikes
+from trainforge.callbacks.loss_spikes import ROLLBACK_METRIC, LossSpikes, find_loss_spikes
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.evaluation import module_modes, restore_modes
 from trainforge.trainer.events import Event
@@ -72,6 +72,7 @@ class FitLoop:
         def _emit(self, metrics: Dict[str, float]) -> None: ...
         def _run_manual_step(self, batch: Any, batch_idx: int) -> None: ...
         def _fire_epoch_end(self, event: Event) -> None: ...
+        def _roll_back(self, spikes: LossSpikes) -> None: ...
         def _run_validation(self, loaders: List[Any], step_name: str, max_batches: Optional[int] = None) -> None: ...
 
     @property
@@ -321,7 +322,11 @@ class FitLoop:
         spikes = self._loss_spikes
         if spikes is not None and spikes.should_skip(self.strategy, self.global_step, self.is_global_zero):
             optimizer.zero_grad()  # every rank together: no optimizer or scheduler step, the batches count
-            return self._emit({SKIPPED_METRIC: float(spikes.skipped_steps)})
+            self._emit({SKIPPED_METRIC: float(spikes.skipped_steps)})
+            if spikes.rollback_due:  # the newest checkpoint's weights; the data goes on (callbacks/loss_spikes.py)
+                self._roll_back(spikes)
+                self._emit({ROLLBACK_METRIC: float(spikes.rollbacks)})
+            return
         if acc.precision.scaler is not None:
             acc.precision.unscale_(optimizer)
         self._fire(Event.BEFORE_OPTIMIZER_STEP, optimizer)

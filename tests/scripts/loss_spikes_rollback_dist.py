@@ -1,0 +1,93 @@
+"""Launched on 2 processes (gloo, DDP): LossSpikes(rollback_after=2) with an injected NaN loss on rank 0
+(batch 5) and a loss spike on rank 1 (batch 6) in epoch 0, ModelCheckpoint every 2 steps. Both ranks skip
+both steps and roll back to the step-4 checkpoint together; epoch 1 trains on. Then a second fit resumes
+from the checkpoint written after the rollback (epoch 1, step 6) and must end on the same weights.
+Rank 0 writes to OUT per rank [rollbacks, skipped steps, global step at epoch 0's end], whether each
+rank's weights right after the rollback equal the checkpoint's, and the resume's outcome."""
+
+import json
+import math
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from tests.helpers.models import Regressor, make_net, regression_data  # noqa: E402
+from trainforge import Trainer, seed_everything  # noqa: E402
+from trainforge.callbacks import Callback, LossSpikes, ModelCheckpoint  # noqa: E402
+
+
+class Injected(Regressor):
+    """Epoch 0: a NaN loss on rank 0 at batch 5, a loss x 1e4 on rank 1 at batch 6."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        rank = torch.distributed.get_rank()
+        if self.current_epoch == 0 and (batch_idx, rank) == (5, 0):
+            return loss * math.nan
+        if self.current_epoch == 0 and (batch_idx, rank) == (6, 1):
+            return loss * 1e4
+        return loss
+
+
+class Probe(Callback):
+    def __init__(self, spikes):
+        self.spikes, self.restored, self.epoch0_step = spikes, None, None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self.spikes.rollbacks and self.restored is None:
+            self.restored = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def on_train_epoch_end(self, trainer, module):
+        if self.epoch0_step is None:
+            self.epoch0_step = trainer.global_step
+
+
+def fit(root, ckpt_path=None):
+    seed_everything(0)
+    spikes = LossSpikes(threshold=10.0, window=2, rollback_after=2)
+    probe = Probe(spikes)
+    module = Injected(make_net(dropout=0.1), step_lr=True)
+    trainer = Trainer(
+        strategy="ddp",
+        max_epochs=2,
+        callbacks=[spikes, probe, ModelCheckpoint(every_n_steps=2)],
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(regression_data(n=64), batch_size=4), ckpt_path=ckpt_path)
+    return trainer, module, spikes, probe
+
+
+def main(out):
+    trainer, module, spikes, probe = fit(out + ".whole")
+    saved = load_file(os.path.join(out + ".whole", "checkpoints", "epoch=0-step=4", "model.safetensors"))
+    restored_equal = probe.restored is not None and all(torch.equal(saved[k], probe.restored[k]) for k in saved)
+    weights = torch.cat([p.detach().flatten() for p in module.parameters()])
+    both = trainer.strategy.all_gather(weights)
+    row = [spikes.rollbacks, spikes.skipped_steps, probe.epoch0_step]
+    rows = trainer.strategy.all_gather_object(row)
+    equal = trainer.strategy.all_gather_object(restored_equal)
+    after = os.path.join(out + ".whole", "checkpoints", "epoch=1-step=6")
+    resumed, resumed_module, _, _ = fit(out + ".resumed", ckpt_path=after)
+    same = all(torch.equal(p, q) for p, q in zip(resumed_module.parameters(), module.parameters()))
+    if trainer.is_global_zero:
+        result = {
+            "rows": rows,
+            "restored_equal": equal,
+            "agree": bool(torch.equal(both[0], both[1])),
+            "finite": bool(weights.isfinite().all()),
+            "resumed_equal": same,
+            "final_step": trainer.global_step,
+            "resumed_step": resumed.global_step,
+        }
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
