@@ -77,6 +77,10 @@ class Strategy:
     #: (``trainer/partial_grads.py``): one device, DDP. False where the backend keeps it elsewhere
     #: (FSDP2's unsharded accumulated gradients, DeepSpeed's engine, pipeline stages, XLA).
     window_grads_in_params = False
+    #: ``save_trainable``/``load_trainable`` write and read checkpoints without the frozen parameters
+    #: (``strategies/checkpoint/frozen.py``): one device, DDP, FSDP2. False where the backend writes the
+    #: whole model itself (DeepSpeed's engine) or it is untested (pipeline stages, XLA).
+    trainable_only_checkpoints = False
 
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         self._device = torch.device(device) if device is not None else None
@@ -286,6 +290,35 @@ class Strategy:
         weights = load_tensors(path, "model", device="cpu")
         check_model_state(path, self.unwrap(module).state_dict(), weights)
         self.load_module_state_dict(module, weights)
+        if optimizers:
+            states = load_object(path, "optimizers")
+            check_optimizer_states(path, optimizers, states)
+            for opt, state in zip(optimizers, states):
+                self.load_optimizer_state_dict(module, opt, state)
+
+    def trainable_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """``module_state_dict`` less the frozen parameters (buffers kept); rank 0's is the full one."""
+        from trainforge.strategies.checkpoint.frozen import without_frozen
+
+        return without_frozen(self.module_state_dict(module), self.unwrap(module))
+
+    def save_trainable(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """``save_checkpoint`` without the frozen parameters (``trainable_only_checkpoints``)."""
+        weights = self.trainable_state_dict(module)
+        opt_states = [self.optimizer_state_dict(module, opt) for opt in optimizers]
+        if self.is_global_zero:
+            writer.save_tensors("model", weights)
+            writer.save_object("optimizers", opt_states)
+
+    def load_trainable(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Restore a ``save_trainable`` checkpoint; the frozen parameters stay as they are (the caller
+        has checked them against the checkpoint's record of its base)."""
+        from trainforge.strategies.checkpoint.frozen import without_frozen
+        from trainforge.strategies.checkpoint.io import load_object, load_tensors
+
+        weights = load_tensors(path, "model", device="cpu")
+        check_model_state(path, without_frozen(self.unwrap(module).state_dict(), self.unwrap(module)), weights)
+        self.load_module_state_dict(module, weights, strict=False)
         if optimizers:
             states = load_object(path, "optimizers")
             check_optimizer_states(path, optimizers, states)

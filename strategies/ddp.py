@@ -179,6 +179,7 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
     redirect_forward = True
     grad_reduction = "mean"  # the reducer all-reduces and divides by world_size (so do the fp16/bf16 hooks)
     window_grads_in_params = True  # mid-window: each rank's .grad, accumulated locally
+    trainable_only_checkpoints = True
 
     def __init__(
         self,

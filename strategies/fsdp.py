@@ -77,6 +77,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     name = "fsdp"
     redirect_forward = True  # FSDP's unshard hooks run in the root's forward
     grad_reduction = "mean"  # reduce-scatter (HSDP: and all-reduce) divided by the data-parallel size
+    trainable_only_checkpoints = True  # the frozen parameters are left out of dcp/ or the full state dict
 
     def __init__(
         self,
@@ -296,6 +297,21 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         if not has_sharded(path):
             return super().load_checkpoint(path, module, optimizers)
         load_sharded(path, module, optimizers)
+
+    def trainable_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """The full state dict less the frozen parameters, which are never gathered."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return cast(Dict[str, torch.Tensor], get_model_state_dict(module, options=options))
+
+    def save_trainable(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if self.state_dict_type == "full":
+            return super().save_trainable(writer, module, optimizers)
+        save_sharded(writer, module, optimizers, flat=False, trainable_only=True)
+
+    def load_trainable(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if not has_sharded(path):
+            return super().load_trainable(path, module, optimizers)
+        load_sharded(path, module, optimizers, trainable_only=True)
 
     def __repr__(self) -> str:
         return (

@@ -16,6 +16,7 @@ class SingleDeviceStrategy(Strategy):
     name = "single"
     grad_reduction = "mean"  # of one device's gradients: they are used as they are
     window_grads_in_params = True  # mid-window: each rank's .grad, accumulated locally
+    trainable_only_checkpoints = True
 
     def __init__(self, device: Optional[torch.device | str] = None) -> None:
         super().__init__(device)

@@ -38,11 +38,14 @@ from trainforge.strategies.errors import CheckpointError
 DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the torch.distributed.checkpoint files
 
 
-def sharded_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool = False) -> Dict[str, Any]:
-    """``{"model": sharded state, "optimizers": {"0": ...}}``, DTensors keyed by parameter name."""
+def sharded_state(
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool = False, trainable_only: bool = False
+) -> Dict[str, Any]:
+    """``{"model": sharded state, "optimizers": {"0": ...}}``, DTensors keyed by parameter name;
+    ``trainable_only``: without the frozen parameters (``checkpoint/frozen.py``)."""
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     return {
-        "model": get_model_state_dict(module),
+        "model": get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=trainable_only)),
         "optimizers": {
             str(i): get_optimizer_state_dict(module, opt, options=options) for i, opt in enumerate(optimizers)
         },
@@ -53,17 +56,28 @@ def has_sharded(path: Any) -> bool:
     return (Path(path) / DCP_DIR).is_dir()
 
 
-def save_sharded(writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], flat: bool) -> None:
+def save_sharded(
+    writer: Any,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    flat: bool,
+    trainable_only: bool = False,
+) -> None:
     """Into ``writer``'s ``dcp/``: synchronously for a CheckpointWriter, with DCP's ``async_save``
     for an asynchronous save's StagingWriter (both implement ``save_sharded``)."""
-    writer.save_sharded(sharded_state(module, optimizers, flat), DCP_DIR)
+    writer.save_sharded(sharded_state(module, optimizers, flat, trainable_only), DCP_DIR)
 
 
 def load_sharded(
-    path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], nested_ok: bool = True
+    path: Any,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    nested_ok: bool = True,
+    trainable_only: bool = False,
 ) -> None:
     """Restore ``module`` and ``optimizers`` from ``path/dcp``. ``nested_ok=False``: the caller
-    cannot take torch's nested optimizer form (pipeline stages), refused with the way out."""
+    cannot take torch's nested optimizer form (pipeline stages), refused with the way out.
+    ``trainable_only``: a checkpoint without the frozen parameters, which stay as they are."""
     folder = Path(path) / DCP_DIR
     flat = bool(optimizers) and flat_optimizer_state(folder)
     if optimizers and not nested_ok and not flat:
@@ -72,7 +86,7 @@ def load_sharded(
             "split between pipeline stages; resume it without pipeline parallelism, or load the "
             "weights only (load_checkpoint with no optimizers / trainforge merge-weights)"
         )
-    state = sharded_state(module, optimizers, flat)
+    state = sharded_state(module, optimizers, flat, trainable_only)
     _check_model_shapes(path, folder, state["model"])
     try:
         safe_load(state, folder)  # restricted unpickling: a crafted .metadata executes nothing
@@ -83,7 +97,7 @@ def load_sharded(
             f"{folder}: cannot load the sharded checkpoint into {type(module).__name__} "
             f"({_reason(e)}); was it saved from the same model and optimizers?"
         ) from None
-    set_model_state_dict(module, state["model"])
+    set_model_state_dict(module, state["model"], options=StateDictOptions(strict=not trainable_only))
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(module, opt, state["optimizers"][str(i)], options=options)
