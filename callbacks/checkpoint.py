@@ -88,6 +88,9 @@ class ModelCheckpoint(Callback):
             synchronously on CPU; True/False force it. Asynchronous: the loop waits only while the
             state is copied to host memory; writing, fsync, checksums and the commit run in the
             background, one save at a time, and pruning waits for the new checkpoint's commit.
+        trainable_only: leave the frozen parameters (``requires_grad=False``) out of each checkpoint, with a
+            record of the base it expects (refused on resume onto another). None (default): for models
+            holding a ``peft.PeftModel`` only; True: any model with frozen parameters; False: never.
     """
 
     def __init__(
@@ -108,8 +111,14 @@ class ModelCheckpoint(Callback):
         auto_insert_metric_name: bool = True,
         save_on_train_epoch_end: Optional[bool] = None,
         async_save: Optional[bool] = None,
+        trainable_only: Optional[bool] = None,
     ) -> None:
         self.async_save = check_async_save(async_save, "ModelCheckpoint")
+        if trainable_only is not None and not isinstance(trainable_only, bool):
+            raise ConfigurationError(
+                f"trainable_only={trainable_only!r} must be None (PEFT models only), True or False"
+            )
+        self.trainable_only = trainable_only
         if mode not in MODES:
             raise invalid_choice("mode", mode, MODES)
         if monitor is not None:
@@ -369,7 +378,7 @@ class ModelCheckpoint(Callback):
         if self.save_weights_only:
             trainer.save_weights(path)
         else:
-            trainer.save_checkpoint(path, async_save=self._async(trainer))
+            trainer.save_checkpoint(path, async_save=self._async(trainer), trainable_only=self.trainable_only)
         if self._unfilled is not None:  # the metrics are known only now: the work is saved, then we stop
             message, self._unfilled = self._unfilled, None
             raise ConfigurationError(

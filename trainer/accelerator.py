@@ -342,10 +342,9 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self._custom_objects.extend(objects)
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
-        """Everything to resume exactly. With no ``output_dir`` (automatic_checkpoint_naming):
-        ``<project_dir>/checkpoints/checkpoint_<i>``, the newest ``total_limit`` kept. ``async_save=True``:
-        return once the state is copied to host memory; the write and commit go on in the background
-        (``wait_for_checkpoint``; ``end_training`` and exit wait for it)."""
+        """Everything to resume exactly; no ``output_dir``: ``<project_dir>/checkpoints/checkpoint_<i>``, the newest
+        ``total_limit`` kept. ``async_save=True``: return once the state is in host memory, written in the background
+        (``wait_for_checkpoint``; ``end_training`` and exit wait). ``trainable_only``: leave frozen parameters out."""
         from trainforge.trainer.checkpointing import save_accelerator_state, save_project_checkpoint
 
         if not safe_serialization:
@@ -411,11 +410,14 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         run_clm_no_trainer.py computes it) is a no-op, logged; anything else an error."""
         return dataloader.skip_first_batches(num_batches)
 
-    def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Optional[int] = None) -> Any:
+    def save_model(
+        self, model: nn.Module, save_directory: str, max_shard_size: Any = None, adapter_only: Optional[bool] = None
+    ) -> Any:
+        """The whole model as safetensors, or a PEFT model's adapter in PEFT's format (trainer/adapters.py)."""
         from trainforge.trainer.checkpointing import save_weights
 
         self.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
-        return save_weights(self.strategy, model, save_directory, max_shard_size=max_shard_size)
+        return save_weights(self.strategy, model, save_directory, max_shard_size, adapter_only)
 
     def free_memory(self, *objects: Any) -> List[Any]:
         """Forget everything prepared (Accelerate's): ``None`` for each of ``objects`` (``model, opt =

@@ -13,6 +13,8 @@ Layout of one checkpoint directory::
     dataloader_rank{r}.pt         position of rank r's loader (a global sample count inside)
     grads_rank{r}.pt              only inside an accumulation window: rank r's partial gradients
                                   and item count (trainer/partial_grads.py)
+    frozen_base.pt                only when the frozen parameters are left out (``trainable_only``, by
+                                  default for PEFT models: trainer/adapters.py): the base it expects
     metadata.json                 format version, step, world size, strategy, precision, versions, manifest
 
 RNG states are restored last, just before the loop continues, so nothing between loading and the
@@ -39,6 +41,13 @@ from trainforge.strategies.checkpoint.io import (
     resolve_checkpoint,
 )
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.trainer.adapters import (
+    load_model_state,
+    save_adapter,
+    save_model_state,
+    trainable_only_for,
+    wants_adapter,
+)
 from trainforge.trainer.partial_grads import (
     check_mid_window_save,
     read_partial_gradients,
@@ -92,16 +101,19 @@ def save_state(
     async_save: bool = False,
     before_write: Optional[Callable[[Dict[str, Any]], None]] = None,
     update_latest: bool = True,
+    trainable_only: Optional[bool] = None,
 ) -> Path:
-    """The one writer of a resumable checkpoint (layout in this module's docstring)."""
+    """The one writer of a resumable checkpoint (layout in this module's docstring). ``trainable_only``:
+    leave the frozen parameters out (None: for PEFT models; ``trainer/adapters.py``)."""
     strategy = acc.strategy
     check_mid_window_save(acc)
+    trainable_only = parts.model is not None and trainable_only_for(strategy, parts.model, trainable_only)
     writer = _open_writer(acc, path, async_save, kind=parts.kind)
     state: Dict[str, Any] = {"path": str(writer.final_dir), "extra": {}}
     if before_write is not None:
         before_write(state)  # the Trainer's SAVE_CHECKPOINT: callbacks and the module may add to state["extra"]
     if parts.model is not None:
-        strategy.save_checkpoint(writer, parts.model, [o.optimizer for o in parts.optimizers])
+        save_model_state(strategy, writer, parts.model, [o.optimizer for o in parts.optimizers], trainable_only)
     progress = _progress_of(parts)
     state.update(
         {
@@ -131,6 +143,7 @@ def save_state(
             "precision": acc.precision.name,
             "kind": parts.kind,
             "run_id": parts.run_id,
+            "trainable_only": trainable_only,
         },
         update_latest=update_latest,
     )
@@ -145,7 +158,7 @@ def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple
     _check_parts(path, meta, state, parts)
     partial_grads = read_partial_gradients(acc, path, state, parts.model)  # checked before anything is restored
     if parts.model is not None:
-        strategy.load_checkpoint(path, parts.model, [o.optimizer for o in parts.optimizers])
+        load_model_state(strategy, path, meta, parts.model, [o.optimizer for o in parts.optimizers])
     sched_states = convert_scheduler_states(
         path,
         state["schedulers"],
@@ -273,7 +286,11 @@ def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, 
 
 # ---- the Accelerator's side -------------------------------------------------------------------------
 def save_accelerator_state(
-    acc: "Accelerator", output_dir: os.PathLike | str, parts: CheckpointParts, async_save: bool = False
+    acc: "Accelerator",
+    output_dir: os.PathLike | str,
+    parts: CheckpointParts,
+    async_save: bool = False,
+    trainable_only: Optional[bool] = None,
 ) -> Path:
     return save_state(
         acc,
@@ -281,6 +298,7 @@ def save_accelerator_state(
         parts,
         resolve_async_save(async_save, acc.strategy.root_device),
         update_latest=False,
+        trainable_only=trainable_only,
     )
 
 
@@ -301,7 +319,9 @@ def _project_root(acc: "Accelerator") -> Path:
     return Path(project_dir) / "checkpoints"
 
 
-def save_project_checkpoint(acc: "Accelerator", parts: CheckpointParts, async_save: bool = False) -> Path:
+def save_project_checkpoint(
+    acc: "Accelerator", parts: CheckpointParts, async_save: bool = False, trainable_only: Optional[bool] = None
+) -> Path:
     """Accelerate's automatic naming: ``checkpoints/checkpoint_<i>``, i one more than the newest;
     the oldest beyond ``total_limit`` deleted by rank 0 once the new one is committed."""
     from trainforge.strategies.checkpoint.io import delete_checkpoint
@@ -309,7 +329,8 @@ def save_project_checkpoint(acc: "Accelerator", parts: CheckpointParts, async_sa
     root = _project_root(acc)
     existing = _numbered(root)
     is_async = resolve_async_save(async_save, acc.strategy.root_device)
-    path = save_accelerator_state(acc, root / f"checkpoint_{existing[-1][0] + 1 if existing else 0}", parts, is_async)
+    name = f"checkpoint_{existing[-1][0] + 1 if existing else 0}"
+    path = save_accelerator_state(acc, root / name, parts, is_async, trainable_only)
     if acc.total_limit is not None and acc.is_main_process:
         # the new directory may not be committed yet: keep total_limit - 1 committed ones beside it
         old = [p for _, p in _numbered(root) if p != path]
@@ -341,9 +362,18 @@ def _numbered(root: Path) -> List[tuple]:
 
 
 # ---- consolidated weights ------------------------------------------------------------------------
-def save_weights(strategy: Any, model: Any, path: os.PathLike | str, max_shard_size: Optional[int] = None) -> Path:
+def save_weights(
+    strategy: Any,
+    model: Any,
+    path: os.PathLike | str,
+    max_shard_size: Optional[int] = None,
+    adapter_only: Optional[bool] = None,
+) -> Path:
     """One safetensors file (or shards + HF index) of the full model, plus ``config.json`` when the
-    model carries a Hugging Face config, so ``transformers`` can load the directory."""
+    model carries a Hugging Face config, so ``transformers`` can load the directory; for a PEFT model
+    (``adapter_only`` None or True) the adapter in PEFT's format instead (``trainer/adapters.py``)."""
+    if wants_adapter(strategy, model, adapter_only):
+        return save_adapter(strategy, model, path)
     writer = CheckpointWriter(
         path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier, kind="weights"
     )

@@ -99,13 +99,16 @@ class FitCheckpoints:
 
     _newest_checkpoint: Optional[Path] = None  # written by this fit (or resumed from): rollbacks restore it
 
-    def _save_checkpoint(self, path: os.PathLike | str, async_save: bool = False) -> Path:
+    def _save_checkpoint(
+        self, path: os.PathLike | str, async_save: bool = False, trainable_only: Optional[bool] = None
+    ) -> Path:
         self._newest_checkpoint = save_state(
             self.accelerator,
             path,
             self._checkpoint_parts(),
             async_save,
             before_write=self._before_checkpoint_write,
+            trainable_only=trainable_only,
         )
         return self._newest_checkpoint
 

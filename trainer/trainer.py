@@ -350,11 +350,12 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
             )
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self, path: str, async_save: bool = False) -> Any:
+    def save_checkpoint(self, path: str, async_save: bool = False, trainable_only: Optional[bool] = None) -> Any:
         """Everything needed to resume exactly, as one checkpoint directory (every rank calls it).
         ``async_save=True``: returns once the state is staged; the write and commit run in the
-        background (``fit`` waits for it before returning; see strategies/checkpoint/async_save.py)."""
-        return self._save_checkpoint(path, async_save=resolve_async_save(async_save, self.device))
+        background (``fit`` waits for it before returning; see strategies/checkpoint/async_save.py).
+        ``trainable_only``: leave the frozen parameters out (None: for PEFT models; trainer/adapters.py)."""
+        return self._save_checkpoint(path, resolve_async_save(async_save, self.device), trainable_only)
 
     def _wait_for_checkpoint_quietly(self) -> None:
         """On an error in fit: let the save in flight commit, without hiding the original error."""
@@ -363,12 +364,13 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         except Exception as e:
             log.error("trainforge: %s", e)
 
-    def save_weights(self, path: str, max_shard_size: Optional[int] = None) -> Any:
-        """Consolidated safetensors weights of the module (loadable by safetensors and transformers)."""
+    def save_weights(self, path: str, max_shard_size: Optional[int] = None, adapter_only: Optional[bool] = None) -> Any:
+        """Consolidated safetensors weights of the module (loadable by safetensors and transformers); a
+        PEFT model's adapter in PEFT's format (``adapter_only``: None by the model; trainer/adapters.py)."""
         from trainforge.trainer.checkpointing import save_weights
 
         self.accelerator.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
-        return save_weights(self.strategy, self.model, path, max_shard_size=max_shard_size)
+        return save_weights(self.strategy, self.model, path, max_shard_size, adapter_only)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _attach(self, module: TrainingModule, stage: str) -> None:
