@@ -9,22 +9,32 @@ A strategy owns placement, wrapping, collectives and sharded checkpoint I/O. It 
 ``configure`` hands over the run's settings as one frozen ``RunSettings`` (replaced whole, never
 edited field by field); what a strategy can do is declared on this class with defaults
 (``pipelined``, ``redirect_forward``, ``handles_accumulation``, ``loss_scaling_in_backend``,
-``input_dtype``, ``device_batches``, ``grad_reduction``, ``window_grads_in_params``), so callers read
-attributes instead of probing.
+``input_dtype``, ``device_batches``, ``grad_reduction``, ``window_grads_in_params``,
+``activation_checkpointing_modes``), so callers read attributes instead of probing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from trainforge.strategies.activation_memory import (
+    MODES,
+    ActivationMemory,
+    apply_activation_memory,
+    check_supported,
+    parse_activation_checkpointing,
+    select_blocks,
+)
 from trainforge.strategies.errors import CheckpointError, invalid_choice
 from trainforge.strategies.precision import Precision
 
+log = logging.getLogger("trainforge")
 REDUCE_OPS = ("sum", "mean", "max", "min")
 #: What ``Strategy.setup`` takes: built optimizers, or a callable that builds them after placement.
 Optimizers = Union[Sequence[torch.optim.Optimizer], Callable[[], Sequence[torch.optim.Optimizer]]]
@@ -82,10 +92,21 @@ class Strategy:
     #: whole model itself (DeepSpeed's engine) or it is untested (pipeline stages, XLA).
     trainable_only_checkpoints = False
 
-    def __init__(self, device: Optional[torch.device | str] = None) -> None:
+    #: The ``activation_checkpointing`` modes this strategy applies (``strategies/activation_memory.py``);
+    #: another is refused at construction, with ``activation_checkpointing_limits`` saying why.
+    activation_checkpointing_modes: Tuple[str, ...] = MODES
+    activation_checkpointing_limits = ""
+
+    def __init__(self, device: Optional[torch.device | str] = None, activation_checkpointing: Any = None) -> None:
         self._device = torch.device(device) if device is not None else None
         self.accelerator = "auto"  # the device type asked for (setup_environment's argument)
         self.settings = RunSettings()
+        self.activation_checkpointing = activation_checkpointing  # as given; parsed:
+        self.activation_memory: ActivationMemory = parse_activation_checkpointing(activation_checkpointing)
+        check_supported(
+            self.activation_memory, self.name, self.activation_checkpointing_modes, self.activation_checkpointing_limits
+        )
+        self.checkpointed_modules: List[str] = []  # names of the blocks wrapped for activation_checkpointing
 
     @property
     def pipelined(self) -> bool:
@@ -158,7 +179,28 @@ class Strategy:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         placed = module.to(self.root_device) if self.settings.device_placement else module
-        return self.precision.convert_module(placed)
+        module = self.precision.convert_module(placed)
+        self.wrap_activation_blocks(module)
+        return module
+
+    def wrap_activation_blocks(
+        self, module: nn.Module, default_blocks: Any = None, names: Optional[Sequence[str]] = None
+    ) -> Dict[int, nn.Module]:
+        """Apply ``activation_checkpointing`` to ``module``'s blocks (``names``, else those
+        ``select_blocks`` finds, by ``default_blocks`` when the value names none); returns
+        ``{id(block): wrapper}`` for strategies that shard the wrappers."""
+        spec = self.activation_memory
+        if names is None:
+            names = select_blocks(module, spec, default_blocks)
+        wrappers = apply_activation_memory(module, spec, names)
+        if names:
+            self.checkpointed_modules = [n for n in names if n in dict(module.named_modules())]
+        if spec.kind == "offload" and wrappers and self.root_device.type == "cpu" and self.is_global_zero:
+            log.warning(
+                "trainforge: activation_checkpointing='offload' moves saved activations to host memory; "
+                "this run computes on the CPU, where they already are, so it saves nothing here"
+            )
+        return wrappers
 
     def setup_dataloader(self, dataloader: Any, *, seed: int = 0) -> Any:
         """Shard and make resumable (see ``trainforge.strategies.data.loader``)."""

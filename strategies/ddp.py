@@ -173,7 +173,8 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
     """``DistributedDataParallel``; accumulation skips gradient sync with ``no_sync``.
 
     ``comm_hook``: "fp16" or "bf16" compresses gradients for the all-reduce, or pass a DDP hook
-    callable (``(state, bucket) -> Future``) with ``comm_hook_state``."""
+    callable (``(state, bucket) -> Future``) with ``comm_hook_state``. ``activation_checkpointing``: the
+    values every strategy takes (``strategies/activation_memory.py``), applied before DDP wraps the module."""
 
     name = "ddp"
     redirect_forward = True
@@ -192,9 +193,10 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
         comm_hook_state: Any = None,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
+        activation_checkpointing: Any = None,
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(device)
+        super().__init__(device, activation_checkpointing)
         if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
             raise invalid_choice("comm_hook", comm_hook, COMM_HOOKS, "or pass a DDP communication hook callable")
         unknown = sorted(set(ddp_kwargs) - _DDP_ARGS)

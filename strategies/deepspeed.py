@@ -133,9 +133,11 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
     """ZeRO data parallelism through DeepSpeed. ``stage``: 0-3 or "auto" (chosen from the memory
     estimate, see ``trainforge.strategies.memory_estimate``). ``offload_optimizer`` / ``offload_parameters``
     (stage 3) move state to ``offload_device`` ("cpu" or "nvme" under ``nvme_path``).
-    ``activation_checkpointing``: recompute activations in backward (torch's non-reentrant
-    checkpoint) for True = the repeated blocks, a set of module classes / class names, or a
-    callable ``(module, name) -> bool`` -- the same policies as ``FSDPStrategy``. ``config``: a DeepSpeed config dict or JSON path whose keys override the generated ones.
+    ``activation_checkpointing``: the values every strategy takes (``strategies/activation_memory.py``:
+    "full" or True = the repeated blocks recomputed, "selective:<n>", "op", "offload", or "full" on a set
+    of module classes / class names or a callable ``(module, name) -> bool``), applied with torch's
+    checkpoint before ``deepspeed.initialize``. ``config``: a DeepSpeed config dict or JSON path whose
+    keys override the generated ones.
     ``zero_stage`` / ``offload_optimizer_device`` / ``offload_param_device`` ("none", "cpu",
     "nvme") are the launch-config spellings of the same settings (``trainforge config``)."""
 
@@ -162,7 +164,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
     ) -> None:
-        super().__init__(device)
+        super().__init__(device, activation_checkpointing)
         stage = zero_stage if zero_stage is not None else stage
         if stage not in STAGES or isinstance(stage, bool):
             raise invalid_choice("stage", stage, STAGES)
@@ -186,7 +188,6 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
             offload_param_device=param_dev,
             nvme_path=str(nvme_path),
         )
-        self.activation_checkpointing = activation_checkpointing
         given = [
             name
             for name, on in (
@@ -247,10 +248,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
             else None
         )
         self._check_nvme()
-        if self.activation_checkpointing not in (False, None):
-            from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, select_modules
-
-            apply_activation_checkpointing(module, select_modules(module, self.activation_checkpointing))
+        self.wrap_activation_blocks(module)
         engine, ds_optimizer, _, _ = self._ds.initialize(
             model=module, optimizer=optimizer, config=self.config, dist_init_required=False
         )

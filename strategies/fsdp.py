@@ -38,12 +38,7 @@ from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
 from trainforge.strategies.checkpoint.dcp import has_sharded, load_sharded, save_sharded
 from trainforge.strategies.ddp import ProcessGroupMixin, check_timeout
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
-from trainforge.strategies.fsdp_wrap import (
-    apply_activation_checkpointing,
-    no_gradient_sync,
-    remap_optimizers,
-    select_modules,
-)
+from trainforge.strategies.fsdp_wrap import no_gradient_sync, remap_optimizers, select_modules
 
 log = logging.getLogger("trainforge")
 
@@ -66,9 +61,11 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
       ``Replicate`` placement, loadable by the sharded strategies), clipping and no-sync.
 
     ``auto_wrap_policy``: None (the repeated blocks), a set of classes/class names, or
-    ``(module, name) -> bool``. ``activation_checkpointing``: False, True (the wrapped units), or a
-    policy of the same kinds. ``mixed_precision``: a ``MixedPrecisionPolicy``, or None to derive
-    it from the precision (bf16-mixed/fp8 -> bf16 params, 16-mixed -> fp16 params, fp32 reduce).
+    ``(module, name) -> bool``. ``activation_checkpointing``: the values every strategy takes
+    (``strategies/activation_memory.py``: "full", "selective:<n>", "op", "offload", ...; True is "full"),
+    on the wrapped units by default, or "full" on a policy of the same kinds. ``mixed_precision``: a
+    ``MixedPrecisionPolicy``, or None to derive it from the precision (bf16-mixed/fp8 -> bf16 params,
+    16-mixed -> fp16 params, fp32 reduce).
     The Accelerator's autocast stays on: it is redundant for matmuls (the parameters already
     arrive in bf16/fp16) but keeps softmax, norms and losses in fp32, as under the other strategies.
     16-mixed keeps the Precision's ``torch.amp.GradScaler``: its inf check on DTensor gradients is
@@ -86,14 +83,14 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         sharding_strategy: str = "full_shard",
         auto_wrap_policy: Policy = None,
         cpu_offload: bool = False,
-        activation_checkpointing: Policy = False,
+        activation_checkpointing: Any = False,
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         state_dict_type: str = "sharded",
         reshard_after_forward: Optional[Union[bool, int]] = None,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
     ) -> None:
-        super().__init__(device)
+        super().__init__(device, activation_checkpointing)
         key = str(sharding_strategy).lower()
         if key not in SHARDING_STRATEGIES:
             raise invalid_choice(
@@ -120,13 +117,12 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                 "sharding_strategy), True, False or an int (a divisor of the shard size)"
             )
         self.sharding_strategy, self.state_dict_type = key, state_dict_type
-        self.auto_wrap_policy, self.activation_checkpointing = auto_wrap_policy, activation_checkpointing
+        self.auto_wrap_policy = auto_wrap_policy
         self.cpu_offload, self.mixed_precision = bool(cpu_offload), mixed_precision
         self.reshard_after_forward = reshard_after_forward
         self.backend, self.timeout = process_group_backend, check_timeout(timeout, "FSDPStrategy")
         self.mesh: Optional[DeviceMesh] = None
         self.wrapped_modules: List[str] = []  # names of the units sharded before the root
-        self.checkpointed_modules: List[str] = []  # names wrapped with activation checkpointing
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def setup_environment(self, accelerator: str = "auto") -> None:
@@ -170,12 +166,8 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
             )
         module = self.precision.convert_module(module)
         units = select_modules(module, self.auto_wrap_policy)
-        ac_policy = self.activation_checkpointing
-        if ac_policy is True:
-            ac_policy = {type(m) for _, m in units} or None
-        ac_targets = select_modules(module, ac_policy) if ac_policy not in (False, None) else []
-        wrappers = apply_activation_checkpointing(module, ac_targets)
-        self.checkpointed_modules = [name for name, m in ac_targets if id(m) in wrappers]
+        wrappers = self.wrap_activation_blocks(module, {type(m) for _, m in units} or None)
+        self.checkpointed_modules.reverse()  # descendants first, the order units are sharded in
         kwargs = self._fully_shard_kwargs()
         for _, unit in units:
             fully_shard(wrappers.get(id(unit), unit), **kwargs)

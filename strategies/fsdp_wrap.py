@@ -1,9 +1,9 @@
-"""Which submodules FSDP shards as units, and activation checkpointing, for ``FSDPStrategy``.
+"""Which submodules FSDP shards as units (and activation_checkpointing wraps) for ``FSDPStrategy``.
 
 Applied in torchtitan's order (``apply_ac`` -> ``apply_fsdp`` on blocks -> root)::
 
     units = select_modules(model, policy)                 # [(name, module)], bottom-up, root excluded
-    wrappers = apply_activation_checkpointing(model, select_modules(model, ac_policy))
+    wrappers = strategy.wrap_activation_blocks(model, ...)  # strategies/activation_memory.py
     units = [(n, wrappers.get(id(m), m)) for n, m in units]
     ... fully_shard(m) for each unit, then fully_shard(model)
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from trainforge.strategies.errors import ConfigurationError
 
 log = logging.getLogger("trainforge")
 Named = List[Tuple[str, nn.Module]]
-#: The prefix ``checkpoint_wrapper`` puts between a wrapped module's name and its parameters.
+#: The prefix ``checkpoint_wrapper`` (activation_memory.py) puts before the wrapped module's names.
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
@@ -96,25 +96,6 @@ def select_modules(model: nn.Module, policy: Any) -> Named:
 
 def _label(c: Any) -> str:
     return c if isinstance(c, str) else c.__name__
-
-
-def apply_activation_checkpointing(model: nn.Module, targets: Named) -> Dict[int, nn.Module]:
-    """Replace each target in its parent by ``checkpoint_wrapper(target)`` (non-reentrant
-    ``torch.utils.checkpoint``: activations inside are recomputed in backward). Nested targets
-    inside another target are skipped (recomputing twice saves nothing). Returns
-    ``{id(original): wrapper}``."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    names = [name for name, _ in targets]
-    outer = [(n, m) for n, m in targets if not any(n.startswith(other + ".") for other in names)]
-    wrappers: Dict[int, nn.Module] = {}
-    for name, module in outer:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-        setattr(parent, child, wrapper)
-        wrappers[id(module)] = wrapper
-    return wrappers
 
 
 def clean_name(name: str) -> str:

@@ -77,16 +77,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from trainforge.strategies.activation_memory import check_offload_layout
 from trainforge.strategies.base import Optimizers, Strategy, build_optimizers
 from trainforge.strategies.checkpoint.dcp import DCP_DIR, has_sharded, load_sharded, save_sharded
 from trainforge.strategies.ddp import ProcessGroupMixin
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
-from trainforge.strategies.fsdp_wrap import (
-    apply_activation_checkpointing,
-    no_gradient_sync,
-    remap_optimizers,
-    select_modules,
-)
+from trainforge.strategies.fsdp_wrap import no_gradient_sync, remap_optimizers, select_modules
 from trainforge.strategies.megatron_pipeline import PARALLELIZED, PipelineSetup
 from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
@@ -109,8 +105,8 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     sharded) or "ddp" (replicated) on the dp dimension. ``schedule``, ``num_microbatches``
     and ``pp_split`` (first block of each later stage, e.g. ``["net.blocks.4"]``) apply when pp > 1.
     ``tp_plan``: None/"auto" (a transformers model's own plan) or
-    ``{module glob: style}`` (see ``strategies/parallel/tp.py``). ``activation_checkpointing``: as
-    ``FSDPStrategy``'s (False, True = the repeated blocks, a set of classes, a callable).
+    ``{module glob: style}`` (see ``strategies/parallel/tp.py``). ``activation_checkpointing``: the
+    values every strategy takes (``strategies/activation_memory.py``), on the repeated blocks by default.
     ``seq_len``, ``device_memory`` (bytes per device), ``model_shape`` ({layers, hidden, heads} for a
     model without a transformers config) inform the "auto" sizes."""
 
@@ -138,7 +134,9 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
     ) -> None:
-        super().__init__(device)
+        super().__init__(device, activation_checkpointing)
+        if tensor_parallel_size != "auto":  # else checked once the layout is chosen (_build)
+            check_offload_layout(self.activation_memory, tensor_parallel_size)
         if data_parallel not in DATA_PARALLEL:
             raise invalid_choice(
                 "data_parallel",
@@ -199,7 +197,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         self.sizes = {"tp": tensor_parallel_size, "pp": pipeline_parallel_size, "dp": data_parallel_size}
         self.pp_split, self.num_microbatches = list(pp_split) if pp_split is not None else None, num_microbatches
         self.pipeline: Optional[PipelineRunner] = None
-        self.tp_plan, self.activation_checkpointing, self.schedule = tp_plan, activation_checkpointing, schedule
+        self.tp_plan, self.schedule = tp_plan, schedule
         self.backend, self.timeout = process_group_backend, timeout
         self.dims: Optional[ParallelDims] = None
         self.mesh: Any = None
@@ -216,6 +214,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
         self._build(ParallelDims.resolve(world_size=self.world_size, **self.sizes))
 
     def _build(self, dims: ParallelDims) -> None:
+        check_offload_layout(self.activation_memory, dims.tp)
         self.dims, self.mesh = dims, dims.build_mesh(self.root_device.type)
         if self.is_global_zero:
             log.info("trainforge: megatron layout %s over %d processes", self.dims, self.world_size)
@@ -232,7 +231,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
                 "Trainer or Accelerator, or call strategy.setup_environment() first"
             )
         batch, seq = loader_shape(loader) if loader is not None else (self.settings.micro_batch_size, None)
-        ac = self.activation_checkpointing not in (False, None)
+        ac = self.activation_memory.recomputes_every_block
         self._build(
             choose_auto_layout(
                 module,
@@ -353,10 +352,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             if self.loss_parallel:
                 install_loss_parallel(module)
         units = select_modules(module, None)  # 3. activation checkpointing
-        ac = self.activation_checkpointing
-        if ac is True:
-            ac = {type(m) for _, m in units} or None
-        wrappers = apply_activation_checkpointing(module, select_modules(module, ac)) if ac not in (False, None) else {}
+        wrappers = self.wrap_activation_blocks(module, {type(m) for _, m in units} or None)
         if self.layout.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 / DDP on the dp dimension
             apply_data_parallel(
                 self.data_parallel,

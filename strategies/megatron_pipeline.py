@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from trainforge.strategies.activation_memory import ActivationMemory, select_blocks
 from trainforge.strategies.base import Optimizers, build_optimizers
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.strategies.fsdp_wrap import apply_activation_checkpointing, clean_name, select_modules
+from trainforge.strategies.fsdp_wrap import clean_name, select_modules
 from trainforge.strategies.parallel import apply_tp
 from trainforge.strategies.parallel.dp import apply_data_parallel
 from trainforge.strategies.parallel.pp import (
@@ -52,7 +53,7 @@ class PipelineSetup:
         num_microbatches: Optional[int]
         pp_split: Any
         tp_plan: Any
-        activation_checkpointing: Any
+        activation_memory: ActivationMemory
         data_parallel: str
         tp_coverage: Dict[str, Any]
         _params: Dict[str, nn.Parameter]
@@ -67,6 +68,9 @@ class PipelineSetup:
         @property
         def is_global_zero(self) -> bool: ...
         def _log_coverage(self) -> None: ...
+        def wrap_activation_blocks(
+            self, module: nn.Module, default_blocks: Any = None, names: Optional[Sequence[str]] = None
+        ) -> Dict[int, nn.Module]: ...
         def _mp_policy(self) -> MixedPrecisionPolicy: ...
 
     def _setup_pipeline(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[Any]]:
@@ -85,9 +89,11 @@ class PipelineSetup:
             from trainforge.strategies.parallel.tp import resolve_plan
 
             plan = resolve_plan(module, self.tp_plan, dims.tp)
-        ac = self.activation_checkpointing
-        if ac is True:  # the block classes, found on the whole model (a pruned block list mixes in identities)
-            ac = {type(m) for _, m in select_modules(module, None)} or None
+        # blocks chosen on the whole model (a pruned block list mixes in identities): "every n-th" counts
+        # the model's blocks, whatever the split
+        ac_blocks = select_blocks(
+            module, self.activation_memory, {type(m) for _, m in select_modules(module, None)} or None
+        )
         if self.is_global_zero:
             log.info(
                 "trainforge: pipeline %s, %d stage(s) on %d rank(s), %s micro-batches: %s",
@@ -104,8 +110,7 @@ class PipelineSetup:
             mine = {n for s in local for n in split.stages[s]}
             self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: split.child(n) in mine)
             self._log_coverage()
-        if ac not in (False, None):  # 3. activation checkpointing
-            apply_activation_checkpointing(module, select_modules(module, ac))
+        self.wrap_activation_blocks(module, names=ac_blocks)  # 3. activation checkpointing (this rank's blocks)
         stages = {s: stage_module(module, split, s) for s in local}
         if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 / DDP per stage, its blocks then the stage
             for stage in stages.values():

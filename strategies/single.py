@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -13,13 +13,16 @@ from trainforge.strategies.errors import ConfigurationError
 
 
 class SingleDeviceStrategy(Strategy):
+    """One process. ``activation_checkpointing``: see ``strategies/activation_memory.py`` (the same
+    values for every strategy: None, "full", "selective:<n>", "op", "offload", ...)."""
+
     name = "single"
     grad_reduction = "mean"  # of one device's gradients: they are used as they are
     window_grads_in_params = True  # mid-window: each rank's .grad, accumulated locally
     trainable_only_checkpoints = True
 
-    def __init__(self, device: Optional[torch.device | str] = None) -> None:
-        super().__init__(device)
+    def __init__(self, device: Optional[torch.device | str] = None, *, activation_checkpointing: Any = None) -> None:
+        super().__init__(device, activation_checkpointing)
 
     def setup_environment(self, accelerator: str = "auto") -> None:
         self.accelerator = accelerator

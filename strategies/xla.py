@@ -116,9 +116,15 @@ class XLAStrategy(Strategy):
     model was built with different seeds)."""
 
     name = "xla"
+    activation_checkpointing_modes = ()
+    activation_checkpointing_limits = (
+        "XLA's compiler merges torch.utils.checkpoint's recomputation back into the forward (it saves "
+        "nothing) and copying saved tensors to the host would cut the lazy graph at every one; wrap your "
+        "blocks with torch_xla.utils.checkpoint.checkpoint inside the model instead"
+    )
 
-    def __init__(self, *, sync_module_states: bool = True) -> None:
-        super().__init__(None)
+    def __init__(self, *, sync_module_states: bool = True, activation_checkpointing: Any = None) -> None:
+        super().__init__(None, activation_checkpointing)
         if not isinstance(sync_module_states, bool):
             raise ConfigurationError(f"XLAStrategy(sync_module_states={sync_module_states!r}) must be True or False")
         self.sync_module_states = sync_module_states
