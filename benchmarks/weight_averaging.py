@@ -1,23 +1,22 @@
 """What EMAWeightAveraging costs per step (callbacks/weight_averaging.py): the same Trainer fit without
-the callback, with ``EMAWeightAveraging(decay=0.999)`` (one foreach ``lerp`` over the weights after
-every optimizer step) and, for the per-tensor formula Lightning 2.6 uses, with
-``WeightAveraging(avg_fn=get_ema_avg_fn(0.999))``.
+the callback ("off", run twice per repeat: "off_again" shows the noise floor), with
+``EMAWeightAveraging(decay=0.999)`` (one ``torch._foreach_lerp_`` per device/dtype group on detached views
+of the weights), with the same EMA through ``WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.999))``
+(torch's wrapper: a ``no_grad`` decorator and a dtype check around the same lerp, the path EMA took before)
+and, for the per-tensor formula Lightning 2.6 uses, ``WeightAveraging(avg_fn=get_ema_avg_fn(0.999))``.
 
-    python benchmarks/weight_averaging.py
-    python benchmarks/weight_averaging.py --hidden 1024      # a bigger model: the lerp is memory-bound
+    python benchmarks/weight_averaging.py                 # ~2 min on 2 busy cores
+    python benchmarks/weight_averaging.py --hidden 1024   # a bigger model: the lerp is memory-bound
 
 A small MLP (64-H-H-10, H=128 by default, batch 64, AdamW, fp32, one CPU thread; a step of 1-2 ms, so
 the update is as visible as it gets), the data in memory, ``num_workers=0``, no progress bar, tracker,
 checkpoint or validation. The variants alternate (the order rotates), each fit times ``--steps`` steps
-after ``--warmup`` (wall and process CPU time); medians per variant and the median of per-repeat ratios
-against "off" are printed.
+after ``--warmup`` (wall and process CPU time); medians per variant, the median of per-repeat ratios
+against "off" and their range over the repeats are printed. Then the callback's per-step work timed
+alone (its two per-step hooks on the same model, best of 15 runs of process CPU time), as a share of
+the median "off" step: the figure the machine's load disturbs least.
 Without the callback there is nothing to pay: no hook of it is registered. Timings are never asserted.
-
-Measured (2-core machine shared with other jobs, torch 2.13 CPU, one thread, 9 repeats): H=128, a step of
-1.7 ms: ema/off 1.05 (CPU time) / 1.09 (wall), ema_per_tensor/off 1.16 / 1.24; H=512: ema/off 1.10. Of
-the callback's ~40 us per step on H=128, ~35 us are the lerp itself (a pass over two copies of the
-weights; AdamW's step makes several) and ~4 us the hooks, so the 2 % goal is out of reach for models
-this small on CPU; ``update_every_n_steps=N`` divides the cost by N.
+Results: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -26,10 +25,11 @@ import argparse
 import statistics
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.optim.swa_utils import get_ema_avg_fn
+from torch.optim.swa_utils import get_ema_avg_fn, get_ema_multi_avg_fn
 
 from trainforge import Trainer, TrainingModule
 from trainforge.callbacks import Callback, EMAWeightAveraging, WeightAveraging
@@ -65,7 +65,9 @@ class Clock(Callback):
 
 VARIANTS = {
     "off": lambda: [],
+    "off_again": lambda: [],
     "ema": lambda: [EMAWeightAveraging(decay=0.999)],
+    "ema_multi_avg_fn": lambda: [WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.999))],
     "ema_per_tensor": lambda: [WeightAveraging(avg_fn=get_ema_avg_fn(0.999))],
 }
 
@@ -93,7 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -113,10 +115,40 @@ def main() -> None:
         off = [t[clock] for t in times["off"]]
         for name, values in times.items():
             mine = [t[clock] for t in values]
-            ratio = statistics.median(v / o for v, o in zip(mine, off))
+            ratios = sorted(v / o for v, o in zip(mine, off))
             print(
-                f"  {name:15s} {statistics.median(mine):7.3f} ms/step  {name}/off: {ratio:.3f} (median of per-repeat ratios)"
+                f"  {name:17s} {statistics.median(mine):7.3f} ms/step  {name}/off: {statistics.median(ratios):.3f} "
+                f"(median of per-repeat ratios; range {ratios[0]:.3f}-{ratios[-1]:.3f})"
             )
+    step_us = statistics.median(t[1] for t in times["off"]) * 1e3
+    print(f"the callback's per-step hooks timed alone (best of 15, CPU time), against the {step_us:.0f} us 'off' step:")
+    for name in ("ema", "ema_multi_avg_fn", "ema_per_tensor"):
+        cost = hooks_alone(name, args.hidden)
+        print(f"  {name:17s} {cost:7.2f} us/step = {100 * cost / step_us:.2f} % of a step")
+
+
+def hooks_alone(variant: str, hidden: int, calls: int = 2000) -> float:
+    """Microseconds of the callback's per-step work (on_train_batch_start + on_train_batch_end after a step)."""
+    module = MLP(hidden)
+    callback = VARIANTS[variant]()[0]
+    trainer = SimpleNamespace(stage="fit", global_step=0)
+    callback.on_setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+
+    def step() -> None:
+        trainer.global_step += 1
+        callback.on_train_batch_start(trainer, module, None, 0)
+        callback.on_train_batch_end(trainer, module, None, None, 0)
+
+    for _ in range(200):
+        step()
+    best = float("inf")
+    for _ in range(15):
+        start = time.process_time()
+        for _ in range(calls):
+            step()
+        best = min(best, (time.process_time() - start) / calls * 1e6)
+    return best
 
 
 if __name__ == "__main__":

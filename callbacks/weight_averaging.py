@@ -103,6 +103,8 @@ class WeightAveraging(Callback):
         self._tensors: List[Any] = []  # its parameters (and buffers), as the optimizer holds them
         self._group_averaged: List[List[torch.Tensor]] = []
         self._group_live: Optional[List[List[torch.Tensor]]] = None
+        self._lerp_weight: Optional[float] = None  # EMA: 1 - decay, for the direct foreach lerp (_update)
+        self._lerp_groups: Optional[List[Tuple[List[torch.Tensor], List[torch.Tensor]]]] = None
 
     # ---- Lightning's extension point ---------------------------------------------------------------
     def should_update(self, step_idx: Optional[int] = None, epoch_idx: Optional[int] = None) -> bool:
@@ -129,7 +131,8 @@ class WeightAveraging(Callback):
     def _build(self, module: torch.nn.Module) -> None:
         """The tensors averaged are the module's parameters (and buffers) at fit start, held like the
         optimizer holds them: one walk over the module, not one per step (a module that replaces a buffer
-        object during training instead of updating it in place wants ``use_buffers=False``)."""
+        object during training instead of updating it in place wants ``use_buffers=False``; one that rebinds
+        a parameter's ``.data`` during fit is not supported: EMA reads the storage it had at fit start)."""
         dtensor = _dtensor_type()
         self._names, self._specs, self._tensors, averaged = [], [], [], []
         for name, t in self._sources(module):
@@ -154,10 +157,26 @@ class WeightAveraging(Callback):
             a.device == t.device for a, t in zip(averaged, self._tensors)
         )
         self._group_live = [[self._tensors[i] for i in idx] for idx in self._groups] if same_place else None
+        # EMA's per-step path: one foreach lerp per group on detached views of the weights (the same storage,
+        # so no grad mode to switch: the update is the one kernel), floating-point groups only
+        floating = all(g[0].is_floating_point() or g[0].is_complex() for g in self._group_averaged)
+        self._lerp_groups = None
+        if self._lerp_weight is not None and self._group_live is not None and floating:
+            live = [[t.detach() for t in g] for g in self._group_live]
+            self._lerp_groups = list(zip(self._group_averaged, live))
         self._n_averaged, self._averaged_in, self._val_swapped, self._ended = 0, False, False, False
 
-    @torch.no_grad()
     def _update(self, module: torch.nn.Module) -> None:
+        lerp = self._lerp_groups
+        if lerp is not None and self._n_averaged > 0 and not self._averaged_in:  # EMA's per-step path
+            for avgs, lives in lerp:
+                torch._foreach_lerp_(avgs, lives, self._lerp_weight)  # what get_ema_multi_avg_fn calls
+            self._n_averaged += 1
+            return
+        self._update_any(module)
+
+    @torch.no_grad()
+    def _update_any(self, module: torch.nn.Module) -> None:
         if self._averaged_in:
             self._swap(module)
         averaged = self._averaged
@@ -343,6 +362,7 @@ class EMAWeightAveraging(WeightAveraging):
             )
         super().__init__(device=device, use_buffers=use_buffers, multi_avg_fn=get_ema_multi_avg_fn(float(decay)))
         self.decay = float(decay)
+        self._lerp_weight = 1.0 - self.decay
         self.update_every_n_steps: int = update_every_n_steps
         self.update_starting_at_step: Optional[int] = update_starting_at_step
         self.update_starting_at_epoch: Optional[int] = update_starting_at_epoch
