@@ -1,0 +1,76 @@
+"""2 gloo ranks: every activation_checkpointing mode under DDP and FSDP2 against the mode off, and
+exact resume with a mode on (tests/strategies/test_activation_memory.py reads results.json).
+
+Each run trains fsdp_common's LitLM for STEPS optimizer steps from the same seed; rank 0 compares
+the consolidated weights with the mode-off run of the same strategy (exact equality: recomputation
+replays the same CPU kernels, and offload on the CPU moves nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+from fsdp_common import fit, full_state, write_json
+
+from trainforge.callbacks.base import Callback
+from trainforge.strategies import DDPStrategy, FSDPStrategy
+
+STEPS = 4
+MODES = (None, "full", "selective:2", "op", "offload")
+STRATEGIES = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}
+
+
+class SaveAt(Callback):
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step and not self.path.exists():
+            trainer.save_checkpoint(str(self.path))
+
+
+def same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def main(out: Path) -> None:
+    rank = int(os.environ["RANK"])
+    results: Dict[str, Any] = {}
+    for kind, cls in STRATEGIES.items():
+        reference: Dict[str, torch.Tensor] = {}
+        for mode in MODES:
+            trainer, module = fit(cls(activation_checkpointing=mode), out / f"{kind}-{mode}", max_steps=STEPS)
+            state = full_state(trainer)
+            reference = reference or state
+            results[f"{kind}/{mode}"] = {
+                "losses": module.losses,
+                "same_weights": same(state, reference),
+                "checkpointed": trainer.strategy.checkpointed_modules,
+            }
+        # exact resume with a mode on: save at step 2 of the uninterrupted run, resume in a fresh fit
+        saver = SaveAt(STEPS // 2, out / f"{kind}-ckpt")
+        trainer, module = fit(
+            cls(activation_checkpointing="op"), out / f"{kind}-whole", max_steps=STEPS, callbacks=[saver]
+        )
+        whole = full_state(trainer)
+        trainer, resumed = fit(
+            cls(activation_checkpointing="op"), out / f"{kind}-resumed", max_steps=STEPS, ckpt_path=str(saver.path)
+        )
+        results[f"{kind}/resume"] = {
+            "losses": resumed.losses,
+            "whole_losses": module.losses[STEPS // 2 :],
+            "same_weights": same(full_state(trainer), whole),
+        }
+    if rank == 0:
+        write_json(out / "results.json", results)
+    dist.barrier()
+    print(f"rank {rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
