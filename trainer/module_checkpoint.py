@@ -31,8 +31,16 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
-from trainforge.strategies.checkpoint.io import load_object, load_tensors, refused_load, resolve_checkpoint
+from trainforge.strategies.checkpoint.frozen import RECORD, check_base, without_frozen
+from trainforge.strategies.checkpoint.io import (
+    load_object,
+    load_tensors,
+    read_metadata,
+    refused_load,
+    resolve_checkpoint,
+)
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.trainer.adapters import base_model_name
 from trainforge.trainer.hparams import HPARAMS_KEY, HPARAMS_NAME_KEY, NOT_STORED_KEY, AttributeDict
 
 #: Where Lightning versions define the AttributeDict they pickle into .ckpt hyperparameters.
@@ -68,6 +76,7 @@ class LoadedCheckpoint:
     hparams_name: Optional[str] = None
     not_stored: Dict[str, str] = field(default_factory=dict)  # name -> type of what was left out
     has_hparams: bool = False
+    frozen_base: Any = None  # a trainable-only checkpoint's record of its base (strategies/checkpoint/frozen.py)
 
 
 def read_checkpoint(
@@ -130,6 +139,7 @@ def _read_directory(path: Path, map_location: Any) -> LoadedCheckpoint:
         hparams_name=state.get(HPARAMS_NAME_KEY),
         not_stored=dict(state.get(NOT_STORED_KEY) or {}),
         has_hparams=isinstance(hparams, dict),
+        frozen_base=load_object(found, RECORD) if read_metadata(found).get("trainable_only") else None,
     )
 
 
@@ -245,6 +255,9 @@ def load_weights(module: nn.Module, loaded: LoadedCheckpoint, strict: Any) -> No
             f"{loaded.path}: checkpoint['state_dict'] is {type(weights).__name__} after on_load_checkpoint"
         )
     expected = module.state_dict()
+    if loaded.frozen_base is not None:  # trainable-only: the module's own frozen base stays, if it is the one saved
+        check_base(loaded.path, loaded.frozen_base, module, base_model_name(module))
+        expected = without_frozen(expected, module)
     missing = [k for k in expected if k not in weights]
     unexpected = [k for k in weights if k not in expected]
     shapes = [
@@ -271,7 +284,7 @@ def load_weights(module: nn.Module, loaded: LoadedCheckpoint, strict: Any) -> No
     ):
         if items:
             warnings.warn(f"load_from_checkpoint(strict=False): keys {what}: {items}", UserWarning, stacklevel=3)
-    module.load_state_dict(weights, strict=strict)
+    module.load_state_dict(weights, strict=strict and loaded.frozen_base is None)
     first = next((t for t in weights.values() if isinstance(t, torch.Tensor)), None)
     if first is None:
         warnings.warn(f"{loaded.path} holds no weights", UserWarning, stacklevel=3)

@@ -166,6 +166,22 @@ def test_adapter_checkpoint_into_model_without_adapter_names_the_fix(lora_ckpt, 
         acc.load_state(str(lora_ckpt))
 
 
+def test_load_from_checkpoint_builds_the_module_onto_its_own_base(lora_ckpt):
+    trained = load_tensors(lora_ckpt, "model")
+    module = LitLora.load_from_checkpoint(str(lora_ckpt), net=lora_model())  # net is no plain data: passed
+    state = module.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in trained.items()) and len(trained) == 8
+    with pytest.raises(CheckpointError, match="checksum of frozen parameter"):
+        LitLora.load_from_checkpoint(str(lora_ckpt), net=lora_model(seed=1))
+
+
+def test_asynchronous_adapter_checkpoint_resumes(tmp_path):
+    _fit(tmp_path, lora_model(), async_save=True)
+    path = tmp_path / "ckpt" / "epoch=0-step=2"
+    assert sorted(load_tensors(path, "model")) == sorted(_lora_names()) and (path / "frozen_base.pt").is_file()
+    assert _fit(tmp_path / "resumed", lora_model(), steps=4, ckpt_path=str(path)).global_step == 4
+
+
 def test_frozen_layers_of_a_plain_model_are_kept_unless_asked(tmp_path):
     net = tiny_base(0)
     net.model.embed_tokens.weight.requires_grad_(False)
