@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 240
@@ -96,7 +96,7 @@ def test_two_process_fit_only_rank_zero_writes_and_sync_dist_is_the_mean(tmp_pat
     uri = mlflow_store(tmp_path_factory, tmp_path / "mlflow.db")  # the default store, already migrated
     wandb_env = {f"WANDB_{k}": str(tmp_path / f"wandb-{k.lower()}") for k in ("DIR", "CONFIG_DIR", "CACHE_DIR")}
     env = procs.test_env(MASTER_ADDR="127.0.0.1", WANDB_MODE="offline", WANDB_SILENT="true", **wandb_env)
-    procs.run(procs.torchrun(__file__, tmp_path), env=env, timeout=LAUNCH_TIMEOUT_S)
+    forklaunch.launch(__file__, tmp_path, env=env, timeout=LAUNCH_TIMEOUT_S)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world_size"] == 2
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tests.helpers import forklaunch
 from tests.helpers.models import Regressor, make_net, regression_data
-from tests.helpers.procs import run, torchrun
 from trainforge import Trainer
 from trainforge.callbacks import EMAWeightAveraging, ModelCheckpoint, WeightAveraging
 from trainforge.strategies.errors import ConfigurationError
@@ -158,7 +158,7 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.slow
 def test_fsdp2_averages_each_shard(tmp_path):
-    out = run(torchrun(SCRIPTS / "ema_fsdp.py", tmp_path), timeout=120).stdout
+    out = forklaunch.launch(SCRIPTS / "ema_fsdp.py", tmp_path, timeout=120).stdout
     assert "rank 0 ok" in out and "rank 1 ok" in out, out[-3000:]
 
 

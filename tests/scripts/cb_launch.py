@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 SCRIPTS = Path(__file__).resolve().parent
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 
 
 def torchrun(script: str, out_dir: Path, nproc: int = 2, timeout: float = 90.0) -> Dict[str, Any]:
@@ -25,7 +25,7 @@ def torchrun(script: str, out_dir: Path, nproc: int = 2, timeout: float = 90.0) 
         MASTER_ADDR="127.0.0.1",
         PYTHONPATH=os.pathsep.join([str(SCRIPTS.parent.parent), str(SCRIPTS)]),
     )
-    output = procs.run(procs.torchrun(SCRIPTS / script, nproc=nproc), env=env, timeout=timeout).stdout
+    output = forklaunch.launch(SCRIPTS / script, nproc=nproc, env=env, timeout=timeout).stdout
     results = {p.stem: json.loads(p.read_text()) for p in out_dir.glob("*.json")}
     results["_output"] = output
     return results

@@ -1,53 +1,21 @@
-"""strategies.data.loader with real processes: torchrun, gloo, 2 ranks."""
+"""strategies.data.loader with real processes (gloo, 2 ranks, started as torchrun starts workers)."""
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from tests.helpers import forklaunch
 from trainforge.strategies.data.loader import prepare_dataloader
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "data_shard_check.py"
 
 
-def torchrun(script, *args, nproc=2, timeout=120):
-    """The whole process group (torchrun and its workers) is killed on timeout."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(script),
-        *map(str, args),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, f"torchrun failed:\n{out}\n{err}"
-
-
 @pytest.mark.slow
 def test_two_ranks_get_disjoint_covering_shards_that_change_with_set_epoch_and_resume_on_one(tmp_path):
     out = tmp_path / "records.pt"
-    torchrun(SCRIPT, out)
+    forklaunch.launch(SCRIPT, out, timeout=120)
     records = torch.load(out, weights_only=True)
     n, batch, steps = 44, 4, 3
     assert [r["rank"] for r in records] == [0, 1] and {r["world_size"] for r in records} == {2}

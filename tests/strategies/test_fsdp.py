@@ -15,8 +15,6 @@ samples split differently), so 1e-5.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from tests.helpers import forklaunch, procs
 from trainforge.strategies import FSDPStrategy
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.strategies.fsdp_wrap import repeated_blocks, select_modules
@@ -34,41 +33,15 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from fsdp_common import BLOCK_NAMES, TinyLM  # noqa: E402
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-def _run(cmd: list, timeout: int) -> str:
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the launcher and its workers
-        output, _ = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"{cmd} failed (rc={proc.returncode}):\n{output[-6000:]}"
-    return output
+ENV = procs.test_env(PYTHONWARNINGS="ignore")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    output = _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(SCRIPTS / "fsdp_train.py"),
-            str(out),
-        ],
-        timeout=240,
-    )
+    output = forklaunch.launch(SCRIPTS / "fsdp_train.py", out, env=ENV, timeout=240).stdout
     assert "rank 0 ok" in output and "rank 1 ok" in output
-    assert "one ok" in _run([sys.executable, str(SCRIPTS / "fsdp_one.py"), str(out)], timeout=120)
+    assert "one ok" in forklaunch.run_script(SCRIPTS / "fsdp_one.py", out, env=ENV, timeout=120).stdout
     return out, json.loads((out / "results.json").read_text()), json.loads((out / "one.json").read_text())
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.procs import run, torchrun
+from tests.helpers import forklaunch
+from tests.helpers.procs import run
 from trainforge.strategies import resolve_strategy
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.megatron import MegatronStrategy
@@ -33,7 +34,7 @@ from fsdp_common import TinyLM  # noqa: E402
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
     for mode, nproc in (("tp2dp2", 4), ("tp2", 2)):
-        output = run(torchrun(SCRIPTS / "megatron_train.py", mode, out, nproc=nproc), timeout=400).stdout
+        output = forklaunch.launch(SCRIPTS / "megatron_train.py", mode, out, nproc=nproc, timeout=400).stdout
         assert "rank 0 ok" in output, output[-3000:]
     return out, json.loads((out / "tp2dp2.json").read_text()), json.loads((out / "tp2.json").read_text())
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.helpers.procs import run, torchrun
+from tests.helpers import forklaunch
 from trainforge import TrainingModule
 from trainforge.strategies.base import RunSettings
 from trainforge.strategies.errors import ConfigurationError
@@ -38,7 +38,7 @@ from megatron_pp import GPT, LitGPT  # noqa: E402
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron_pp")
     for mode, nproc in (("tp2pp2", 4), ("pp2", 2)):
-        output = run(torchrun(SCRIPTS / "megatron_pp.py", mode, out, nproc=nproc), timeout=400).stdout
+        output = forklaunch.launch(SCRIPTS / "megatron_pp.py", mode, out, nproc=nproc, timeout=400).stdout
         assert "rank 0 ok" in output, output[-3000:]
     return out, json.loads((out / "pp2.json").read_text()), json.loads((out / "tp2pp2.json").read_text())
 

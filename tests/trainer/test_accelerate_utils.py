@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 import trainforge
-from tests.helpers import procs
+from tests.helpers import forklaunch
 from trainforge import Accelerator, ConfigurationError
 from trainforge.utils import (
     DistributedType,
@@ -152,7 +152,7 @@ def test_local_sgd_on_one_process_is_plain_training():
 def test_names_on_two_processes(tmp_path):
     """LocalSGD averages, check_trigger sees another rank's set_trigger, get_logger logs once,
     PartialState/distributed_type/is_last_process, and the kwargs handlers reach DDP (gloo, 2 processes)."""
-    out = procs.run(procs.torchrun(SCRIPTS / "accelerate_names_dist.py", str(tmp_path)), timeout=120).stdout
+    out = forklaunch.launch(SCRIPTS / "accelerate_names_dist.py", str(tmp_path), timeout=120).stdout
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, r in enumerate(ranks):
         assert r["distributed_type"] == "MULTI_CPU" and r["state"] == [2, rank] and r["is_last"] == (rank == 1)

@@ -1,4 +1,5 @@
-"""Two real processes (gloo on CPU) through the launcher users use."""
+"""Two real processes (gloo on CPU), started as torchrun starts workers (tests/helpers/forklaunch.py;
+the launcher itself is tested in test_cli.py and test_examples.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import procs
+from tests.helpers import forklaunch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def launch(script: str, *args: str, nproc: int = 2, timeout: int = 180):
-    return procs.run(procs.trainforge_launch(SCRIPTS / script, *args, nproc=nproc), timeout=timeout)
+    return forklaunch.launch(SCRIPTS / script, *args, nproc=nproc, timeout=timeout)
 
 
 @pytest.mark.slow

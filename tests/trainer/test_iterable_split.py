@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from tests.helpers import procs
+from tests.helpers import forklaunch
 from trainforge import Accelerator, ConfigurationError
 from trainforge.strategies.data.iterable import fingerprint
 from trainforge.strategies.data.loader import prepare_dataloader
@@ -195,7 +195,7 @@ def test_a_fraction_of_an_unknown_length_is_refused():
 @pytest.mark.slow
 def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
     out = tmp_path / "records.pt"
-    procs.run(procs.torchrun(SCRIPT, out), timeout=240)
+    forklaunch.launch(SCRIPT, out, timeout=240)
     r0, r1 = torch.load(out, weights_only=True)
     everything = list(range(11))
     # Split (with and without workers, naive or worker-aware datasets) and dispatch: each sample on one
@@ -270,6 +270,6 @@ def test_a_stream_saved_on_its_last_batch_starts_the_next_epoch_afresh():
 @pytest.mark.parametrize("case,ended", [("longer", "rank 0 after 2 batch(es)"), ("empty", "rank 1 after 0 batch(es)")])
 def test_ranks_with_different_numbers_of_batches_stop_with_an_error_instead_of_hanging(case, ended, tmp_path):
     """Audit N-IT1 / N-IT4: these hung until the process-group timeout (30 min)."""
-    out = procs.run(procs.torchrun(SCRIPT.parent / "uneven_streams.py", case, tmp_path), timeout=120, check=False)
+    out = forklaunch.launch(SCRIPT.parent / "uneven_streams.py", case, tmp_path, timeout=120, check=False)
     assert out.returncode != 0 and "finished" not in out.stdout
     assert f"ran out of data on {ended} while rank(s)" in out.stdout, out.stdout[-3000:]

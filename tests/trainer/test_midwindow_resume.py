@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.helpers import procs
+from tests.helpers import forklaunch
 from trainforge import Trainer
 from trainforge.callbacks import ModelCheckpoint
 from trainforge.strategies.checkpoint.verify import file_crc32, metadata_checksum
@@ -146,7 +146,7 @@ def test_a_mid_window_save_where_the_strategy_keeps_the_gradients_is_refused(tmp
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("midwindow_ddp")
-    procs.run(procs.trainforge_launch(SCRIPTS / "midwindow_run.py", out, nproc=2), timeout=120)
+    forklaunch.launch(SCRIPTS / "midwindow_run.py", out, nproc=2, timeout=120)
     return out
 
 

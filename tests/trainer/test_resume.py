@@ -6,14 +6,13 @@ CPU, fp32, shuffle on, num_workers=2, dropout on."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "resume_run.py"
@@ -24,11 +23,11 @@ def run(tmp: Path, name: str, *args: str, nproc: int = 1, killed: bool = False, 
     root = tmp / name
     record = tmp / f"{name}.rec"
     script_args = [str(SCRIPT), "--root", str(root), "--record", str(record), *args]
-    if nproc == 1 and not launch_args:
-        cmd = [sys.executable, *script_args]
-    else:
+    if launch_args:  # the launcher's own behaviour (elastic restarts): a real `trainforge launch`
         cmd = procs.trainforge_launch(script_args[0], *script_args[1:], nproc=nproc, launch_args=launch_args)
-    proc = procs.run(cmd, timeout=240, check=not killed)
+        proc = procs.run(cmd, timeout=240, check=not killed)
+    else:  # forked as torchrun starts workers (tests/helpers/forklaunch.py), or as `python script`
+        proc = forklaunch.launch(*script_args, nproc=nproc if nproc > 1 else 0, timeout=240, check=not killed)
     if killed:
         assert proc.returncode != 0, "the run was supposed to be killed"
     return record

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 from trainforge import Accelerator, CheckpointError
 from trainforge.trainer.scheduler_clock import convert_scheduler_states
 
@@ -25,10 +25,8 @@ def test_a_two_process_run_resumed_on_one_process_keeps_its_linear_schedule(tmp_
     """HF run_clm_no_trainer's schedule (sized in per-process units, stepped once per process per
     optimizer step), the same global batch: the lr of every step after the resume is the lr the
     uninterrupted 2-process run had at that step (before: 0 from the step where 1/2 of it was left)."""
-    procs.run(procs.trainforge_launch(SCRIPT, tmp_path, "--tag", "full", "--save-at", "5"), timeout=180)
-    proc = procs.run(
-        [procs.sys.executable, SCRIPT, tmp_path, "--tag", "resumed", "--save-at", "5", "--resume"], timeout=120
-    )
+    forklaunch.launch(SCRIPT, tmp_path, "--tag", "full", "--save-at", "5", timeout=180)
+    proc = forklaunch.run_script(SCRIPT, tmp_path, "--tag", "resumed", "--save-at", "5", "--resume", timeout=120)
     assert "schedule continues at the same point (scheduler position [10] -> [5])" in proc.stdout
     full, resumed = _lrs(tmp_path / "lr_full.jsonl"), _lrs(tmp_path / "lr_resumed.jsonl")
     assert sorted(resumed) == list(range(6, 17))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.helpers import procs
+from tests.helpers import forklaunch
 from trainforge import Accelerator, ConfigurationError, Trainer
 from trainforge.callbacks import ModelCheckpoint
 
@@ -80,7 +80,7 @@ def test_a_skipped_last_micro_batch_is_left_out_of_the_count():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_times_four_micro_batches_equal_one_process_on_the_whole_batch(tmp_path, strategy):
     out = tmp_path / "grads.pt"
-    procs.run(procs.trainforge_launch(SCRIPTS / "token_loss_run.py", out, strategy, nproc=2), timeout=120)
+    forklaunch.launch(SCRIPTS / "token_loss_run.py", out, strategy, nproc=2, timeout=120)
     grads = torch.load(out, weights_only=True)
     assert max_diff(grads, run.reference_grads(range(run.N_SEQ))) < TOL  # 2 ranks x 4 x 2 = all 16
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 from trainforge import Trainer, TrainingModule
 from trainforge.strategies.errors import ConfigurationError
 
@@ -214,7 +214,7 @@ def test_ddp_epoch_value_is_over_both_ranks(tmp_path):
     """Two gloo processes: the logged value is the accuracy over both ranks' samples (torchmetrics'
     own sync in compute), on every rank, reset between epochs and after the sanity check."""
     out = tmp_path / "ranks"
-    procs.run(procs.trainforge_launch(SCRIPTS / "torchmetrics_ddp.py", str(out), nproc=2), timeout=180)
+    forklaunch.launch(SCRIPTS / "torchmetrics_ddp.py", str(out), nproc=2, timeout=180)
     ranks = [json.loads((tmp_path / f"ranks.{r}.json").read_text()) for r in (0, 1)]
     val0, val1 = (r["val_runs"] for r in ranks)
     assert [r["sanity"] for r in val0] == [True, False, False]

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 from trainforge import ConfigurationError, DataModule, Trainer, TrainingModule, Tuner, seed_everything
 from trainforge.utils import find_executable_batch_size
 
@@ -206,6 +206,6 @@ def test_find_executable_batch_size_halves_on_oom_and_reraises_other_errors():
 @pytest.mark.slow
 def test_two_processes_agree_on_the_batch_size(tmp_path):
     """Rank 1 runs out of memory above 8, rank 0 above 32: both settle on 8, for the decorator and the tuner."""
-    procs.run(procs.torchrun(SCRIPT), timeout=60, env=procs.test_env(TUNER_OUT=str(tmp_path)))
+    forklaunch.launch(SCRIPT, timeout=60, env=procs.test_env(TUNER_OUT=str(tmp_path)))
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text().split() == ["decorator=8", "power=8", "binsearch=8"]
