@@ -7,9 +7,10 @@ statistics). The frozen base is the one the script builds again on resume; the c
 which one it expects (``base_record``), and ``check_base`` refuses a model whose base differs:
 
 - the frozen parameters by name, with shape and dtype;
-- a CRC32 of up to ``CHECKSUMS`` of them (evenly spaced in the model's order), each over at most
-  ``SAMPLE`` evenly strided elements of the full tensor (a sharded DTensor is gathered one tensor
-  at a time, so every rank computes the same value whatever the layout);
+- a CRC32 of up to ``CHECKSUMS`` of them (evenly spaced in the model's order among those of at most
+  ``CHECKSUM_MAX_NUMEL`` elements, so that a sharded DTensor gathered whole for it costs at most 64 MB
+  in fp32: a 70B Llama's k/v projections and norms, not its embedding), each over at most ``SAMPLE``
+  evenly strided elements; gathered whole, the value is the same on every rank whatever the layout;
 - the trainable parameters' names (a model without the adapter is named as such);
 - the base model's name or path when the model knows it (recorded and shown, not compared: the same
   weights may come from a hub name or a local copy).
@@ -30,6 +31,7 @@ from trainforge.strategies.errors import CheckpointError
 
 RECORD = "frozen_base"  # <checkpoint>/frozen_base.pt (rank 0), read with weights_only=True
 CHECKSUMS = 4
+CHECKSUM_MAX_NUMEL = 1 << 24
 SAMPLE = 1 << 20
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -65,7 +67,10 @@ def _checksum(tensor: torch.Tensor) -> int:
     return zlib.crc32(data.numpy().tobytes())
 
 
-def _sampled(names: Sequence[str]) -> List[str]:
+def _sampled(frozen: Dict[str, torch.Tensor]) -> List[str]:
+    names = [n for n, p in frozen.items() if p.numel() <= CHECKSUM_MAX_NUMEL]
+    if not names:  # every frozen tensor is big: the smallest ones
+        names = sorted(frozen, key=lambda n: frozen[n].numel())[:CHECKSUMS]
     if len(names) <= CHECKSUMS:
         return list(names)
     return [names[round(i * (len(names) - 1) / (CHECKSUMS - 1))] for i in range(CHECKSUMS)]
@@ -77,7 +82,7 @@ def base_record(module: nn.Module, base_model: Optional[str] = None, adapter: Op
     frozen = frozen_parameters(module)
     return {
         "frozen": {n: [list(p.shape), str(p.dtype).replace("torch.", "")] for n, p in frozen.items()},
-        "checksums": {n: _checksum(frozen[n]) for n in _sampled(list(frozen))},
+        "checksums": {n: _checksum(frozen[n]) for n in _sampled(frozen)},
         "trainable": trainable_names(module),
         "base_model": base_model,
         "adapter": adapter,
