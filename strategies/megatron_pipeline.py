@@ -17,6 +17,7 @@ from trainforge.strategies.fsdp_wrap import clean_name, select_modules
 from trainforge.strategies.parallel import apply_tp
 from trainforge.strategies.parallel.dp import apply_data_parallel
 from trainforge.strategies.parallel.pp import (
+    PassThrough,
     check_tied_placement,
     guard_forward,
     num_stages_for,
@@ -110,7 +111,8 @@ class PipelineSetup:
             mine = {n for s in local for n in split.stages[s]}
             self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: split.child(n) in mine)
             self._log_coverage()
-        self.wrap_activation_blocks(module, names=ac_blocks)  # 3. activation checkpointing (this rank's blocks)
+        local_blocks = [n for n in ac_blocks if not isinstance(module.get_submodule(n), PassThrough)]
+        self.wrap_activation_blocks(module, names=local_blocks)  # 3. activation checkpointing (this rank's blocks)
         stages = {s: stage_module(module, split, s) for s in local}
         if dims.dp > 1:  # 4. (compile: the Trainer's) 5. FSDP2 / DDP per stage, its blocks then the stage
             for stage in stages.values():
