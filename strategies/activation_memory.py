@@ -45,6 +45,7 @@ VALID = (
     "'blocks': {BlockClass}}, or a set of module classes / a callable (module, name) -> bool ('full' on those)"
 )
 _OFF = (None, False, "none", "off")
+APPLIED = "_trainforge_activation_memory"  # set on the wrappers made here: a second setup leaves the model alone
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,8 @@ def select_blocks(model: nn.Module, spec: ActivationMemory, default_blocks: Any 
     """Names of the blocks ``spec`` applies to, in model order: the outermost modules the policy picks
     (``spec.blocks``, else ``default_blocks``, else the repeated blocks), then every n-th of them.
     Blocks already wrapped (a second ``setup``) count as found and are left alone."""
-    if not spec.enabled:
-        return []
+    if not spec.enabled or any(hasattr(m, APPLIED) for m in model.modules()):
+        return []  # off, or applied by an earlier setup of this model
     policy = spec.blocks if spec.blocks is not None else default_blocks
     picked = {name for name, _ in select_modules(model, policy)}
     ordered = [name for name, _ in model.named_modules() if name in picked]
@@ -219,6 +220,7 @@ def apply_activation_memory(model: nn.Module, spec: ActivationMemory, names: Seq
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+        setattr(wrapper, APPLIED, spec.kind)
         setattr(parent, child, wrapper)
         wrappers[id(module)] = wrapper
     return wrappers

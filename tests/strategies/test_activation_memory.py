@@ -238,3 +238,11 @@ def test_ddp_and_fsdp2_on_two_processes_match_off_and_resume_exactly(tmp_path):
         assert sorted(results[f"{kind}/selective:2"]["checkpointed"]) == ["net.blocks.1"]  # of 3 blocks
         resume = results[f"{kind}/resume"]
         assert resume["losses"] == resume["whole_losses"] and resume["same_weights"], kind
+
+
+def test_a_second_setup_leaves_the_wrapped_model_alone():
+    strategy = SingleDeviceStrategy("cpu", activation_checkpointing={"mode": "full", "every": 2, "blocks": {Block}})
+    model = strategy.setup_module(GPT())
+    again = strategy.setup_module(model)  # e.g. Trainer.validate after fit
+    assert again is model and strategy.checkpointed_modules == ["blocks.1", "blocks.3"]
+    assert [type(b).__name__ for b in model.blocks] == ["Block", "CheckpointWrapper"] * 2
