@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "char_gpt.py"
@@ -100,23 +100,10 @@ def test_raw_loop_converted_to_accelerator_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_raw_loop_converted_to_accelerator_two_processes_with_accumulation(tmp_path):
-    out = run(
-        [
-            "-m",
-            "trainforge",
-            "launch",
-            "--nproc-per-node",
-            "2",
-            CONVERTED,
-            *CONVERTED_TINY,
-            "--grad-accum",
-            "2",
-            "--save-dir",
-            tmp_path / "state",
-        ],
-        tmp_path,
-        timeout=180,
-    )
+    # forked as torchrun starts workers; the launcher itself runs in the char_gpt test above
+    env = procs.test_env(XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    args = [*CONVERTED_TINY, "--grad-accum", "2", "--save-dir", tmp_path / "state"]
+    out = forklaunch.launch(CONVERTED, *args, cwd=tmp_path, env=env, timeout=180).stdout
     check_converted(out, tmp_path / "state", world_size=2)
 
 

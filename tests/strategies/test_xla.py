@@ -13,6 +13,7 @@ from tests.helpers import procs
 from trainforge import Accelerator, ConfigurationError
 from trainforge.strategies import STRATEGY_NAMES, XLAStrategy, resolve_strategy
 from trainforge.strategies.xla import check_torch_xla_versions, check_xla_cpu_devices
+from trainforge.trainer.cli import main as cli_main
 
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 TORCH_IS_29 = torch.__version__.startswith("2.9.")
@@ -100,32 +101,45 @@ def test_bad_xla_strategy_arguments_fail_before_any_import():
     assert isinstance(resolve_strategy("XLA"), XLAStrategy)
 
 
-def _launch(*args, **env):
-    return procs.run(
-        [sys.executable, "-m", "trainforge", "launch", *args], timeout=120, check=False, env=procs.test_env(**env)
-    )
+@pytest.fixture
+def launch(capsys, monkeypatch):
+    """`trainforge launch ARGS` in this process (the CLI's own main; these are refusals before any
+    process starts): (exit code, everything it printed)."""
+
+    def run(*args, **env):
+        with monkeypatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            try:
+                code = cli_main(["launch", *args])
+            except SystemExit as exc:  # argparse's own refusals
+                code = exc.code
+        captured = capsys.readouterr()
+        return code, captured.out + captured.err
+
+    return run
 
 
-def test_launch_xla_refuses_what_cannot_apply(tmp_path):
+def test_launch_xla_refuses_what_cannot_apply(tmp_path, launch):
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must not run')\n")
-    out = _launch("--xla", "--nproc-per-node", "2", str(script))
-    assert out.returncode == 2 and "--nproc-per-node" in out.stdout and "one process per local XLA device" in out.stdout
-    out = _launch("--xla", "--strategy", "ddp", str(script))
-    assert out.returncode == 2 and "--strategy ddp" in out.stdout and "drop --xla" in out.stdout
-    out = _launch("--strategy", "xla", str(script))
-    assert out.returncode == 2 and "use `trainforge launch --xla script.py`" in out.stdout
-    out = _launch("--xla", str(script), PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
-    assert out.returncode == 2 and "4 XLA:CPU devices" in out.stdout and "pytorch/xla#5005" in out.stdout
-    out = _launch("--xla", str(script), PJRT_DEVICE="CPU", CPU_NUM_DEVICES="many")
-    assert out.returncode == 2 and "CPU_NUM_DEVICES='many' must be a positive integer" in out.stdout
-    assert "must not run" not in out.stdout
+    code, out = launch("--xla", "--nproc-per-node", "2", str(script))
+    assert code == 2 and "--nproc-per-node" in out and "one process per local XLA device" in out
+    code, out = launch("--xla", "--strategy", "ddp", str(script))
+    assert code == 2 and "--strategy ddp" in out and "drop --xla" in out
+    code, out = launch("--strategy", "xla", str(script))
+    assert code == 2 and "use `trainforge launch --xla script.py`" in out
+    code, out = launch("--xla", str(script), PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+    assert code == 2 and "4 XLA:CPU devices" in out and "pytorch/xla#5005" in out
+    code, out = launch("--xla", str(script), PJRT_DEVICE="CPU", CPU_NUM_DEVICES="many")
+    assert code == 2 and "CPU_NUM_DEVICES='many' must be a positive integer" in out
+    assert "must not run" not in out
 
 
 @pytest.mark.skipif(HAS_TORCH_XLA, reason="torch_xla is installed here")
-def test_launch_xla_without_torch_xla_is_a_clear_error(tmp_path):
+def test_launch_xla_without_torch_xla_is_a_clear_error(tmp_path, launch):
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('must not run')\n")
-    out = _launch("--xla", str(script), PJRT_DEVICE="CPU")
-    assert out.returncode == 2 and "needs torch_xla, which is not installed" in out.stdout
-    assert "must not run" not in out.stdout
+    code, out = launch("--xla", str(script), PJRT_DEVICE="CPU")
+    assert code == 2 and "needs torch_xla, which is not installed" in out
+    assert "must not run" not in out

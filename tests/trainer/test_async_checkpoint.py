@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 from tests.helpers.models import Regressor, make_net, regression_data
 from tests.strategies.test_checkpoint_crash import _readline
 from trainforge import Accelerator, CheckpointError, ConfigurationError, Trainer, seed_everything
@@ -243,10 +243,7 @@ def test_two_processes_async_saves_killed_and_restarted_resume_bit_identical(tmp
         pytest.importorskip("deepspeed")
     script = SCRIPTS / "resume_run.py"
     common = ["--strategy", strategy, "--ckpt-every", "2"]
-    procs.run(
-        procs.trainforge_launch(script, "--root", tmp_path / "full", "--record", tmp_path / "full.rec", *common),
-        timeout=240,
-    )
+    forklaunch.launch(script, "--root", tmp_path / "full", "--record", tmp_path / "full.rec", *common, timeout=240)
     marker = tmp_path / "killed-once"
     # rank 1 is killed at step 7, while rank 0 may still be writing the step-6 save; torchrun restarts both
     procs.run(
