@@ -6,13 +6,12 @@ did not skip again. One process, CPU, fp32, shuffle on, dropout on."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import procs
+from tests.helpers import forklaunch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "clm_resume.py"
 pytestmark = pytest.mark.slow
@@ -20,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def run_clm(out: Path, *args: str) -> str:
     # 48 samples, batch 4: 12 batches and 6 optimizer steps an epoch, 18 in 3 epochs
-    proc = procs.run([sys.executable, SCRIPT, "--output_dir", out, "--checkpointing_steps", "4", *args], timeout=120)
+    proc = forklaunch.run_script(SCRIPT, "--output_dir", out, "--checkpointing_steps", "4", *args, timeout=120)
     assert "FINAL completed_steps=18" in proc.stdout, proc.stdout[-3000:]
     return proc.stdout
 
