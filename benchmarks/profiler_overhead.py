@@ -60,7 +60,8 @@ def run(args, data, profiler: Optional[str]) -> Tuple[float, float]:
     )
     with redirect_stdout(io.StringIO()) as report:  # the timer's table, printed at fit end
         trainer.fit(overhead.Classifier(overhead.make_model(args), clock), overhead.make_loader(data, args))
-    args.last_report = report.getvalue() or args.last_report
+    if profiler is not None:  # the timer's table (a run without it prints only the model summary)
+        args.last_report = report.getvalue() or args.last_report
     if isinstance(trainer.callbacks[0], SimpleProfiler):  # hook calls per step, the fit's start and end aside
         steps = max(trainer.global_step, 1)
         args.calls_per_step = sum(n for n in (c for _, c in trainer.callbacks[0].totals.values()) if n >= steps) / steps

@@ -34,7 +34,10 @@ own averaging functions to them exactly as ``AveragedModel`` does (first update 
 ``multi_avg_fn`` per device/dtype group or ``avg_fn`` per tensor, SWA by default).
 ``EMAWeightAveraging`` uses ``get_ema_multi_avg_fn`` (one ``lerp`` per group) where Lightning uses
 ``get_ema_avg_fn`` (``decay * a + (1 - decay) * w`` per tensor): the same average up to fp32 rounding,
-at a fraction of the per-step cost.
+at a fraction of the per-step cost. Its per-step update calls that function's kernel,
+``torch._foreach_lerp_(averages, weights, 1 - decay)``, itself, on detached views of the weights built at
+fit start (no grad mode to switch, no wrapper): on the benchmark's 26k-parameter MLP the callback's
+per-step work is ~10 us, the lerp's own time (benchmarks/README.md).
 """
 
 from __future__ import annotations

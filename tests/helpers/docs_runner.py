@@ -1,0 +1,152 @@
+"""Runs the documentation's code blocks (tests/test_docs_examples.py), all of them in one process.
+
+    python -m tests.helpers.docs_runner SPEC.json RESULTS.json
+
+SPEC.json is a list of ``{"id", "kind": "python" | "bash", "code", "dir", "timeout", "launch"}``. Importing torch
+and trainforge takes seconds on a loaded 2-core machine, and a block runs in a fraction of that; so this
+process imports them once, then forks one child per python block: the child starts from a fresh
+``__main__`` namespace in the block's own empty directory, as ``python example.py`` there would, and its
+exit status is the block's (an uncaught exception prints its traceback and exits 1, ``sys.exit(n)``
+exits n, atexit handlers run); with ``"launch": N`` it runs under ``trainforge launch --nproc-per-node N``
+instead (real processes: a multi-process example). Nothing here runs torch code before a fork (no thread pools to inherit).
+A bash block runs under ``bash -e -o pipefail`` in its directory, where ``python3``/``python`` are
+this interpreter and stdin is empty. ``XDG_CONFIG_HOME`` is the block directory's ``.config`` (where
+``trainforge config`` writes, never the user's). Each block's output (stdout and stderr together) is
+``<dir>/output.txt``; RESULTS.json maps each id to ``{"exit": code, "seconds": wall time}`` (exit -9: killed after its timeout).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Dict, List
+
+# what the blocks' fits import (torch imports dynamo, sympy and torch.distributed's parts lazily): seconds each
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "trainforge",
+    "trainforge.callbacks",
+    "trainforge.utils",
+)
+CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _child(block: Dict, out_fd: int) -> None:
+    """In the forked child: become ``python example.py`` in the block's directory; never returns."""
+    os.setpgid(0, 0)  # its own group: a timeout kills what it started too
+    for sig in CAUGHT:  # as in a new process (pytest or this runner may have handlers)
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.chdir(block["dir"])
+    os.environ["XDG_CONFIG_HOME"] = str(Path(block["dir"]) / ".config")
+    sys.argv = ["example.py"]
+    sys.path[0] = block["dir"]
+    main = types.ModuleType("__main__")  # what pickle and dataclasses look classes up in
+    main.__file__ = str(Path(block["dir"]) / "example.py")
+    sys.modules["__main__"] = main
+    code = 0
+    try:
+        exec(compile(block["code"], block["id"], "exec"), main.__dict__)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_python(block: Dict, out_fd: int) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _child(block, out_fd)
+    deadline = time.monotonic() + block["timeout"]
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return -9
+        time.sleep(0.02)
+
+
+def run_launched(block: Dict, out_fd: int) -> int:
+    """``trainforge launch --nproc-per-node N example.py``: real processes, started as users start them."""
+    script = Path(block["dir"]) / "example.py"
+    script.write_text(block["code"])
+    command = [sys.executable, "-m", "trainforge", "launch", "--nproc-per-node", str(block["launch"]), str(script)]
+    return _wait(command, block, out_fd, dict(os.environ, XDG_CONFIG_HOME=str(Path(block["dir"]) / ".config")))
+
+
+def _wait(command: List[str], block: Dict, out_fd: int, env: Dict[str, str]) -> int:
+    proc = subprocess.Popen(
+        command,
+        cwd=block["dir"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=out_fd,
+        stderr=out_fd,
+        start_new_session=True,
+    )
+    try:
+        return proc.wait(timeout=block["timeout"])
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return -9
+
+
+def run_bash(block: Dict, out_fd: int) -> int:
+    bin_dir = Path(block["dir"]) / ".bin"  # python3 and python: this interpreter
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("python3", "python"):
+        link = bin_dir / name
+        if not link.exists():
+            link.symlink_to(sys.executable)
+    path = os.pathsep.join((str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]))
+    # XDG_CONFIG_HOME: `trainforge config` writes there, not into the user's ~/.config
+    env = dict(os.environ, PATH=path, XDG_CONFIG_HOME=str(Path(block["dir"]) / ".config"))
+    return _wait(["bash", "-e", "-o", "pipefail", "-c", block["code"]], block, out_fd, env)
+
+
+def main(spec_path: str, results_path: str) -> None:
+    for name in PRELOAD:
+        __import__(name)
+    results = {}
+    for block in json.loads(Path(spec_path).read_text()):
+        start = time.monotonic()
+        with open(Path(block["dir"]) / "output.txt", "wb") as out:
+            run = run_bash if block["kind"] == "bash" else run_launched if block.get("launch") else run_python
+            exit_code = run(block, out.fileno())
+        results[block["id"]] = {"exit": exit_code, "seconds": round(time.monotonic() - start, 2)}
+        Path(results_path).write_text(json.dumps(results, indent=1))  # what finished, if the run is cut short
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
