@@ -107,7 +107,7 @@ class WeightAveraging(Callback):
         self._group_averaged: List[List[torch.Tensor]] = []
         self._group_live: Optional[List[List[torch.Tensor]]] = None
         self._lerp_weight: Optional[float] = None  # EMA: 1 - decay, for the direct foreach lerp (_update)
-        self._lerp_groups: Optional[List[Tuple[List[torch.Tensor], List[torch.Tensor]]]] = None
+        self._lerp_groups: Optional[List[Tuple[List[torch.Tensor], List[torch.Tensor], float]]] = None
 
     # ---- Lightning's extension point ---------------------------------------------------------------
     def should_update(self, step_idx: Optional[int] = None, epoch_idx: Optional[int] = None) -> bool:
@@ -164,16 +164,17 @@ class WeightAveraging(Callback):
         # so no grad mode to switch: the update is the one kernel), floating-point groups only
         floating = all(g[0].is_floating_point() or g[0].is_complex() for g in self._group_averaged)
         self._lerp_groups = None
-        if self._lerp_weight is not None and self._group_live is not None and floating:
+        weight = self._lerp_weight
+        if weight is not None and self._group_live is not None and floating:
             live = [[t.detach() for t in g] for g in self._group_live]
-            self._lerp_groups = list(zip(self._group_averaged, live))
+            self._lerp_groups = [(avgs, lives, weight) for avgs, lives in zip(self._group_averaged, live)]
         self._n_averaged, self._averaged_in, self._val_swapped, self._ended = 0, False, False, False
 
     def _update(self, module: torch.nn.Module) -> None:
         lerp = self._lerp_groups
         if lerp is not None and self._n_averaged > 0 and not self._averaged_in:  # EMA's per-step path
-            for avgs, lives in lerp:
-                torch._foreach_lerp_(avgs, lives, self._lerp_weight)  # what get_ema_multi_avg_fn calls
+            for avgs, lives, weight in lerp:
+                torch._foreach_lerp_(avgs, lives, weight)  # what get_ema_multi_avg_fn calls
             self._n_averaged += 1
             return
         self._update_any(module)
