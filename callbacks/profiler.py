@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, record_function, tensorboard_trace_
 
 from trainforge.callbacks.base import Callback
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
+from trainforge.strategies.files import open_new
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge import TrainingModule
@@ -79,7 +80,8 @@ class HookProfiler(Callback):
 class SimpleProfiler(HookProfiler):
     """Each hook's wall time (``time.perf_counter``), reported at the end of fit (its teardown) on rank 0
     as a table sorted by cost: total seconds, milliseconds per optimizer step, calls. ``dirpath``/``filename``: also written to
-    ``dirpath/filename`` (rank 0). ``report`` holds the last table; ``totals`` ``{name: (seconds, calls)}``."""
+    ``dirpath/filename`` (rank 0; ``<stem>-1<suffix>``... when that file exists, ``report_path`` says which).
+    ``report`` holds the last table; ``totals`` ``{name: (seconds, calls)}``."""
 
     def __init__(self, dirpath: Optional[str] = None, filename: Optional[str] = None) -> None:
         for name, value in (("dirpath", dirpath), ("filename", filename)):
@@ -89,6 +91,7 @@ class SimpleProfiler(HookProfiler):
         self._totals: Dict[str, List[float]] = {}
         self._first_step = 0
         self.report = ""
+        self.report_path: Optional[str] = None  # where the report was written (a new file, never over one)
 
     def reset(self) -> None:
         self._totals = {}
@@ -129,7 +132,9 @@ class SimpleProfiler(HookProfiler):
         print(self.report)
         if self.dirpath is not None:
             os.makedirs(self.dirpath, exist_ok=True)
-            with open(os.path.join(self.dirpath, self.filename or "simple_profiler.txt"), "w") as f:
+            f, path = open_new(os.path.join(self.dirpath, self.filename or "simple_profiler.txt"))
+            self.report_path = str(path)
+            with f:  # an existing file (a user's, an earlier run's report) is kept: -1, -2... instead
                 f.write(self.report + "\n")
 
 
@@ -230,6 +235,7 @@ class PyTorchProfiler(HookProfiler):
         self.profiler_kwargs = profiler_kwargs
         self.profiler: Optional[torch.profiler.profile] = None
         self.summary = ""
+        self.summary_path: Optional[str] = None  # where rank's summary was written (a new file, never over one)
         self.trace_files: List[str] = []
         self._open: Dict[str, Any] = {}
         if not isinstance(record_module_names, bool):
@@ -363,7 +369,9 @@ class PyTorchProfiler(HookProfiler):
         sort_by = self.sort_by_key or ("device_time_total" if torch.cuda.is_available() else "cpu_time_total")
         self.summary = averages.table(sort_by=sort_by, row_limit=self.row_limit)
         stem = f"{self.filename}-" if self.filename else ""
-        with open(os.path.join(self._out_dir(trainer), f"{stem}rank{trainer.global_rank}-summary.txt"), "w") as f:
+        f, path = open_new(os.path.join(self._out_dir(trainer), f"{stem}rank{trainer.global_rank}-summary.txt"))
+        self.summary_path = str(path)
+        with f:  # never over an existing file: -1, -2... instead
             f.write(self.summary + "\n")
         if trainer.is_global_zero:
             log.info("PyTorchProfiler summary (rank 0):\n%s", self.summary)

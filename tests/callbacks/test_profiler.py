@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,21 @@ def test_two_ranks_write_one_trace_each():
     assert (r0["mine"], r1["mine"]) == ("rank0.0.pt.trace.json", "rank1.0.pt.trace.json")
     assert r0["files"] == r1["files"] == ["rank0.0.pt.trace.json", "rank1.0.pt.trace.json"]
     assert "[loop] training_step" in r0["phases"] and r0["phases"] == r1["phases"]
+
+
+def test_reports_never_overwrite_an_existing_file(tmp_path):
+    """A user's file (or an earlier run's report) where a report would go is kept; the report goes to -1."""
+    out = tmp_path / "reports"
+    out.mkdir()
+    (out / "hooks.txt").write_text("mine\n")
+    simple = SimpleProfiler(dirpath=str(out), filename="hooks.txt")
+    _fit(tmp_path, simple, steps=2)
+    assert (out / "hooks.txt").read_text() == "mine\n"
+    assert simple.report_path is not None and Path(simple.report_path) == out / "hooks-1.txt"
+    assert (out / "hooks-1.txt").read_text() == simple.report + "\n"
+    (tmp_path / "profiler").mkdir()
+    (tmp_path / "profiler" / "rank0-summary.txt").write_text("mine\n")
+    torch_profiler = PyTorchProfiler()
+    _fit(tmp_path, torch_profiler, steps=2)
+    assert (tmp_path / "profiler" / "rank0-summary.txt").read_text() == "mine\n"
+    assert Path(torch_profiler.summary_path) == tmp_path / "profiler" / "rank0-summary-1.txt"
