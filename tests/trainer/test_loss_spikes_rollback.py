@@ -173,9 +173,12 @@ def test_bad_rollback_settings_are_refused(kwargs, match):
 
 
 @pytest.mark.slow
-def test_two_ranks_roll_back_together(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_roll_back_together(tmp_path, strategy):
+    """A NaN on rank 0 and a spike on rank 1: both ranks skip both steps and roll back together; under
+    FSDP2 through the sharded (DCP) checkpoint into the live optimizer state."""
     out = tmp_path / "rollback.json"
-    procs.run(procs.torchrun(SCRIPTS / "loss_spikes_rollback_dist.py", str(out)), timeout=180)
+    procs.run(procs.torchrun(SCRIPTS / "loss_spikes_rollback_dist.py", str(out), strategy), timeout=180)
     r = json.loads(out.read_text())
     assert r["rows"][0] == r["rows"][1] and r["rows"][0][:3] == [1, 2, 5]  # rollbacks, skips, step after
     assert r["restored_equal"] == [True, True] and r["agree"] and r["finite"]
