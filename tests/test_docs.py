@@ -1,11 +1,15 @@
 """The documentation site (mkdocs.yml, docs/): it builds with ``mkdocs build --strict``, a reference to a
-name that does not exist fails the build naming it, and every public name is in the API reference."""
+name that does not exist fails the build naming it, every public name is in the API reference, and the
+built index and a guide render in a real headless browser (chromium; skipped where none is installed)."""
 
 from __future__ import annotations
 
+import html
 import importlib
 import os
 import re
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -32,13 +36,85 @@ def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
 
 
-def test_site_builds_strict(tmp_path):
-    done = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site, built once for this module's tests; a failed build fails each test that reads it."""
+    site = tmp_path_factory.mktemp("docs") / "site"
+    done = mkdocs_build(ROOT / "mkdocs.yml", site)
     assert done.returncode == 0, done.stdout + done.stderr
+    return site
+
+
+def test_site_builds_strict(site):
     # the API reference was rendered from the docstrings, and the CLI page holds every subcommand's --help
-    assert 'id="trainforge.Trainer"' in (tmp_path / "site/api/trainforge/index.html").read_text()
-    cli = (tmp_path / "site/guides/cli/index.html").read_text()
+    assert 'id="trainforge.Trainer"' in (site / "api/trainforge/index.html").read_text()
+    cli = (site / "guides/cli/index.html").read_text()
     assert "usage: trainforge launch" in cli and "usage: trainforge merge-weights" in cli
+
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+WINDOW = (1280, 900)
+HEADER_RGB = (64, 81, 181)  # Material's default primary colour, indigo #4051b5, painted by its CSS
+
+
+def browse(page: Path, shot: Path, home: Path) -> str:
+    """``page`` in a headless browser: its DOM after the scripts ran, and a screenshot into ``shot``."""
+    browser = next((b for b in map(shutil.which, BROWSERS) if b), None)
+    if browser is None:
+        pytest.skip(f"no headless browser installed (none of {', '.join(BROWSERS)} on PATH; apt-get install chromium)")
+    # its profile and caches go to ``home``, never the user's; --no-sandbox: CI containers run as root
+    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_CACHE_HOME": str(home)}
+    command = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--user-data-dir={home / 'profile'}",
+        f"--window-size={WINDOW[0]},{WINDOW[1]}",
+        f"--screenshot={shot}",
+        "--dump-dom",
+        page.as_uri(),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def png_size(path: Path) -> tuple:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def nav_titles(nav: list) -> list:
+    titles = []
+    for entry in nav:
+        for title, target in entry.items():
+            titles.extend([title] + (nav_titles(target) if isinstance(target, list) else []))
+    return titles
+
+
+@pytest.mark.parametrize("page", ["index.html", "guides/training-module/index.html"])
+def test_site_renders_in_a_headless_browser(site, page, tmp_path):
+    shot = tmp_path / "screenshot.png"
+    dom = browse(site / page, shot, tmp_path)
+    # the theme's JavaScript ran (it marks <html>), and the navigation holds every page of mkdocs.yml's nav
+    assert re.search(r'<html[^>]*class="[^"]*\bjs-focus-visible\b', dom), dom[:500]
+    primary = dom[dom.index('class="md-nav md-nav--primary"') :]
+    links = {html.unescape(t).strip() for t in re.findall(r'class="md-ellipsis">\s*([^<]+?)\s*<', primary)}
+    titles = nav_titles(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    assert not set(titles) - links, f"pages missing from the navigation: {set(titles) - links}"
+    # code blocks are highlighted: Pygments wraps tokens in classed spans inside div.highlight
+    assert '<div class="highlight">' in dom
+    if "training-module" in page:
+        assert re.search(r'<span class="kn">import</span>', dom) and re.search(r'<span class="nc">\w+</span>', dom)
+        assert re.search(r'md-nav__link--active[^>]*>\s*<span class="md-ellipsis">\s*Writing a TrainingModule', dom)
+    # the screenshot: a PNG of the window, with the theme's header painted at its top
+    assert shot.stat().st_size > 10_000 and png_size(shot) == WINDOW
+    image = pytest.importorskip("PIL.Image").open(shot).convert("RGB")
+    assert image.getpixel((WINDOW[0] // 2, 20)) == HEADER_RGB
+    assert len(image.getcolors(WINDOW[0] * WINDOW[1])) > 50  # text and highlighted code, not a blank page
 
 
 def test_reference_to_a_missing_name_fails_naming_it(tmp_path):
