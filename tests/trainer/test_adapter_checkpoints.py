@@ -211,6 +211,18 @@ def test_bad_arguments_name_the_value(tmp_path):
         acc.save_model(model, str(tmp_path / "adapter"), adapter_only=1)
 
 
+def test_strategies_that_write_the_whole_model_say_so(lora_ckpt):
+    from trainforge.strategies.base import Strategy  # declares no trainable-only checkpoints, as DeepSpeed, XLA
+    from trainforge.trainer.adapters import load_model_state, trainable_only_for
+
+    model = lora_model()
+    with pytest.raises(ConfigurationError, match=r"trainable_only=True: strategy 'base' writes the whole model"):
+        trainable_only_for(Strategy(), model, True)
+    assert trainable_only_for(Strategy(), model, None) is False  # the default falls back to the whole model
+    with pytest.raises(CheckpointError, match=r"holds only the trainable parameters .* strategy 'base' cannot load"):
+        load_model_state(Strategy(), lora_ckpt, read_metadata(lora_ckpt), LitLora(model), [])
+
+
 def test_peft_is_not_imported_by_trainforge():
     code = (
         "import sys, trainforge, trainforge.trainer.checkpointing, trainforge.strategies.fsdp; "
