@@ -16,6 +16,7 @@ from trainforge.callbacks.loss_spikes import ROLLBACK_METRIC, LossSpikes, find_l
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.evaluation import module_modes, restore_modes
 from trainforge.trainer.events import Event
+from trainforge.trainer.module import TrainingModule
 from trainforge.trainer.token_loss import ITEMS_KEY
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -23,7 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.accelerator import Accelerator
     from trainforge.trainer.config import LoopConfig, Progress
     from trainforge.trainer.metrics import MetricStore
-    from trainforge.trainer.module import TrainingModule
     from trainforge.trainer.preemption import StopSignals
 
 log = logging.getLogger("trainforge")
@@ -84,11 +84,13 @@ class FitLoop:
         return module
 
     _loss_spikes: Optional[LossSpikes] = None  # callbacks/loss_spikes.py: set at the loop's start
+    _custom_clipping = False  # the module overrides configure_gradient_clipping: set at the loop's start
 
     def _fit_loop(self) -> None:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
         automatic = self._fit_module.automatic_optimization
         self._loss_spikes = find_loss_spikes(self.callbacks, automatic, cfg.nonfinite_loss)
+        self._custom_clipping = _overrides_clipping(self._fit_module)
         train_modes = module_modes(self._fit_module)  # the user's per-submodule modes (a frozen part stays in eval)
         if p.batch_idx >= self.num_training_batches or p.epoch_end_pending:  # resumed at the epoch's last batch
             if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
@@ -330,7 +332,9 @@ class FitLoop:
         if acc.precision.scaler is not None:
             acc.precision.unscale_(optimizer)
         self._fire(Event.BEFORE_OPTIMIZER_STEP, optimizer)
-        if cfg.gradient_clip_val is not None:
+        if self._custom_clipping:  # the module's configure_gradient_clipping decides (Lightning's hook)
+            self._fit_module.configure_gradient_clipping(optimizer, cfg.gradient_clip_val, cfg.gradient_clip_algorithm)
+        elif cfg.gradient_clip_val is not None:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
             if cfg.gradient_clip_algorithm == "norm":
                 self.strategy.clip_gradients(params, max_norm=cfg.gradient_clip_val)
@@ -434,3 +438,10 @@ class FitLoop:
             log.warning("trainforge: the fp16 grad scaler skipped %d optimizer step(s) on inf/nan gradients", skipped)
         if self.progress.skipped_nonfinite and self.is_global_zero:
             log.warning("trainforge: %d batch(es) with a non-finite loss were skipped", self.progress.skipped_nonfinite)
+
+
+def _overrides_clipping(module: Any) -> bool:
+    """Whether ``module`` has its own ``configure_gradient_clipping`` (the default only applies the
+    Trainer's settings, which the loop does without the call)."""
+    hook = getattr(type(module), "configure_gradient_clipping", None)
+    return hook is not None and hook is not TrainingModule.configure_gradient_clipping

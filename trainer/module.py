@@ -197,6 +197,20 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
         ``gradient_clip_val`` None or 0: no clipping (Lightning)."""
         self.trainer.clip_optimizer_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Lightning's hook: called by the automatic loop on every optimizer step, after
+        ``on_before_optimizer_step`` (AMP gradients already unscaled), with the Trainer's
+        ``gradient_clip_val``/``gradient_clip_algorithm``. Override it to clip your own way (per
+        parameter group, a value computed from the step...), typically through
+        ``self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm=...)``.
+        This default clips as the Trainer's settings say. Not called under manual optimization."""
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Only ``optimizer``'s parameters require gradients until ``untoggle_optimizer(optimizer)``:
         those of the other optimizers are frozen (their ``requires_grad`` is kept and restored)."""

@@ -109,3 +109,80 @@ def test_accumulation_remainder_still_steps(tmp_path):
     )
     trainer.fit(Regressor(make_net()), DataLoader(regression_data(), batch_size=BATCH))
     assert trainer.global_step == 6
+
+
+class PerLayerClipping(Regressor):
+    """Lightning's configure_gradient_clipping overridden: the first layer clipped by value, the
+    rest by the Trainer's norm; records what the loop passed."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__(net)
+        self.calls: list = []
+
+    def configure_optimizers(self):
+        first = list(self.net[0].parameters())
+        rest = [p for p in self.net.parameters() if all(p is not q for q in first)]
+        return torch.optim.AdamW([{"params": first}, {"params": rest}], lr=1e-2)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.calls.append((optimizer, gradient_clip_val, gradient_clip_algorithm))
+        torch.nn.utils.clip_grad_value_(optimizer.param_groups[0]["params"], 0.01)
+        torch.nn.utils.clip_grad_norm_(optimizer.param_groups[1]["params"], gradient_clip_val)
+
+
+def test_configure_gradient_clipping_override_decides_the_clipping(tmp_path):
+    """Lightning calls the module's configure_gradient_clipping on every optimizer step with the Trainer's
+    settings and the torch optimizer; an override replaces the Trainer's own clipping (was ignored)."""
+    seed_everything(0)
+    initial = make_net()
+    seed_everything(1)
+    net = copy.deepcopy(initial)
+    opt = torch.optim.AdamW([{"params": list(net[0].parameters())}, {"params": list(net[3].parameters())}], lr=1e-2)
+    for _ in range(EPOCHS):
+        for x, y in DataLoader(regression_data(), batch_size=BATCH, shuffle=True):
+            nn.functional.mse_loss(net(x), y).backward()
+            torch.nn.utils.clip_grad_value_(opt.param_groups[0]["params"], 0.01)
+            torch.nn.utils.clip_grad_norm_(opt.param_groups[1]["params"], 0.05)
+            opt.step()
+            opt.zero_grad()
+    seed_everything(1)
+    module = PerLayerClipping(copy.deepcopy(initial))
+    trainer = Trainer(
+        max_epochs=EPOCHS,
+        gradient_clip_val=0.05,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, DataLoader(regression_data(), batch_size=BATCH, shuffle=True))
+    assert len(module.calls) == trainer.global_step > 0
+    assert {(type(o), v, a) for o, v, a in module.calls} == {(torch.optim.AdamW, 0.05, "norm")}
+    for name, ref in net.state_dict().items():
+        assert torch.equal(module.net.state_dict()[name], ref), name
+
+
+def test_default_configure_gradient_clipping_clips_as_the_trainer_says(tmp_path):
+    """An override that only calls the default (super()) changes nothing: the same weights as without it."""
+
+    class CallsSuper(Regressor):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    seed_everything(0)
+    initial = make_net()
+    nets = []
+    for cls in (Regressor, CallsSuper):
+        seed_everything(1)
+        module = cls(copy.deepcopy(initial))
+        Trainer(
+            max_epochs=EPOCHS,
+            gradient_clip_val=0.05,
+            default_root_dir=str(tmp_path),
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+        ).fit(module, DataLoader(regression_data(), batch_size=BATCH, shuffle=True))
+        nets.append(module.net.state_dict())
+    seed_everything(1)
+    reference = raw_loop(copy.deepcopy(initial), 1, 0.05, False).state_dict()
+    for name, ref in reference.items():
+        assert torch.equal(nets[0][name], ref) and torch.equal(nets[1][name], ref), name
