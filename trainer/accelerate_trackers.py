@@ -26,6 +26,28 @@ from trainforge.strategies.errors import ConfigurationError, invalid_choice
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
 
+
+class OffMainTracker:
+    """What ``get_tracker`` returns on a process other than the main one (Accelerate's blank
+    ``GeneralTracker``): trackers live on the main process only, and every method called on this
+    one does nothing and returns None."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _does_nothing
+
+    def __repr__(self) -> str:
+        return f"OffMainTracker({self.name!r}: the tracker lives on the main process)"
+
+
+def _does_nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 LOG_WITH = ("all", "tensorboard", "mlflow", "comet_ml", "wandb", "csv")
 # name -> (package it needs or None, pip extra, class name in trainforge.callbacks)
 _TRACKERS = {
@@ -169,10 +191,11 @@ class Tracking:
         for tracker in self.trackers:
             tracker.on_log(cast(Any, view), cast(Any, None), dict(values), step)
 
-    def get_tracker(self, name: str, unwrap: bool = False) -> Optional[TrackerCallback]:
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         """The tracker ``name`` (``"tensorboard"``, ``"mlflow"``, ``"comet_ml"``, ``"wandb"``, ``"csv"``, or a tracker's
-        ``name``) on the main process; None elsewhere. ``unwrap=True`` is refused (the backend object
-        belongs to the tracker's writer thread)."""
+        ``name``) on the main process. Elsewhere, as Accelerate, a stand-in whose every method does
+        nothing, so ``accelerator.get_tracker("wandb").log_hyperparams(...)`` runs on every rank.
+        ``unwrap=True`` is refused (the backend object belongs to the tracker's writer thread)."""
         if unwrap:
             raise ConfigurationError(
                 "get_tracker(name, unwrap=True) is not supported: trainforge's trackers call their backend on a "
@@ -180,7 +203,7 @@ class Tracking:
                 "MLflowLogger.run_id, CSVLogger.file...) or accelerator.log(...)"
             )
         if not self.is_main_process:
-            return None
+            return OffMainTracker(name)
         for known, tracker in self._tracker_names:
             if name in (known, tracker.name):
                 return tracker

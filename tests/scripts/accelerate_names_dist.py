@@ -25,10 +25,12 @@ out_dir = sys.argv[1]
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 logger = get_logger(__name__)
 accelerator = Accelerator(
+    log_with="csv",
+    project_dir=out_dir,
     kwargs_handlers=[
         DistributedDataParallelKwargs(find_unused_parameters=True),
         InitProcessGroupKwargs(timeout=timedelta(seconds=77)),
-    ]
+    ],
 )
 rank = accelerator.process_index
 logger.info("logged by the main process")
@@ -69,6 +71,11 @@ if rank == 1:
     accelerator.set_trigger()
 trigger += [accelerator.check_trigger(), accelerator.check_trigger()]
 record["trigger"] = trigger
+accelerator.init_trackers("names", config={"lr": 0.1})
+tracker = accelerator.get_tracker("csv")  # every rank may call it, as in Accelerate; only rank 0's writes
+tracker.flush()
+accelerator.log({"from_tracker": float(rank + 1)}, step=1)
+record["tracker"] = type(tracker).__name__
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(record, f)
 accelerator.end_training()
