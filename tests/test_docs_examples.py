@@ -200,6 +200,23 @@ def test_the_getting_started_pages_have_runnable_examples():
         assert page in pages, f"{page} has no runnable example"
 
 
+TWO_COMMANDS = """bash scripts/install.sh && python3 -m trainforge launch --nproc-per-node 2 examples/char_gpt.py
+bash scripts/install.sh && python3 -m pytest -q
+"""
+
+
+def test_the_readme_starts_with_the_two_commands_and_links_into_the_site():
+    readme = (ROOT / "README.md").read_text()
+    # the title, then the two commands: install and train on 2 processes; install and run the tests
+    assert readme.startswith("# trainforge\n\n```bash\n" + TWO_COMMANDS + "```\n"), readme[:300]
+    assert len(readme.splitlines()) <= 120, "the README is what a newcomer reads first: keep the rest in docs/"
+    links = re.findall(r"\]\(((?:docs/)[^)#]*)", readme)
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert not missing, f"README links to pages that do not exist: {missing}"
+    guides = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs/guides").glob("*.md")}
+    assert not guides - set(links), f"guides the README does not link to: {sorted(guides - set(links))}"
+
+
 def test_the_troubleshooting_page_shows_real_messages():
     shown = [block_id for block_id in OUTPUTS if block_id.startswith("docs/guides/troubleshooting.md")]
     assert len(shown) >= 8, shown
