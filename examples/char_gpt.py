@@ -4,7 +4,7 @@
     trainforge launch --nproc-per-node 2 examples/char_gpt.py        # two processes, DDP ("auto")
     python examples/char_gpt.py --resume                             # continue from runs/char_gpt
 
-This is the shape the README asks of a training script: a ``TrainingModule`` with
+This is the shape docs/guides/training-module.md asks of a training script: a ``TrainingModule`` with
 ``training_step``/``validation_step``/``configure_optimizers``, standard DataLoaders, and
 ``Trainer(...).fit(...)``. Checkpoints go to ``<root-dir>/checkpoints``; metrics to MLflow (a local
 SQLite store ``<root-dir>/mlflow.db``) when mlflow is installed, else to ``<root-dir>/metrics.csv``.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a session with a CUDA GPU runs (see README "Tests"): the gpu-marked tests, then the GPU
+# What a session with a CUDA GPU runs (see docs/development.md, "Tests"): the gpu-marked tests, then the GPU
 # benchmarks, each log under ${OUT:-gpu-logs}/. Packages missing there (torchdata, deepspeed, torchao...)
 # can come as wheels in .whl/ (installed into /tmp/site, made visible to every child through a .pth).
 #   bash scripts/gpu-checks.sh [tests] [throughput] [fp8] [overhead] [stall] [inference]   (default: all)

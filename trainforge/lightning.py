@@ -3,7 +3,7 @@
 (``as pl``), and ``L.LightningModule``, ``L.LightningDataModule``, ``L.Trainer``, ``L.Callback``,
 ``L.seed_everything`` keep working; ``from lightning.pytorch import Trainer, LightningModule`` becomes
 ``from trainforge.lightning import ...``. The classes are trainforge's own (``TrainingModule`` is the
-LightningModule); README "Coming from Lightning" lists what they take and where they differ.
+LightningModule); docs/guides/lightning.md ("Coming from Lightning") lists what they take and where they differ.
 
 A submodule, not top-level names: ``trainforge`` itself keeps one name per thing."""
 

@@ -1,7 +1,7 @@
 """HF Accelerate's ``accelerate.utils`` (and ``accelerate.logging`` / ``accelerate.local_sgd``) names for
 ported scripts: ``from accelerate.utils import X`` becomes ``from trainforge.utils import X``, with the
 same meaning. Names trainforge does differently (``DeepSpeedPlugin``, ``AutocastKwargs``, ...) are here
-too and refuse to be built, saying what to use instead. See the README, "Coming from Accelerate".
+too and refuse to be built, saying what to use instead. See docs/guides/accelerate.md, "Coming from Accelerate".
 """
 
 from trainforge.trainer.accelerate_compat import release_memory

@@ -122,5 +122,5 @@ def test_a_checkpoint_of_the_stopped_epochs_end_resumes_at_the_next_epoch(tmp_pa
 
 
 def test_max_steps_mid_epoch_still_ends_fit_at_that_batch(tmp_path):
-    trainer, module = fit(tmp_path, [], max_steps=6)  # Lightning also runs the epoch end here (README)
+    trainer, module = fit(tmp_path, [], max_steps=6)  # Lightning also runs the epoch end here (guides/lightning.md)
     assert module.hooks[-2:] == ["b0", "b1"] and (trainer.current_epoch, trainer.global_step) == (1, 6)
