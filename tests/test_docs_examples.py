@@ -237,11 +237,17 @@ def _link_checkout(directory: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory) -> Dict[str, dict]:
-    """Every runnable block, run once by tests/helpers/docs_runner.py; block id -> result and output."""
+def ran(request, tmp_path_factory) -> Dict[str, dict]:
+    """The selected runnable blocks (all, unless -k chose some), run once by tests/helpers/docs_runner.py;
+    block id -> result and output."""
+    chosen = {
+        item.callspec.params["block"].id
+        for item in request.session.items
+        if getattr(item, "callspec", None) is not None and "block" in item.callspec.params
+    }
     base = tmp_path_factory.mktemp("docs_blocks")
     spec = []
-    for number, block in enumerate(TO_RUN):
+    for number, block in enumerate(b for b in TO_RUN if b.id in chosen):
         directory = base / f"{number:02d}"
         directory.mkdir()
         code, _ = program(block)
@@ -270,6 +276,9 @@ def ran(tmp_path_factory) -> Dict[str, dict]:
     return found
 
 
+# The first of these tests waits for all the blocks (the fixture): more than pytest-timeout's default on
+# a loaded 2-core machine (about 90 s of blocks on an idle one).
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("block", TO_RUN, ids=[b.id for b in TO_RUN])
 def test_code_block_runs(block, ran):
     result = ran[block.id]
