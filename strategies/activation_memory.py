@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -254,13 +254,46 @@ def keep_matmul_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _guarded_policy() -> Callable[..., Any]:
+    """``keep_matmul_outputs`` for one block's forward, refusing an in-place op on an output it keeps:
+    torch's selective checkpoint would hand the modified tensor to the recomputation and give wrong
+    gradients without a word (seen with ``y = x @ w.t(); y += b`` on torch 2.13; its own version check
+    does not catch it). Needs the op's output in the policy's context (torch >= 2.7); else unguarded."""
+    kept: Set[int] = set()  # data pointers of the kept outputs' storages (alive until backward)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if not ctx.is_recompute:
+            if kept and op._schema.is_mutable:
+                for arg, value in zip(op._schema.arguments, args):
+                    if arg.alias_info is not None and arg.alias_info.is_write and _storage_ptr(value) in kept:
+                        raise ConfigurationError(
+                            f"activation_checkpointing='op': {op} modifies in place the output of a matmul "
+                            "that the op-level mode keeps for backward, which would make torch recompute "
+                            "wrong gradients. Write that operation out of place (y = y + b instead of "
+                            "y += b), or use 'full' or 'selective:<n>'"
+                        )
+            if op in SAVED_OPS:
+                ptr = _storage_ptr(getattr(ctx, "op_output", None))
+                if ptr is not None:
+                    kept.add(ptr)
+        return keep_matmul_outputs(ctx, op, *args, **kwargs)
+
+    return policy
+
+
+def _storage_ptr(value: Any) -> Optional[int]:
+    if type(value) is not torch.Tensor:  # plain tensors only (a DTensor's storage is its local shard's)
+        return None
+    return value.untyped_storage().data_ptr()
+
+
 def op_level_contexts() -> Tuple[Any, Any]:
     """``torch.utils.checkpoint``'s ``context_fn`` for "op": torch's selective checkpoint contexts with
     ``keep_matmul_outputs``; under ``measure_saved_bytes`` the outputs it keeps are counted too (they
     are cached by torch's dispatch mode, not saved through autograd's hooks)."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    forward, recompute = create_selective_checkpoint_contexts(keep_matmul_outputs)
+    forward, recompute = create_selective_checkpoint_contexts(_guarded_policy())
     meter = _METER.get()
     return (forward if meter is None else _counted(forward, meter)), recompute
 

@@ -129,6 +129,19 @@ def weights_only_load(path: str, map_location: Any = None) -> Any:
         ) from None
 
 
+def _check_activation_mode(spec: Any, stage: Any) -> None:
+    """The "op" mode under ZeRO-3 would give wrong gradients: ZeRO-3 replaces ``F.linear`` by its own
+    function, which adds the bias in place to the matmul output that "op" keeps for backward
+    (``activation_memory`` refuses that at the first forward; this says it before training)."""
+    if spec.mode == "op" and stage == 3:
+        raise ConfigurationError(
+            f"activation_checkpointing={spec.given!r} cannot be used with DeepSpeed ZeRO stage 3: its linear "
+            "layers add the bias in place to the matmul outputs that op-level checkpointing keeps, which "
+            "would make the gradients wrong. Use 'full' or 'selective:<n>' with stage 3, or 'op' with "
+            "stage 1 or 2"
+        )
+
+
 class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
     """ZeRO data parallelism through DeepSpeed. ``stage``: 0-3 or "auto" (chosen from the memory
     estimate, see ``trainforge.strategies.memory_estimate``). ``offload_optimizer`` / ``offload_parameters``
@@ -181,6 +194,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
                 f"offload_parameters needs stage=3 (only ZeRO-3 partitions parameters), got "
                 f"stage={stage!r}; pass stage=3 or drop the parameter offload"
             )
+        _check_activation_mode(self.activation_memory, stage)
         self.stage = stage
         self.zero = ZeroSettings(
             stage=int(stage) if stage != "auto" else 2,
@@ -237,6 +251,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
                 "gradient_clip_algorithm='norm'"
             )
         self.config = self.build_config(module, optimizer)
+        _check_activation_mode(self.activation_memory, self.config.get("zero_optimization", {}).get("stage"))
         # DeepSpeed keeps the parameters in half precision and its engine turns autocast off for the
         # accelerator inside forward, so floating inputs are cast as Lightning does (input_dtype, read
         # by the prepared loaders); its fp16 section does the (dynamic) loss scaling.

@@ -1,5 +1,7 @@
 """2 gloo ranks: every activation_checkpointing mode under DDP and FSDP2 against the mode off, and
-exact resume with a mode on (tests/strategies/test_activation_memory.py reads results.json).
+exact resume with a mode on; the modes DeepSpeed (ZeRO-3: full, selective; ZeRO-2: op) and Megatron
+tensor parallelism (tp=2) apply, against their own mode-off runs (tests/strategies/test_activation_memory.py
+reads results.json).
 
 Each run trains fsdp_common's LitLM for STEPS optimizer steps from the same seed; rank 0 compares
 the consolidated weights with the mode-off run of the same strategy (exact equality: recomputation
@@ -19,10 +21,25 @@ from fsdp_common import fit, full_state, write_json
 
 from trainforge.callbacks.base import Callback
 from trainforge.strategies import DDPStrategy, FSDPStrategy
+from trainforge.strategies.deepspeed import DeepSpeedStrategy
+from trainforge.strategies.megatron import MegatronStrategy
 
 STEPS = 4
 MODES = (None, "full", "selective:2", "op", "offload")
 STRATEGIES = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}
+TP_PLAN = {"net.blocks.*.mlp.0": "colwise", "net.blocks.*.mlp.2": "rowwise"}
+OTHERS = {  # name: (strategy builder, modes; the first is the reference). ZeRO-3 last: it replaces
+    # F.linear for the rest of the process, with a function that "op" refuses (it adds the bias in place)
+    "megatron_tp2": (
+        lambda mode: MegatronStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN, activation_checkpointing=mode),
+        (None, "selective:2", "op"),
+    ),
+    "deepspeed2": (lambda mode: DeepSpeedStrategy(stage=2, activation_checkpointing=mode), (None, "op")),
+    "deepspeed3": (
+        lambda mode: DeepSpeedStrategy(stage=3, activation_checkpointing=mode),
+        (None, "full", "selective:2"),
+    ),
+}
 
 
 class SaveAt(Callback):
@@ -66,6 +83,12 @@ def main(out: Path) -> None:
             "whole_losses": module.losses[STEPS // 2 :],
             "same_weights": same(full_state(trainer), whole),
         }
+    for name, (build, modes) in OTHERS.items():
+        first: Any = None
+        for mode in modes:
+            trainer, module = fit(build(mode), out / f"{name}-{mode}", max_steps=STEPS)
+            first = first or module.losses
+            results[f"{name}/{mode}"] = {"losses": module.losses, "reference": first}
     if rank == 0:
         write_json(out / "results.json", results)
     dist.barrier()

@@ -100,6 +100,29 @@ def test_every_mode_gives_bit_identical_loss_and_gradients_and_saves_less():
     assert kept["full"] < kept["op"] < off.device  # op keeps the matmul outputs
 
 
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.matmul(self.lin.weight.t())
+        y += self.lin.bias  # modifies a matmul output that "op" keeps: torch would recompute wrong gradients
+        return torch.tanh(y)
+
+
+def test_op_mode_refuses_an_in_place_change_of_a_kept_matmul_output():
+    model = nn.Sequential(InPlace(), InPlace())
+    spec = parse_activation_checkpointing("op")
+    apply_activation_memory(model, spec, select_blocks(model, spec))
+    with pytest.raises(ConfigurationError, match=r"'op': aten.add_.Tensor modifies in place.*y = y \+ b"):
+        model(torch.randn(2, 8))
+    spec = parse_activation_checkpointing("full")  # recomputes everything: in-place ops are fine
+    model = nn.Sequential(InPlace(), InPlace())
+    apply_activation_memory(model, spec, select_blocks(model, spec))
+    model(torch.randn(2, 8)).sum().backward()
+
+
 def test_state_dict_keys_are_those_of_the_plain_model():
     model = GPT()
     for value in MODES:
@@ -150,6 +173,11 @@ def test_modes_a_strategy_cannot_apply_are_refused_at_construction():
     with pytest.raises(ConfigurationError, match=r"'offload'.*tensor_parallel_size=2.*DTensors.*'full'"):
         MegatronStrategy(tensor_parallel_size=2, activation_checkpointing="offload")
     MegatronStrategy(tensor_parallel_size=2, activation_checkpointing="op")  # fine
+    from trainforge.strategies.deepspeed import DeepSpeedStrategy
+
+    with pytest.raises(ConfigurationError, match=r"'op'.*ZeRO stage 3.*bias in place.*'full' or 'selective:<n>'"):
+        DeepSpeedStrategy(stage=3, activation_checkpointing="op")
+    DeepSpeedStrategy(stage=2, activation_checkpointing="op")  # fine
 
 
 # ---- through the Trainer, one process --------------------------------------------------------------
@@ -226,7 +254,7 @@ def test_a_model_without_blocks_is_refused_with_the_fix(tmp_path):
 
 # ---- 2 gloo processes: DDP and FSDP2 --------------------------------------------------------------
 @pytest.mark.slow
-def test_ddp_and_fsdp2_on_two_processes_match_off_and_resume_exactly(tmp_path):
+def test_every_strategy_on_two_processes_matches_off_and_resumes_exactly(tmp_path):
     output = run(torchrun(SCRIPTS / "activation_memory_train.py", tmp_path), timeout=300).stdout
     assert "rank 0 ok" in output and "rank 1 ok" in output, output[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -238,6 +266,14 @@ def test_ddp_and_fsdp2_on_two_processes_match_off_and_resume_exactly(tmp_path):
         assert sorted(results[f"{kind}/selective:2"]["checkpointed"]) == ["net.blocks.1"]  # of 3 blocks
         resume = results[f"{kind}/resume"]
         assert resume["losses"] == resume["whole_losses"] and resume["same_weights"], kind
+    for name in (
+        "deepspeed3/full",
+        "deepspeed3/selective:2",
+        "deepspeed2/op",
+        "megatron_tp2/selective:2",
+        "megatron_tp2/op",
+    ):
+        assert results[name]["losses"] == results[name]["reference"], name
 
 
 def test_a_second_setup_leaves_the_wrapped_model_alone():
