@@ -125,6 +125,44 @@ def test_weight_average_rolls_back_with_the_weights(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(module.net.parameters(), whole.net.parameters()))
 
 
+class MidWindowSave(Callback):
+    """A checkpoint after batch 2 of every epoch: inside an accumulation window of 2 (partial gradients)."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 2:
+            trainer.save_checkpoint(str(self.root / f"mid-{trainer.current_epoch}"))
+
+
+def test_rollback_to_a_checkpoint_inside_an_accumulation_window(tmp_path):
+    """The checkpoint's partial gradients are not restored: the rollback happens at a window boundary and the
+    data goes on from there. Epoch e: window (0, 1) steps, the save after batch 2, window (2, 3) steps,
+    windows (4, 5) and (6, 7) hold NaNs and are skipped -> back to the save. What remains: one step per epoch
+    on batches 0 and 1."""
+    seed_everything(0)
+    net = make_net()
+    spikes = LossSpikes(window=2, rollback_after=2)
+    bad = data(bad=(4, 5, 6, 7))
+    extra = [MidWindowSave(tmp_path / "mid")]
+    trainer, module, _ = fit(
+        tmp_path, copy.deepcopy(net), spikes, every=100, loader=bad, extra=extra, accumulate_grad_batches=2
+    )
+    assert spikes.rollbacks == 2 and trainer.global_step == 2 and trainer.current_epoch == 2
+    assert all(p.grad is None for p in module.parameters())
+    assert (tmp_path / "mid" / "mid-1" / "grads_rank0.pt").exists()  # written inside the window indeed
+    reference = copy.deepcopy(net)
+    loader = list(data(bad=()))
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)  # StepLR(step_size=3): lr unchanged for 2 steps
+    for _ in range(2):
+        for x, y in loader[:2]:
+            (torch.nn.functional.mse_loss(reference(x), y) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(module.net.parameters(), reference.parameters()))
+
+
 def ema():
     return EMAWeightAveraging(decay=0.5)
 
