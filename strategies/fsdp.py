@@ -69,7 +69,9 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     The Accelerator's autocast stays on: it is redundant for matmuls (the parameters already
     arrive in bf16/fp16) but keeps softmax, norms and losses in fp32, as under the other strategies.
     16-mixed keeps the Precision's ``torch.amp.GradScaler``: its inf check on DTensor gradients is
-    reduced over the mesh by DTensor itself, so every rank skips the same steps."""
+    reduced over the mesh by DTensor itself, so every rank skips the same steps.
+    ``fp8_all_gather``: under precision="fp8", torchao's Float8Linear weights are all-gathered in
+    float8 (None: on; False: in the parameter dtype, cast to fp8 after the gather)."""
 
     name = "fsdp"
     redirect_forward = True  # FSDP's unshard hooks run in the root's forward
@@ -87,6 +89,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         mixed_precision: Optional[MixedPrecisionPolicy] = None,
         state_dict_type: str = "sharded",
         reshard_after_forward: Optional[Union[bool, int]] = None,
+        fp8_all_gather: Optional[bool] = None,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
     ) -> None:
@@ -116,6 +119,11 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                 f"reshard_after_forward={reshard_after_forward!r} must be None (from "
                 "sharding_strategy), True, False or an int (a divisor of the shard size)"
             )
+        if fp8_all_gather is not None and not isinstance(fp8_all_gather, bool):
+            raise ConfigurationError(
+                f"fp8_all_gather={fp8_all_gather!r} must be None (on under precision='fp8'), True or False"
+            )
+        self.fp8_all_gather = fp8_all_gather
         self.sharding_strategy, self.state_dict_type = key, state_dict_type
         self.auto_wrap_policy = auto_wrap_policy
         self.cpu_offload, self.mixed_precision = bool(cpu_offload), mixed_precision
@@ -164,7 +172,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                 "FSDPStrategy.setup called before setup_environment(); use it through the "
                 "Trainer or Accelerator, or call strategy.setup_environment() first"
             )
-        module = self.precision.convert_module(module)
+        module = self.precision.convert_module(module, fp8_all_gather=self._gathers_fp8())
         units = select_modules(module, self.auto_wrap_policy)
         wrappers = self.wrap_activation_blocks(module, {type(m) for _, m in units} or None)
         self.checkpointed_modules.reverse()  # descendants first, the order units are sharded in
@@ -182,6 +190,19 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                 len(self.checkpointed_modules),
             )
         return module
+
+    def _gathers_fp8(self) -> bool:
+        """Whether the Float8Linear weights are all-gathered in fp8 (half the bytes of bf16). Their
+        scale is computed in the pre-all-gather from the amax over the mesh each time (one small
+        all-reduce per weight), so it is right whatever changed the weights (optimizer, a load, EMA's
+        swap); torchao's precomputed scales would go stale on anything but an optimizer step."""
+        fp8 = self.precision.name == "fp8"
+        if self.fp8_all_gather and not fp8:
+            raise ConfigurationError(
+                f"FSDPStrategy(fp8_all_gather=True) with precision={self.precision.name!r}: the weights are "
+                "float8 only under precision='fp8'; set precision='fp8' or drop fp8_all_gather"
+            )
+        return fp8 and self.fp8_all_gather is not False
 
     def _fully_shard_kwargs(self) -> Dict[str, Any]:
         reshard = self.reshard_after_forward

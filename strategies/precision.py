@@ -7,6 +7,7 @@ aliases (``"no"``/``"fp32"``, ``"fp16"``, ``"bf16"``), since those are what user
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, ContextManager, Dict, Optional
 
 import torch
@@ -75,13 +76,17 @@ class Precision:
             return _NO_AUTOCAST  # reusable: called once per step
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: nn.Module, fp8_all_gather: bool = False) -> nn.Module:
+        """The module in this precision's form: bf16 parameters for bf16-true; torchao's Float8Linear
+        for fp8 (``fp8_all_gather``: FSDP2 gathers those weights in fp8, torchao's
+        ``enable_fsdp_float8_all_gather``)."""
         if self.name == "bf16-true":
             return module.to(torch.bfloat16)
         if self.name == "fp8":
-            from torchao.float8 import convert_to_float8_training  # checked in _check_fp8
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # checked in _check_fp8
 
-            return convert_to_float8_training(module, module_filter_fn=_fp8_filter)
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather)
+            return convert_to_float8_training(module, config=config, module_filter_fn=_fp8_filter)
         return module
 
     def convert_input(self, data: Any) -> Any:
@@ -125,15 +130,27 @@ class Precision:
             self.scaler.load_state_dict(state["scaler"])
 
     def _check_fp8(self) -> None:
-        if self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (8, 9):
+        """fp8 runs where torch has float8 matmuls: NVIDIA GPUs of compute capability >= 8.9, and the CPU
+        (slowly: a laptop runs the script a GPU run will, as every other precision does)."""
+        if self.device.type not in ("cuda", "cpu") or (
+            self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9)
+        ):
             raise ConfigurationError(
-                f"precision='fp8' needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper); this process "
-                f"runs on {self.device}. Use precision='bf16-mixed' instead."
+                f"precision='fp8' needs an NVIDIA GPU with compute capability >= 8.9 (Ada/Hopper) or the CPU; "
+                f"this process runs on {self.device}. Use precision='bf16-mixed' instead."
             )
         try:
             import torchao.float8  # noqa: F401
         except ImportError as exc:
-            raise ConfigurationError("precision='fp8' uses torchao's float8 training: pip install torchao") from exc
+            raise ConfigurationError(
+                "precision='fp8' uses torchao's float8 training: pip install torchao (or trainforge[fp8])"
+            ) from exc
+        if self.device.type == "cpu":
+            warnings.warn(
+                "precision='fp8' on CPU: torchao's float8 matmuls run on the CPU, far slower than bf16; "
+                "use it to check a configuration before a GPU run, precision='bf16-mixed' to train",
+                stacklevel=3,
+            )
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"

@@ -141,3 +141,15 @@ def test_exact_resume_after_sigkill_on_cuda_is_bit_identical(tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"final weights differ at {key}"
+
+
+def test_fp8_all_gather_under_fsdp2_equals_gathering_fp32(tmp_path):
+    """tests/scripts/fp8_fsdp.py on the GPU (one rank: the all-gather still goes through torchao's hook)."""
+    needs("torchao")
+    script = ROOT / "tests" / "scripts" / "fp8_fsdp.py"
+    procs.run(procs.trainforge_launch(script, tmp_path, nproc=1), timeout=300, env=procs.gpu_env())
+    r = json.loads((tmp_path / "rank0.json").read_text())
+    assert r["fp8_gather"]["shard"] == "WeightWithDynamicFloat8CastTensor"
+    assert r["fp8_gather_fp32_params"]["losses"] == r["fp32_gather"]["losses"]
+    assert r["fp8_gather"]["gathered_bytes"] < 0.7 * r["param_gather"]["gathered_bytes"]
+    assert not any(v["cpu_warning"] for v in r.values())
