@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers.procs import run, torchrun
+from tests.helpers import forklaunch
 from trainforge import Trainer, TrainingModule
 from trainforge.callbacks.base import Callback
 from trainforge.strategies import DDPStrategy, SingleDeviceStrategy, resolve_strategy
@@ -255,7 +255,7 @@ def test_a_model_without_blocks_is_refused_with_the_fix(tmp_path):
 # ---- 2 gloo processes: DDP and FSDP2 --------------------------------------------------------------
 @pytest.mark.slow
 def test_every_strategy_on_two_processes_matches_off_and_resumes_exactly(tmp_path):
-    output = run(torchrun(SCRIPTS / "activation_memory_train.py", tmp_path), timeout=300).stdout
+    output = forklaunch.launch(SCRIPTS / "activation_memory_train.py", tmp_path, nproc=2, timeout=300).stdout
     assert "rank 0 ok" in output and "rank 1 ok" in output, output[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     for kind in ("ddp", "fsdp"):
