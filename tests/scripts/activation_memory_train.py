@@ -1,7 +1,7 @@
 """2 gloo ranks: every activation_checkpointing mode under DDP and FSDP2 against the mode off, and
 exact resume with a mode on; the modes DeepSpeed (ZeRO-3: full, selective; ZeRO-2: op) and Megatron
-tensor parallelism (tp=2) apply, against their own mode-off runs (tests/strategies/test_activation_memory.py
-reads results.json).
+tensor parallelism (tp=2) and pipeline stages (pp=2, each rank checking its own blocks) apply, against
+their own mode-off runs (tests/strategies/test_activation_memory.py reads results.json).
 
 Each run trains fsdp_common's LitLM for STEPS optimizer steps from the same seed; rank 0 compares
 the consolidated weights with the mode-off run of the same strategy (exact equality: recomputation
@@ -18,6 +18,7 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 from fsdp_common import fit, full_state, write_json
+from megatron_pp import fit as pipeline_fit
 
 from trainforge.callbacks.base import Callback
 from trainforge.strategies import DDPStrategy, FSDPStrategy
@@ -49,6 +50,14 @@ class SaveAt(Callback):
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self.step and not self.path.exists():
             trainer.save_checkpoint(str(self.path))
+
+
+def gathered_pp(results: Dict[str, Any], rank: int) -> list:
+    """Every rank's pipeline results (each holds its own stage's blocks)."""
+    mine = {k: v for k, v in results.items() if k.startswith("megatron_pp2/") and k.endswith(f"rank{rank}")}
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return parts
 
 
 def same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
@@ -83,6 +92,14 @@ def main(out: Path) -> None:
             "whole_losses": module.losses[STEPS // 2 :],
             "same_weights": same(full_state(trainer), whole),
         }
+    first = None  # pipeline stages (pp=2): "every n-th" counts the model's blocks across the stages
+    for mode in (None, "selective:2", "op"):
+        strategy = MegatronStrategy(pipeline_parallel_size=2, activation_checkpointing=mode)
+        _, _, losses = pipeline_fit(strategy, out / f"pp2-{mode}", STEPS)
+        first = first or losses
+        results[f"megatron_pp2/{mode}/rank{rank}"] = {"losses": losses, "reference": first}
+        results[f"megatron_pp2/{mode}/rank{rank}"]["checkpointed"] = strategy.checkpointed_modules
+    results.update({k: v for d in gathered_pp(results, rank) for k, v in d.items()})
     for name, (build, modes) in OTHERS.items():
         first: Any = None
         for mode in modes:

@@ -274,6 +274,13 @@ def test_every_strategy_on_two_processes_matches_off_and_resumes_exactly(tmp_pat
         "megatron_tp2/op",
     ):
         assert results[name]["losses"] == results[name]["reference"], name
+    for mode in ("selective:2", "op"):
+        stages = [results[f"megatron_pp2/{mode}/rank{r}"] for r in (0, 1)]
+        assert all(s["losses"] == s["reference"] for s in stages), mode
+    assert [results[f"megatron_pp2/selective:2/rank{r}"]["checkpointed"] for r in (0, 1)] == [
+        ["net.blocks.1"],
+        ["net.blocks.3"],
+    ]  # the model's 2nd and 4th blocks, one on each stage
 
 
 def test_a_second_setup_leaves_the_wrapped_model_alone():
