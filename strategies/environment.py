@@ -150,6 +150,31 @@ def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     return counts[node_id]
 
 
+def slurm_job_id(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The id ``scontrol requeue`` takes for this SLURM job, or None outside SLURM and in an interactive
+    allocation (``srun --pty bash``, ``salloc``: SLURM_JOB_NAME "bash"/"interactive"): a task of a job
+    array is "<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>", any other job SLURM_JOB_ID."""
+    if "SLURM_JOB_ID" not in environ or environ.get("SLURM_JOB_NAME") in _INTERACTIVE_SLURM_JOB_NAMES:
+        return None
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        array, task = environ["SLURM_ARRAY_JOB_ID"].strip(), environ["SLURM_ARRAY_TASK_ID"].strip()
+        job, names = f"{array}_{task}", f"SLURM_ARRAY_JOB_ID={array!r}, SLURM_ARRAY_TASK_ID={task!r}"
+    else:
+        job = environ["SLURM_JOB_ID"].strip()
+        names = f"SLURM_JOB_ID={job!r}"
+    if not re.fullmatch(r"\d+(_\d+)?", job):
+        raise ConfigurationError(
+            f"{names} is not a SLURM job id (digits, or <array job>_<task> for a job array); fix the job script "
+            "that sets it, or pass Trainer(auto_requeue=False)"
+        )
+    return job
+
+
+def slurm_restart_count(environ: Mapping[str, str] = os.environ) -> int:
+    """How many times SLURM restarted this job (requeued it): SLURM_RESTART_COUNT, 0 when unset."""
+    return _int(environ, "SLURM_RESTART_COUNT", 0, "SLURM") if environ.get("SLURM_RESTART_COUNT") else 0
+
+
 def _int(environ: Mapping[str, str], name: str, minimum: int = 0, source: str = "") -> int:
     """``environ[name]`` as an int >= minimum; errors name the variable, its value and the fix."""
     where = f" ({source})" if source else ""

@@ -139,6 +139,7 @@ class StopSignals:
         self._polls, self._next_exchange = 0, 1  # poll counts: every rank the same
         self._per_poll: Optional[float] = None  # rank 0: seconds between polls
         self._last_proposal: Optional[Tuple[float, int]] = None
+        self._pid = os.getpid()  # the process whose handlers these are
         if install:
             self.install()
 
@@ -165,6 +166,7 @@ class StopSignals:
                 ", ".join(s.name for s in self.signals),
             )
             return
+        self._pid = os.getpid()
         for sig in self.signals:
             previous = signal.getsignal(sig)
             if previous in (signal.SIG_DFL, signal.default_int_handler):  # None: a handler set outside Python
@@ -210,6 +212,8 @@ class StopSignals:
         self.uninstall()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:  # a process forked meanwhile (a DataLoader worker); SLURM signals every
+            return  # process of a job step: the training process decides, the worker carries on
         sig = signal.Signals(signum)
         if self.received is not None:
             if sig == signal.SIGINT:
@@ -336,8 +340,11 @@ def checkpoint_of_step(callbacks: Sequence[Any], step: int) -> Optional[str]:
     return None
 
 
-def stopped(stops: StopSignals, step: int, callbacks: Sequence[Any], is_global_zero: bool) -> TrainingStopped:
-    """What fit raises once every checkpoint of the stop step is committed (and says on rank 0)."""
+def stopped(
+    stops: StopSignals, step: int, callbacks: Sequence[Any], is_global_zero: bool, requeue: Any = None
+) -> TrainingStopped:
+    """What fit raises once every checkpoint of the stop step is committed (and says on rank 0); a
+    ``SlurmRequeue`` (``trainer/slurm_requeue.py``) then requeues a SLURM job stopped on its signal."""
     name = stops.stop_requested or "SIGTERM"
     path = checkpoint_of_step(callbacks, step)
     if is_global_zero:
@@ -358,4 +365,6 @@ def stopped(stops: StopSignals, step: int, callbacks: Sequence[Any], is_global_z
                 step,
                 exit_code(signal.Signals[name]),
             )
+    if requeue is not None:
+        requeue.after_stop(name, is_global_zero, path)
     return TrainingStopped(name, step, path)

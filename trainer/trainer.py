@@ -5,6 +5,7 @@ precision, accumulation and checkpointing with users of the thin API."""
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Any, Dict, List, Optional, Sequence, Sized, Union, cast
 
 import torch
@@ -51,6 +52,7 @@ from trainforge.trainer.module import TrainingModule
 from trainforge.trainer.preemption import DEFAULT_STOP_SIGNALS, SignalsArg, StopSignals, stopped
 from trainforge.trainer.profiling import instrument, reset_profilers, with_profiler
 from trainforge.trainer.seed import seed_everything
+from trainforge.trainer.slurm_requeue import SlurmRequeue
 from trainforge.trainer.wrappers import PreparedDataLoader
 
 log = logging.getLogger("trainforge")
@@ -92,6 +94,8 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         resume: Optional[str] = None,
         num_sanity_val_steps: int = 2,
         stop_signals: SignalsArg = DEFAULT_STOP_SIGNALS,
+        auto_requeue: bool = True,
+        requeue_signal: Union[str, int, signal.Signals] = "SIGUSR1",
         hang_timeout: Optional[float] = None,
         profiler: Any = None,
     ) -> None:
@@ -143,7 +147,8 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         )
         self.strategy = self.accelerator.strategy
         self.default_root_dir = resolve_root_dir(default_root_dir)
-        self.compile, self.resume, self.seed = compile, resume, seed
+        self.requeue = SlurmRequeue(auto_requeue, requeue_signal, self.stop_signals.signals)  # trainer/slurm_requeue.py
+        self.compile, self.resume, self.seed = compile, self.requeue.resume(resume, self.is_global_zero), seed
         if (
             not isinstance(num_sanity_val_steps, int)
             or isinstance(num_sanity_val_steps, bool)
@@ -296,7 +301,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
                 if isinstance(loader, PreparedDataLoader):
                     loader.release_workers()
         if self.stop_requested is not None:  # TrainingStopped: exit code 128 + the signal number
-            raise stopped(self.stop_signals, self.global_step, self.callbacks, self.is_global_zero)
+            raise stopped(self.stop_signals, self.global_step, self.callbacks, self.is_global_zero, self.requeue)
 
     def _setup_fit(self, module: TrainingModule, train_loader: Any, val_loaders: Any) -> None:
         self._none_steps, self._warned_none = 0, False
