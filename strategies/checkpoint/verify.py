@@ -108,8 +108,17 @@ def read_metadata(ckpt_dir: PathLike) -> Dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing file; {Path(ckpt_dir)} is not a complete trainforge checkpoint")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unparsable metadata ({e}); the checkpoint is corrupted") from None
+    return parse_metadata(text, path)
+
+
+def parse_metadata(text: str, path: object) -> Dict[str, Any]:
+    """``read_metadata``'s checks on the text of a metadata.json read from ``path`` (a file or a URL)."""
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
         raise CheckpointError(f"{path}: unparsable metadata ({e}); the checkpoint is corrupted") from None
     if not isinstance(meta, dict) or "format_version" not in meta:
         raise CheckpointError(f"{path}: unparsable metadata (no 'format_version' field); the checkpoint is corrupted")
