@@ -21,8 +21,13 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from trainforge.callbacks.base import Callback
 from trainforge.strategies.checkpoint.async_save import check_async_save, resolve_async_save
-from trainforge.strategies.checkpoint.io import delete_checkpoint, read_metadata
-from trainforge.strategies.checkpoint.write_errors import check_writable
+from trainforge.strategies.checkpoint.remote import check_protocol, is_remote, location
+from trainforge.strategies.checkpoint.remote_read import (
+    Location,
+    check_writable_at,
+    delete_checkpoint_at,
+    read_metadata_at,
+)
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -154,6 +159,8 @@ class ModelCheckpoint(Callback):
             )
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
             raise ConfigurationError(f"train_time_interval={train_time_interval!r} must be a datetime.timedelta")
+        if is_remote(dirpath):
+            check_protocol(str(dirpath))  # an fsspec protocol that is not installed fails now
         self.dirpath = dirpath
         self.filename = filename or ("{epoch}-{step}" + ("" if monitor is None else "-{" + monitor + ":.4g}"))
         _check_template(self.filename, within_epoch=every_n_steps is not None or train_time_interval is not None)
@@ -204,7 +211,7 @@ class ModelCheckpoint(Callback):
         self.current_score = state.get("current_score")
         self._restored_paths = True  # placed in this run's directory at fit start
 
-    def _place_restored_paths(self, root: Path) -> None:
+    def _place_restored_paths(self, root: Location) -> None:
         """The checkpoint's paths, which name the directory of the run that wrote them, resolved against
         this run's directory by name: a copied run (``cp -r``) keeps top-k and pruning inside its copy,
         and a downloaded checkpoint cannot name another folder (a checkpoint's state is data)."""
@@ -242,17 +249,18 @@ class ModelCheckpoint(Callback):
         pick = max if self.mode == "min" else min
         return pick(self.best_k, key=self.best_k.__getitem__)
 
-    def directory(self, trainer: "TrainerView") -> Path:
-        return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "checkpoints"
+    def directory(self, trainer: "TrainerView") -> Location:
+        """A ``Path``, or a ``RemotePath`` for a URL (object storage: strategies/checkpoint/remote.py)."""
+        return location(self.dirpath if self.dirpath else trainer.default_checkpoint_dir)
 
     # ---- triggers ------------------------------------------------------------------------------
     def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
         self._last_time = time.monotonic()
         if self._saves_anything():  # every rank writes files of each checkpoint: each checks, before any work
             if self.dirpath:
-                check_writable(self.dirpath, f"ModelCheckpoint(dirpath={self.dirpath!r})", "Pass dirpath=...")
+                check_writable_at(self.dirpath, f"ModelCheckpoint(dirpath={self.dirpath!r})", "Pass dirpath=...")
             else:
-                check_writable(
+                check_writable_at(
                     self.directory(trainer),
                     f"the checkpoint directory {str(self.directory(trainer))!r} (Trainer(default_root_dir) + "
                     f"'/checkpoints')",
@@ -413,7 +421,7 @@ class ModelCheckpoint(Callback):
 
         def prune() -> None:
             try:  # only a trainforge checkpoint directly inside our directory, whatever the saved state says
-                delete_checkpoint(path, root=root)
+                delete_checkpoint_at(path, root)
             except CheckpointError as e:
                 log.warning("ModelCheckpoint: not pruning %s: %s", path, e)
 
@@ -426,9 +434,9 @@ class ModelCheckpoint(Callback):
         trainer.strategy.barrier()
 
 
-def _same_run(path: Path, run_id: Optional[str]) -> bool:
+def _same_run(path: Location, run_id: Optional[str]) -> bool:
     """Whether ``path`` is a checkpoint this run wrote (so saving under its name again may replace it)."""
     try:
-        return run_id is not None and read_metadata(path).get("run_id") == run_id
+        return run_id is not None and read_metadata_at(path).get("run_id") == run_id
     except CheckpointError:
         return False

@@ -21,9 +21,11 @@ class TrainerView(Protocol):
     stage: str  # "fit", "sanity_check", "validate", "test", "predict"
     should_stop: bool  # set True to stop fit at the next check
     run_id: Optional[str]  # the same on every rank; kept by a resumed run
-    default_root_dir: str
+    default_root_dir: str  # local: logs and trackers write here
     num_training_batches: Any  # int, or float("inf") for a loader without length
 
+    @property
+    def default_checkpoint_dir(self) -> str: ...  # <default_root_dir>/checkpoints, or Trainer(default_root_dir=URL)'s
     @property
     def global_step(self) -> int: ...
     @property

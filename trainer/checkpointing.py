@@ -28,18 +28,18 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, cast
 
 from torch import nn
 
 from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.checkpoint.io import (
-    CheckpointWriter,
     list_checkpoints,
     load_object,
     read_metadata,
-    resolve_checkpoint,
 )
+from trainforge.strategies.checkpoint.remote import location, open_writer
+from trainforge.strategies.checkpoint.remote_read import resolve_on_ranks
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.adapters import (
     load_model_state,
@@ -279,7 +279,7 @@ def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, 
         return acc.async_checkpointer.open(path, kind=kind)
     acc.wait_for_checkpoint()
     strategy = acc.strategy
-    return CheckpointWriter(
+    return open_writer(  # a URL: staged locally and uploaded (strategies/checkpoint/remote.py)
         path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier, kind=kind
     )
 
@@ -303,7 +303,10 @@ def save_accelerator_state(
 
 
 def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str, parts: CheckpointParts) -> Path:
-    path = resolve_checkpoint(Path(input_dir).parent, input_dir)
+    s = acc.strategy
+    path = cast(
+        Path, resolve_on_ranks(location(input_dir).parent, input_dir, rank=s.global_rank, broadcast=s.broadcast)
+    )
     _, rng = load_state(acc, path, parts)
     set_rng_state(rng)
     return path
@@ -374,7 +377,7 @@ def save_weights(
     (``adapter_only`` None or True) the adapter in PEFT's format instead (``trainer/adapters.py``)."""
     if wants_adapter(strategy, model, adapter_only):
         return save_adapter(strategy, model, path)
-    writer = CheckpointWriter(
+    writer = open_writer(
         path, rank=strategy.global_rank, world_size=strategy.world_size, barrier=strategy.barrier, kind="weights"
     )
     weights = strategy.module_state_dict(model)

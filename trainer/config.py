@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -10,6 +11,8 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
+
+log = logging.getLogger("trainforge")
 
 CLIP_ALGORITHMS = ("norm", "value")
 NONFINITE_POLICIES = ("raise", "skip", "off")
@@ -314,6 +317,27 @@ def resolve_root_dir(path: Optional[str]) -> str:
         )
     os.makedirs(root, exist_ok=True)
     return root
+
+
+def resolve_root_dirs(path: Optional[str]) -> "tuple[str, Optional[str]]":
+    """(local root for logs and trackers, URL for checkpoints or None). A URL ``default_root_dir``
+    (``s3://bucket/run``: strategies/checkpoint/remote.py) holds the checkpoints; trackers, profiles and hang
+    dumps write local files and stay under the local default (``<cwd>/runs``), said once here."""
+    from trainforge.strategies.checkpoint.remote import RemotePath, check_protocol, is_remote
+
+    if not is_remote(path):
+        return resolve_root_dir(path), None
+    url = RemotePath(str(path)).url
+    check_protocol(url)  # an fsspec protocol that is not installed fails here, before any work
+    local = resolve_root_dir(None)
+    log.info(
+        "trainforge: default_root_dir=%r: checkpoints go to %s/checkpoints; logs, trackers, profiles and hang "
+        "dumps stay on local disk under %s",
+        str(path),
+        url,
+        local,
+    )
+    return local, url
 
 
 def _parents(path: str) -> List[str]:

@@ -11,9 +11,9 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, cast
 
-from trainforge.strategies.checkpoint.io import resolve_checkpoint
+from trainforge.strategies.checkpoint.remote_read import resolve_on_ranks
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.datamodule import DataModule
 
@@ -85,18 +85,23 @@ class EvaluationInputs:
                     "weights" + (f" (trainer.{stage}(model))" if not model_given else "")
                 )
             if cb.monitor is None:  # Lightning: without a monitor the best is the newest save
-                return resolve_checkpoint(cb.directory(self), "last")  # type: ignore[arg-type]
+                return self._resolve_eval(cb.directory(self), "last")  # type: ignore[arg-type]
             if cb.best_model_path is None:
                 raise CheckpointError(
                     f"Trainer.{stage}(ckpt_path='best'): ModelCheckpoint(monitor={cb.monitor!r}) has saved no "
                     "checkpoint yet (fit first, or pass ckpt_path='last' or a checkpoint directory)"
                 )
-            return resolve_checkpoint(cb.directory(self), cb.best_model_path)  # type: ignore[arg-type]
+            return self._resolve_eval(cb.directory(self), cb.best_model_path)  # type: ignore[arg-type]
         if not isinstance(ckpt_path, (str, Path)):
             raise ConfigurationError(
                 f"ckpt_path={ckpt_path!r} must be 'best', 'last' or a checkpoint directory (str or pathlib.Path)"
             )
-        return resolve_checkpoint(self._checkpoint_root(), ckpt_path)
+        return self._resolve_eval(self._checkpoint_root(), ckpt_path)
+
+    def _resolve_eval(self, root: Any, ckpt_path: Any) -> Path:
+        """``resolve_checkpoint``; in object storage, downloaded and verified (strategies/checkpoint/remote_read.py)."""
+        found = resolve_on_ranks(root, ckpt_path, rank=self.strategy.global_rank, broadcast=self.strategy.broadcast)
+        return cast(Path, found)
 
     def _load_eval_weights(self, path: Optional[Path]) -> None:
         """The module's weights from ``path`` (only them, as Lightning restores for evaluation)."""

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
 from trainforge.callbacks.loss_spikes import LossSpikes
-from trainforge.strategies.checkpoint.io import list_checkpoints, read_metadata, resolve_checkpoint
+from trainforge.strategies.checkpoint.io import read_metadata, resolve_checkpoint
+from trainforge.strategies.checkpoint.remote import is_remote, location
+from trainforge.strategies.checkpoint.remote_read import Location, list_checkpoints_at, resolve_on_ranks
 from trainforge.strategies.errors import CheckpointError
 from trainforge.trainer.checkpointing import CheckpointParts, load_state, save_state
 from trainforge.trainer.config import Progress
@@ -50,14 +52,26 @@ class FitCheckpoints:
 
         def _fire(self, event: Event, *args: Any) -> None: ...
 
-    def _checkpoint_root(self) -> Path:
+    _remote_root: Optional[str] = None  # Trainer(default_root_dir=<URL>): checkpoints go there, logs stay local
+
+    @property
+    def default_checkpoint_dir(self) -> str:
+        """``<default_root_dir>/checkpoints``, a URL when ``default_root_dir`` was one (``default_root_dir`` is
+        then the local folder of logs and trackers: trainer/config.py ``resolve_root_dirs``)."""
+        return (
+            f"{self._remote_root}/checkpoints"
+            if self._remote_root
+            else str(Path(self.default_root_dir) / "checkpoints")
+        )
+
+    def _checkpoint_root(self) -> Location:
         """Where ``ckpt_path="last"`` and ``resume="auto"`` look: the first ModelCheckpoint's directory."""
         from trainforge.callbacks.checkpoint import ModelCheckpoint
 
         for cb in self.callbacks:
             if isinstance(cb, ModelCheckpoint):
                 return cb.directory(cast("Trainer", self))
-        return Path(self.default_root_dir) / "checkpoints"
+        return location(self.default_checkpoint_dir)
 
     def _start_run(self, ckpt_path: Optional[str], required: bool) -> Optional[Path]:
         """Give this fit a run id (every rank the same), then resume from ``ckpt_path`` if given: a
@@ -71,7 +85,7 @@ class FitCheckpoints:
             self.run_id = read_metadata(path).get("run_id") or self.run_id
         elif self.is_global_zero:
             root = self._checkpoint_root()
-            earlier = list_checkpoints(root)
+            earlier = list_checkpoints_at(root)
             if earlier:
                 log.warning(
                     "trainforge: %s already holds %d checkpoint(s) of an earlier run (newest: %s). This run "
@@ -122,12 +136,14 @@ class FitCheckpoints:
     def _load_checkpoint(self, ckpt_path: str, required: bool = True) -> Optional[Path]:
         """Restore everything but RNG now; RNG is restored by the loop just before the next batch."""
         root = self._checkpoint_root()
-        if required and str(ckpt_path) == "last" and not list_checkpoints(root):
+        if required and str(ckpt_path) == "last" and not list_checkpoints_at(root):
             raise CheckpointError(
                 f"fit(ckpt_path='last'): there is no checkpoint under {root} yet. To resume when one "
                 "exists and start fresh otherwise, use Trainer(resume='auto') and leave ckpt_path out"
             )
-        path = resolve_checkpoint(root, ckpt_path, missing_ok=not required)
+        path = resolve_on_ranks(  # a URL: downloaded and verified (strategies/checkpoint/remote_read.py)
+            root, ckpt_path, rank=self.strategy.global_rank, broadcast=self.strategy.broadcast, missing_ok=not required
+        )
         if path is None:
             if self.is_global_zero:
                 log.info("trainforge: no checkpoint under %s; starting from scratch", root)
@@ -190,6 +206,8 @@ class FitCheckpoints:
         if newest is None:
             return "", "this fit has written no checkpoint yet and did not resume from one"
         try:
+            if is_remote(newest):  # rank 0 restores from its download; the others read it (same node)
+                return str(resolve_on_ranks(newest.parent, newest, rank=0, broadcast=lambda obj, src: obj)), ""
             return str(resolve_checkpoint(newest.parent, newest)), ""
         except CheckpointError as e:
             return "", str(e)

@@ -23,7 +23,7 @@ from trainforge.trainer.config import (
     limited,
     loader_length,
     parse_optimizers,
-    resolve_root_dir,
+    resolve_root_dirs,
 )
 from trainforge.trainer.eval_results import fit_datamodule
 from trainforge.trainer.evaluation import Evaluation
@@ -146,7 +146,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
             dispatch_batches=False,
         )
         self.strategy = self.accelerator.strategy
-        self.default_root_dir = resolve_root_dir(default_root_dir)
+        self.default_root_dir, self._remote_root = resolve_root_dirs(default_root_dir)  # a URL: checkpoints only
         self.requeue = SlurmRequeue(auto_requeue, requeue_signal, self.stop_signals.signals)  # trainer/slurm_requeue.py
         self.compile, self.resume, self.seed = compile, self.requeue.resume(resume, self.is_global_zero), seed
         if (

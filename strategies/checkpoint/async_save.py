@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from trainforge.strategies.checkpoint.io import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
+from trainforge.strategies.checkpoint.remote import is_remote, open_writer
 from trainforge.strategies.checkpoint.write_errors import is_write_error, save_failed
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
@@ -109,7 +110,7 @@ class AsyncCheckpointer:
         s = self.strategy
         if dist.is_available() and dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")  # collective: every rank saves, in the same order
-        writer = CheckpointWriter(
+        writer = open_writer(  # a URL: staged locally, uploaded by the background job (remote.py)
             final_dir,
             rank=s.global_rank,
             world_size=s.world_size,
@@ -135,6 +136,13 @@ class AsyncCheckpointer:
             future.result()
             self._committed = self._path
         except BaseException as e:
+            if is_remote(self._path):  # the remote writer's errors name the URL and what is intact
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointError(
+                    f"asynchronous save of {self._path} failed ({type(e).__name__}: {e}); it was not uploaded "
+                    "and 'latest' was not moved"
+                ) from e
             cause = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ is not None else e
             if not is_write_error(cause):  # the writer's explanation of a failed write is re-worded, not nested
                 cause = e

@@ -1,0 +1,178 @@
+"""Checkpoints in object storage (strategies/checkpoint/remote.py) against a real S3 API: moto's server on
+127.0.0.1 (tests/helpers/s3server.py), read and written through s3fs, never the internet.
+
+Visible only when complete (manifest, then ``latest``, last), verified on load with fallback to the newest
+valid one, pruning only what trainforge wrote, bit-identical resume on 1 and 2 processes (asynchronous upload
+on 2), and bad URLs refused before training."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import forklaunch, procs
+from tests.helpers.s3server import S3Server
+from trainforge.strategies.checkpoint.remote import MARKER, RemoteCheckpointWriter, RemotePath, is_remote
+from trainforge.strategies.checkpoint.remote_read import (
+    delete_checkpoint_at,
+    list_remote,
+    read_remote_latest,
+    resolve_remote,
+)
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "scripts" / "remote_run.py"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server on 127.0.0.1 for this module, stopped at its end."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    server = S3Server()
+    try:
+        with server.environ():
+            yield server
+    finally:
+        server.stop()
+
+
+def save(url: str, step: int, value: float = 1.0) -> RemotePath:
+    writer = RemoteCheckpointWriter(url, kind="trainer")
+    writer.save_tensors("model", {"w": torch.full((4,), value)})
+    writer.save_object("trainer_state", {"step": step})
+    return writer.finalize({"step": step, "kind": "trainer"})
+
+
+def test_a_checkpoint_appears_with_its_manifest_and_latest_moves_last(s3, tmp_path):
+    bucket = s3.bucket()
+    fs = s3.fs()
+    root = f"s3://{bucket}/run/checkpoints"
+    path = save(f"{root}/step-2", 2)
+    assert path == RemotePath(f"{root}/step-2") and is_remote(path) and not is_remote(str(tmp_path))
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/run/checkpoints/step-2"))
+    assert names == ["metadata.json", "model.safetensors", "trainer_state.pt"]  # the marker is gone
+    assert read_remote_latest(RemotePath(root)) == "step-2"
+    manifest = json.loads(fs.cat(f"{bucket}/run/checkpoints/step-2/metadata.json"))
+    assert sorted(manifest["files"]) == ["model.safetensors", "trainer_state.pt"]
+    local, url = resolve_remote(RemotePath(root), "last", tmp_path / "cache")
+    assert url == path and load_file(local / "model.safetensors")["w"].tolist() == [1.0] * 4
+
+
+def test_half_uploaded_and_corrupted_checkpoints_are_skipped_with_fallback(s3, tmp_path):
+    bucket = s3.bucket()
+    fs = s3.fs()
+    root = RemotePath(f"s3://{bucket}/run/checkpoints")
+    save(f"{root}/step-2", 2, 2.0)
+    save(f"{root}/step-4", 4, 4.0)
+    # an upload killed before its manifest: files and our marker, no metadata.json -> never listed
+    fs.pipe(f"{bucket}/run/checkpoints/step-6/{MARKER}", b"x")
+    fs.pipe(f"{bucket}/run/checkpoints/step-6/model.safetensors", b"half")
+    assert [p.name for p, _ in list_remote(root)] == ["step-2", "step-4"]
+    # bit rot in the newest complete one, which latest names: skipped with the reason, step-2 is loaded
+    data = bytearray(fs.cat(f"{bucket}/run/checkpoints/step-4/model.safetensors"))
+    data[-1] ^= 0xFF
+    fs.pipe(f"{bucket}/run/checkpoints/step-4/model.safetensors", bytes(data))
+    with pytest.warns(UserWarning, match=r"(?s)step-4.*checksum mismatch"):
+        local, url = resolve_remote(root, "last", tmp_path / "cache")
+    assert url is not None and url.name == "step-2"
+    assert load_file(local / "model.safetensors")["w"].tolist() == [2.0] * 4
+    with pytest.raises(CheckpointError, match="checksum mismatch"):  # named explicitly: no substitution
+        resolve_remote(root, "step-4", tmp_path / "cache")
+    # a killed upload of ours is replaced by the next save of that name
+    save(f"{root}/step-6", 6, 6.0)
+    assert [p.name for p, _ in list_remote(root)] == ["step-2", "step-4", "step-6"]
+
+
+def test_pruning_deletes_only_complete_checkpoints_trainforge_wrote(s3):
+    bucket = s3.bucket()
+    fs = s3.fs()
+    root = RemotePath(f"s3://{bucket}/run/checkpoints")
+    fs.pipe(f"{bucket}/run/checkpoints/notes.txt", b"mine")
+    fs.pipe(f"{bucket}/run/checkpoints/mine/data.bin", b"mine")
+    old = save(f"{root}/step-2", 2)
+    fs.pipe(f"{bucket}/run/checkpoints/step-2/README.md", b"a user's note inside a checkpoint's folder")
+    save(f"{root}/step-4", 4)
+    assert delete_checkpoint_at(str(old), root)
+    left = set(fs.find(f"{bucket}/run"))
+    assert f"{bucket}/run/checkpoints/step-2/README.md" in left  # not in the manifest: not ours
+    assert not any(p.startswith(f"{bucket}/run/checkpoints/step-2/") and "README" not in p for p in left)
+    assert {f"{bucket}/run/checkpoints/notes.txt", f"{bucket}/run/checkpoints/mine/data.bin"} <= left
+    with pytest.raises(CheckpointError, match="not a trainforge checkpoint"):
+        delete_checkpoint_at(f"{root}/mine", root)
+    with pytest.raises(CheckpointError, match="not inside"):
+        delete_checkpoint_at(f"s3://{bucket}/elsewhere/step-4", root)
+    with pytest.warns(UserWarning, match="resume point"):
+        assert not delete_checkpoint_at(f"{root}/step-4", root)  # latest names it
+    with pytest.raises(ConfigurationError, match="not a trainforge checkpoint"):
+        save(f"{root}/mine", 8)  # a user's folder is never replaced
+
+
+def run(tmp: Path, s3, url: str, out: str, *args: str, nproc: int = 0) -> dict:
+    forklaunch.launch(
+        str(SCRIPT), "--root", url, "--out", str(tmp / out), *args,
+        nproc=nproc, timeout=180, env=procs.test_env(**s3.env), cwd=tmp,
+    )  # fmt: skip
+    return json.loads((tmp / f"{out}.json").read_text())
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_file(a), load_file(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"final weights differ at {key}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [0, 2])
+def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, tmp_path, nproc):
+    bucket = s3.bucket()
+    extra = ("--strategy", "ddp", "--async-save") if nproc else ()
+    full = run(tmp_path, s3, f"s3://{bucket}/full", "full.st", "--max-steps", "8", *extra, nproc=nproc)
+    assert full["final_step"] == 8
+    # user objects under the run's prefix: pruning (keep_last_k=1) never touches them
+    fs = s3.fs()
+    fs.pipe(f"{bucket}/cut/checkpoints/notes.txt", b"mine")
+    fs.pipe(f"{bucket}/cut/checkpoints/mine/model.safetensors", b"mine")
+    run(tmp_path, s3, f"s3://{bucket}/cut", "first.st", "--max-steps", "4", "--keep", "1", *extra, nproc=nproc)
+    ours = sorted(p for p in fs.find(f"{bucket}/cut/checkpoints") if p.endswith("metadata.json"))
+    assert ours == [f"{bucket}/cut/checkpoints/epoch=0-step=4/metadata.json"]  # step 2 pruned after step 4 committed
+    manifest = json.loads(fs.cat(ours[0]))["files"]
+    assert {f"rng_rank{r}.pt" for r in range(max(nproc, 1))} <= set(manifest)  # every rank's files, uploaded
+    assert all(fs.size(f"{bucket}/cut/checkpoints/epoch=0-step=4/{rel}") == e["size"] for rel, e in manifest.items())
+    resumed = run(tmp_path, s3, f"s3://{bucket}/cut", "cut.st", "--max-steps", "8", "--resume", *extra, nproc=nproc)
+    assert resumed["final_step"] == 8
+    assert_same_weights(tmp_path / "full.st", tmp_path / "cut.st")
+    assert fs.cat(f"{bucket}/cut/checkpoints/latest").endswith(b"-step=8\n")
+    assert fs.cat(f"{bucket}/cut/checkpoints/notes.txt") == b"mine"
+    assert fs.cat(f"{bucket}/cut/checkpoints/mine/model.safetensors") == b"mine"
+    assert not (tmp_path / "s3:").exists()  # no local folder named after the URL
+
+
+def test_bad_urls_are_refused_before_training(s3, tmp_path, monkeypatch):
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainforge import Trainer
+    from trainforge.callbacks import ModelCheckpoint
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigurationError, match=r"nosuchproto://b/run.*install"):
+        Trainer(default_root_dir="nosuchproto://b/run", max_steps=2)
+    with pytest.raises(ConfigurationError, match=r"nosuchproto://b/ck.*install"):
+        ModelCheckpoint(dirpath="nosuchproto://b/ck")
+    module = Regressor(make_net())
+    trainer = Trainer(default_root_dir="s3://no-such-bucket-here/run", max_steps=2, enable_progress_bar=False)
+    loader = torch.utils.data.DataLoader(regression_data(16), batch_size=8)
+    with pytest.raises(ConfigurationError, match=r"s3://no-such-bucket-here/run/checkpoints.*bucket exists"):
+        trainer.fit(module, loader)
+    assert trainer.global_step == 0 and not module.losses  # nothing trained
+    assert not (tmp_path / "s3:").exists()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q", "-n", "0"]))
