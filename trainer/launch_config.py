@@ -44,7 +44,16 @@ from trainforge.strategies.precision import PRECISIONS
 
 HELP = "answer a few questions and write the launch config file"
 LAUNCH_CONFIG_ENV = "TRAINFORGE_LAUNCH_CONFIG"
-TRAINING_KEYS = ("accelerator", "strategy", "precision", "gradient_accumulation_steps", "deepspeed", "fsdp", "megatron")
+TRAINING_KEYS = (
+    "accelerator",
+    "strategy",
+    "precision",
+    "gradient_accumulation_steps",
+    "activation_checkpointing",
+    "deepspeed",
+    "fsdp",
+    "megatron",
+)
 MEGATRON_KEYS = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
@@ -124,6 +133,19 @@ def _default_nproc(answers: Mapping[str, Any]) -> int:
     import torch  # device_count() reads NVML; it does not initialise CUDA
 
     return max(torch.cuda.device_count(), 1)
+
+
+def _activation(name: str, value: Any) -> Any:
+    """An ``activation_checkpointing`` value (every strategy's), checked now, passed on as written."""
+    from trainforge.strategies.activation_memory import parse_activation_checkpointing
+
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        value = value.strip().lower() == "true"  # a flag's text
+    try:
+        parse_activation_checkpointing(value)
+    except ConfigurationError as error:
+        raise ConfigurationError(f"{name}: {error}") from None
+    return value
 
 
 @dataclass(frozen=True)
@@ -214,6 +236,13 @@ SETTINGS = (
     Setting("precision", "--precision", "Which precision?", _choice(*PRECISIONS, aliases=PRECISION_ALIASES), "32"),
     Setting(
         "gradient_accumulation_steps", "--gradient-accumulation-steps", "Gradient accumulation steps?", _integer(1), 1
+    ),
+    Setting(
+        "activation_checkpointing",
+        "--activation-checkpointing",
+        "Activation memory: none, full, selective:<n>, op or offload (every strategy)",
+        _activation,
+        asked=False,
     ),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -448,9 +477,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def strategy_kwargs(strategy: str, defaults: Mapping[str, Any]) -> Dict[str, Any]:
-    """Constructor arguments for the strategy named ``strategy`` from the launch settings'
-    ``deepspeed``/``fsdp`` section (the config file speaks HF Accelerate's words; the strategy
-    classes take their own argument names)."""
+    """Constructor arguments for the strategy named ``strategy`` from the launch settings: the
+    ``activation_checkpointing`` every strategy takes, then its ``deepspeed``/``fsdp``/``megatron``
+    section (the config file speaks HF Accelerate's words; the strategy classes take their own
+    argument names; a section's own value wins)."""
+    common = {}
+    if defaults.get("activation_checkpointing") is not None:
+        common["activation_checkpointing"] = defaults["activation_checkpointing"]
+    return {**common, **_section_kwargs(strategy, defaults)}
+
+
+def _section_kwargs(strategy: str, defaults: Mapping[str, Any]) -> Dict[str, Any]:
     section = defaults.get(strategy)
     if not isinstance(section, Mapping):
         return {}

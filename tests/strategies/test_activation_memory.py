@@ -289,3 +289,21 @@ def test_a_second_setup_leaves_the_wrapped_model_alone():
     again = strategy.setup_module(model)  # e.g. Trainer.validate after fit
     assert again is model and strategy.checkpointed_modules == ["blocks.1", "blocks.3"]
     assert [type(b).__name__ for b in model.blocks] == ["Block", "CheckpointWrapper"] * 2
+
+
+# ---- the launch config (trainforge config / launch --activation-checkpointing): every strategy ------------
+def test_launch_config_passes_the_value_to_every_strategy(tmp_path, monkeypatch):
+    from trainforge import Accelerator
+    from trainforge.trainer.launch_config import LAUNCH_CONFIG_ENV, load_config, strategy_kwargs
+
+    config = tmp_path / "launch.yaml"
+    config.write_text("strategy: auto\nactivation_checkpointing: selective:2\n")
+    assert load_config(config)["activation_checkpointing"] == "selective:2"
+    defaults = {"activation_checkpointing": "selective:2", "megatron": {"activation_checkpointing": "op"}}
+    assert strategy_kwargs("ddp", defaults) == {"activation_checkpointing": "selective:2"}
+    assert strategy_kwargs("megatron", defaults) == {"activation_checkpointing": "op"}  # its section wins
+    monkeypatch.setenv(LAUNCH_CONFIG_ENV, str(config))
+    assert Accelerator(cpu=True).strategy.activation_memory.mode == "selective"
+    config.write_text("activation_checkpointing: selective:0\n")
+    with pytest.raises(ConfigurationError, match=r"activation_checkpointing \(in .*launch.yaml\).*every=0"):
+        load_config(config)
