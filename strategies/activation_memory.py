@@ -258,7 +258,7 @@ def _guarded_policy() -> Callable[..., Any]:
     """``keep_matmul_outputs`` for one block's forward, refusing an in-place op on an output it keeps:
     torch's selective checkpoint would hand the modified tensor to the recomputation and give wrong
     gradients without a word (seen with ``y = x @ w.t(); y += b`` on torch 2.13; its own version check
-    does not catch it). Needs the op's output in the policy's context (torch >= 2.7); else unguarded."""
+    does not catch it). Needs the op's output in the policy's context (torch 2.13 gives it); without it, unguarded."""
     kept: Set[int] = set()  # data pointers of the kept outputs' storages (alive until backward)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
