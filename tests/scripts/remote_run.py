@@ -6,7 +6,7 @@
   --keep K           ModelCheckpoint(keep_last_k=K)
   --resume           Trainer(resume="auto"): continue from the newest valid checkpoint in the bucket
   --async-save       ModelCheckpoint(async_save=True): the upload runs in the background
-  --strategy S       Trainer(strategy=S) (ddp on 2 processes)
+  --strategy S       Trainer(strategy=S) (ddp or fsdp on 2 processes: FSDP writes DCP shards)
   --out FILE         rank 0 writes the final weights there (safetensors), and the resumed step to FILE.json
 Dropout on and shuffling on, so an inexact resume shows in the weights.
 """
@@ -51,8 +51,9 @@ def main() -> None:
         seed=3,
     )
     trainer.fit(module, loader)
+    full = trainer.strategy.module_state_dict(trainer.model)  # collective: consolidated on rank 0 (FSDP)
     if trainer.is_global_zero:
-        weights = {k: v.detach().cpu().contiguous() for k, v in module.net.state_dict().items()}
+        weights = {k: v.detach().cpu().contiguous() for k, v in full.items()}
         save_file(weights, a.out)
         with open(a.out + ".json", "w") as f:
             json.dump({"final_step": trainer.global_step, "last_path": ckpt.last_path}, f)

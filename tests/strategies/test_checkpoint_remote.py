@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils.data import DataLoader
 
 from tests.helpers import forklaunch, procs
 from tests.helpers.s3server import S3Server
@@ -130,10 +131,11 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [0, 2])
-def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, tmp_path, nproc):
+@pytest.mark.parametrize("nproc,strategy", [(0, "auto"), (2, "ddp"), (2, "fsdp")])
+def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, tmp_path, nproc, strategy):
+    """1 process synchronous; 2 processes with the upload in the background (DDP, and FSDP2's DCP shards)."""
     bucket = s3.bucket()
-    extra = ("--strategy", "ddp", "--async-save") if nproc else ()
+    extra = ("--strategy", strategy, "--async-save") if nproc else ()
     full = run(tmp_path, s3, f"s3://{bucket}/full", "full.st", "--max-steps", "8", *extra, nproc=nproc)
     assert full["final_step"] == 8
     # user objects under the run's prefix: pruning (keep_last_k=1) never touches them
@@ -145,6 +147,8 @@ def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, tmp_path, npro
     assert ours == [f"{bucket}/cut/checkpoints/epoch=0-step=4/metadata.json"]  # step 2 pruned after step 4 committed
     manifest = json.loads(fs.cat(ours[0]))["files"]
     assert {f"rng_rank{r}.pt" for r in range(max(nproc, 1))} <= set(manifest)  # every rank's files, uploaded
+    if strategy == "fsdp":  # each rank's DCP shard
+        assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest)
     assert all(fs.size(f"{bucket}/cut/checkpoints/epoch=0-step=4/{rel}") == e["size"] for rel, e in manifest.items())
     resumed = run(tmp_path, s3, f"s3://{bucket}/cut", "cut.st", "--max-steps", "8", "--resume", *extra, nproc=nproc)
     assert resumed["final_step"] == 8
@@ -176,3 +180,67 @@ def test_bad_urls_are_refused_before_training(s3, tmp_path, monkeypatch):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q", "-n", "0"]))
+
+
+def test_accelerator_save_state_and_load_state_round_trip_through_s3(s3, tmp_path):
+    from tests.helpers.models import make_net, regression_data
+    from trainforge import Accelerator
+
+    bucket = s3.bucket()
+    acc = Accelerator(seed=0)
+    net = make_net(dropout=0.2)
+    model, opt, dl = acc.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2), DataLoader(regression_data(32)))
+    for x, y in dl:
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    url = f"s3://{bucket}/acc/step-32"
+    saved = acc.save_state(url)
+    assert str(saved) == url and s3.fs().exists(f"{bucket}/acc/step-32/metadata.json")
+    assert not s3.fs().exists(f"{bucket}/acc/latest")  # save_state(dir) names its directory, as locally
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    after_save = torch.rand(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    acc.load_state(url)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert torch.equal(torch.rand(3), after_save)  # the RNG streams continue from the save
+
+
+@pytest.mark.slow  # s3fs and botocore retry the dead endpoint for a few seconds
+def test_a_server_dying_mid_upload_leaves_the_previous_checkpoint_the_one_latest_names(s3, tmp_path, monkeypatch):
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    bucket = s3.bucket()
+    root = RemotePath(f"s3://{bucket}/run/checkpoints")
+    save(f"{root}/step-2", 2, 2.0)
+    host, port = s3._server.get_host_and_port()
+    original = s3fs.S3FileSystem._put_file
+    calls = []
+
+    async def put_then_die(self, *args, **kwargs):  # the first file arrives, then the server is gone
+        calls.append(args)
+        if len(calls) == 1:
+            await original(self, *args, **kwargs)
+            s3._server.stop()
+            return
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", put_then_die)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1, raising=False)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    try:
+        with pytest.raises(CheckpointError, match=rf"upload of {root}/step-4 failed.*still names the previous one"):
+            save(f"{root}/step-4", 4, 4.0)
+    finally:
+        monkeypatch.undo()
+        s3._server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)  # the same in-memory store
+        s3._server.start()
+    assert read_remote_latest(root) == "step-2"
+    assert [p.name for p, _ in list_remote(root)] == ["step-2"]  # step-4 has files but no manifest
+    local, url = resolve_remote(root, "last", tmp_path / "cache")
+    assert url is not None and url.name == "step-2"
+    assert load_file(local / "model.safetensors")["w"].tolist() == [2.0] * 4
