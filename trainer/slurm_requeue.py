@@ -114,11 +114,20 @@ class SlurmRequeue:
             signal.signal(signal.SIGTERM, previous)
 
 
-def requeue_slurm_job(job_id: str, checkpoint: Optional[str] = None) -> bool:
-    """``scontrol requeue job_id`` unless the job cannot be requeued; True when SLURM took it. Every
-    outcome is logged; a failure names scontrol's output and what to do instead (nothing is lost: the
-    checkpoint was committed before)."""
+def requeue_slurm_job(job_id: Optional[str] = None, checkpoint: Optional[str] = None) -> bool:
+    """``scontrol requeue job_id`` (default: this process's SLURM job) unless the job cannot be requeued;
+    True when SLURM took it. Call it on one process, after the checkpoint is committed (the Trainer does;
+    a loop on the Accelerator calls it after ``save_state``). Every outcome is logged; a failure names
+    scontrol's output and what to do instead (nothing is lost: the checkpoint was committed before)."""
     saved = f"checkpoint {checkpoint} is committed" if checkpoint else "no checkpoint was written (none configured)"
+    job_id = job_id if job_id is not None else slurm_job_id()
+    if job_id is None:
+        log.warning(
+            "trainforge: not requeued: this is not a SLURM batch job (SLURM_JOB_ID unset, or an interactive "
+            "allocation); %s",
+            saved,
+        )
+        return False
     shown = _scontrol(["show", "job", "--oneliner", job_id])
     fields = dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part) if shown else {}
     why_not = {
