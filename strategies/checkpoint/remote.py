@@ -29,9 +29,9 @@ Design. Object stores have no atomic rename, so visibility comes from the order 
   in a checkpoint's folder, is never deleted; the checkpoint ``latest`` names is never deleted.
 - Asynchronous saves: ``async_save.AsyncCheckpointer`` opens this writer instead of the local one;
   the upload is part of its background job (the exit hook waits for it).
-- Several nodes: the staging directory must be seen by every rank (as a local checkpoint directory
-  must); on local disks of several nodes the writer's visibility check fails before any work, and
-  that error says so.
+- Several nodes: not yet. The staging directory is on each node's local disk, so rank 0 would not see
+  the other nodes' files; a save from ranks on several nodes (detected from the launcher's environment:
+  LOCAL_WORLD_SIZE < WORLD_SIZE) is refused on every rank before any work, naming what to do instead.
 
 Local paths never reach this module's fsspec code: ``is_remote`` is a string test, and fsspec is
 imported only for URLs. Credentials and endpoints come from fsspec's usual sources (for S3 the
@@ -59,6 +59,7 @@ from trainforge.strategies.checkpoint.verify import (
     check_rel,
     parse_metadata,
 )
+from trainforge.strategies.environment import detect_environment
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 MARKER = ".trainforge-upload"  # under a prefix while trainforge uploads a checkpoint there
@@ -296,6 +297,8 @@ class RemoteCheckpointWriter:
         self.final_dir = RemotePath(url)
         self.root = self.final_dir.parent
         check_name(self.final_dir.name)
+        if world_size > 1:
+            _refuse_several_nodes(self.final_dir, world_size)
         self._replaced = claim(self.final_dir, kind)  # every rank: the same objects, the same answer
         self._barrier_fn = barrier
         local_final = staging_root(self.root) / self.final_dir.name
@@ -354,6 +357,23 @@ class RemoteCheckpointWriter:
             if committed != self.save_id:
                 raise CheckpointError(f"{self.final_dir.url}: rank 0 did not upload this checkpoint; see its error")
         return self.final_dir
+
+
+def _refuse_several_nodes(url: RemotePath, world_size: int) -> None:
+    """Every rank, before any collective: the staging directory is on local disk, which ranks on other nodes
+    do not see (each node uploading its own files is not implemented yet)."""
+    try:
+        env = detect_environment()
+    except ConfigurationError:
+        return
+    if env.world_size == world_size and env.local_world_size < world_size:
+        nodes = -(-world_size // env.local_world_size)
+        raise ConfigurationError(
+            f"saving {url.url} from {world_size} processes on {nodes} nodes ({env.kind}: {env.local_world_size} per "
+            "node): checkpoints in object storage are staged on local disk and uploaded by rank 0, which does not "
+            "see the other nodes' files. Save to a filesystem every node mounts (ModelCheckpoint(dirpath=...) or "
+            "default_root_dir) and copy it to the bucket, or train on one node"
+        )
 
 
 def open_writer(

@@ -244,3 +244,14 @@ def test_a_server_dying_mid_upload_leaves_the_previous_checkpoint_the_one_latest
     local, url = resolve_remote(root, "last", tmp_path / "cache")
     assert url is not None and url.name == "step-2"
     assert load_file(local / "model.safetensors")["w"].tolist() == [2.0] * 4
+
+
+def test_a_save_from_several_nodes_is_refused_on_every_rank_before_any_work(s3, monkeypatch):
+    bucket = s3.bucket()
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ConfigurationError, match=r"4 processes on 2 nodes.*filesystem every node mounts"):
+        RemoteCheckpointWriter(f"s3://{bucket}/run/step-1", rank=0, world_size=4, barrier=lambda: None)
+    assert not s3.fs().find(bucket)  # nothing written
