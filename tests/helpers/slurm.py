@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 from tests.helpers import procs
 from trainforge.strategies.environment import find_free_port
 
-PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "squeue", "srun")
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "salloc", "scontrol", "scancel", "sinfo", "squeue", "srun")
 MARKER = "TRAINFORGE_TEST_SLURM"  # in the environment of every process this cluster starts
 INSTALL = "apt-get install -y --no-install-recommends slurm-wlm munge"
 

@@ -120,6 +120,22 @@ def test_a_failed_scontrol_is_reported_and_the_job_is_not_requeued(slurm, monkey
     assert "the job is NOT requeued" in text and "checkpoint /runs/a/checkpoints/epoch=0-step=4 is committed" in text
 
 
+def test_jobs_slurm_cannot_requeue_are_said_and_left_alone(slurm, monkeypatch, caplog):
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    batch = slurm.run("sbatch", "--parsable", "--no-requeue", "--output=/dev/null", "--wrap", "sleep 60").stdout
+    alloc = slurm.run("salloc", "--no-shell", "--ntasks=1", "--job-name=alloc", "--immediate=20").stderr
+    jobs = [batch.strip().split(";")[0], re.search(r"Granted job allocation (\d+)", alloc).group(1)]
+    try:
+        with caplog.at_level("WARNING", logger="trainforge"):
+            assert requeue_slurm_job(jobs[0], "ckpt/a") is False and requeue_slurm_job(jobs[1], "ckpt/b") is False
+        assert f"SLURM job {jobs[0]} is not requeued: it was submitted with --no-requeue" in caplog.text
+        assert f"SLURM job {jobs[1]} is not requeued: it is not a batch job (an interactive" in caplog.text
+        assert "checkpoint ckpt/a is committed" in caplog.text and "scontrol requeue" not in caplog.text
+        assert slurm.job(jobs[0])["Restarts"] == "0"
+    finally:
+        slurm.run("scancel", *jobs, check=False)
+
+
 # ---- without a cluster: what runs where, bad input -------------------------------------------------------
 
 
