@@ -32,6 +32,7 @@ from trainforge.strategies.activation_memory import (
     select_blocks,
 )
 from trainforge.strategies.errors import CheckpointError, invalid_choice
+from trainforge.strategies.materialize import has_meta, materialize
 from trainforge.strategies.precision import Precision
 
 log = logging.getLogger("trainforge")
@@ -67,6 +68,11 @@ class RunSettings:
 
 class Strategy:
     """Base class. Subclasses override what differs; the defaults are a single process."""
+
+    #: A model built on the meta device (init_module(empty_init=True)) is materialised at setup
+    #: (strategies/materialize.py); and whether ``init_module(empty_init=None)`` builds it so.
+    materializes_meta = True
+    empty_init_default = False
 
     name = "base"
     #: The wrapper acts in ``forward`` (DDP's reducer, FSDP's unshard, ZeRO-3's gathering): a module's
@@ -174,10 +180,20 @@ class Strategy:
         ``optimizers``: those the user built beforehand (Accelerate's order), or a callable that
         builds them, called once the module is placed and wrapped so that they see its final
         device and parameters (the Trainer's order, for every strategy)."""
+        # a model built on the meta device gets new parameters when materialised: optimizers built
+        # on the meta ones are pointed at them (matched by name)
+        built = [] if callable(optimizers) else list(optimizers)
+        before = list(module.named_parameters()) if built and has_meta(module) else []
         module = self.setup_module(module)
+        if before:
+            from trainforge.strategies.fsdp_wrap import remap_optimizers
+
+            remap_optimizers(before, module, built)
         return module, build_optimizers(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        if has_meta(module):  # built with empty_init: every rank holds it whole here, so before placement
+            materialize(module, self.root_device if self.settings.device_placement else torch.device("cpu"))
         placed = module.to(self.root_device) if self.settings.device_placement else module
         module = self.precision.convert_module(placed)
         self.wrap_activation_blocks(module)

@@ -39,6 +39,7 @@ from trainforge.strategies.checkpoint.dcp import has_sharded, load_sharded, save
 from trainforge.strategies.ddp import ProcessGroupMixin, check_timeout
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from trainforge.strategies.fsdp_wrap import no_gradient_sync, remap_optimizers, select_modules
+from trainforge.strategies.materialize import has_meta, materialize
 
 log = logging.getLogger("trainforge")
 
@@ -76,6 +77,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     name = "fsdp"
     redirect_forward = True  # FSDP's unshard hooks run in the root's forward
     grad_reduction = "mean"  # reduce-scatter (HSDP: and all-reduce) divided by the data-parallel size
+    empty_init_default = True  # init_module(): built on meta, materialised shard by shard after sharding
     trainable_only_checkpoints = True  # the frozen parameters are left out of dcp/ or the full state dict
 
     def __init__(
@@ -180,6 +182,8 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         for _, unit in units:
             fully_shard(wrappers.get(id(unit), unit), **kwargs)
         fully_shard(module, **kwargs)
+        if has_meta(module):  # built with empty_init: each rank allocates and fills only its shards
+            materialize(module, torch.device("cpu") if self.cpu_offload else self.root_device)
         self.wrapped_modules = [name for name, _ in units]
         if self.is_global_zero:
             log.info(

@@ -83,6 +83,7 @@ from trainforge.strategies.checkpoint.dcp import DCP_DIR, has_sharded, load_shar
 from trainforge.strategies.ddp import ProcessGroupMixin
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from trainforge.strategies.fsdp_wrap import no_gradient_sync, remap_optimizers, select_modules
+from trainforge.strategies.materialize import refuse_meta
 from trainforge.strategies.megatron_pipeline import PARALLELIZED, PipelineSetup
 from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
@@ -111,6 +112,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     model without a transformers config) inform the "auto" sizes."""
 
     name = "megatron"
+    materializes_meta = False  # a meta model is refused at setup (strategies/materialize.py)
     redirect_forward = True  # training_step through the root's forward, so FSDP's root hooks run
 
     def __init__(
@@ -313,6 +315,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         if getattr(module, PARALLELIZED, False):  # parallelized before
             return module, build_optimizers(optimizers)
+        refuse_meta(module, "megatron")
         self.plan_layout(module)  # 'auto' sizes, when neither the Trainer nor prepare() chose them before
         if self.pipelined:
             return self._setup_pipeline(module, optimizers)

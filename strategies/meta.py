@@ -1,4 +1,5 @@
-"""Building models without memory (``init_empty_weights``) and keeping weight ties.
+"""Building models without memory (``init_empty_weights``) and keeping weight ties (used by the
+inference dispatch and by the strategies that materialise a model built on the meta device).
 
 Torch 2.13 breaks ties on ``to_empty`` and on ``load_state_dict(assign=True)``: each name gets its
 own tensor. ``tie_groups`` records them beforehand (parameter identity, plus a transformers model's

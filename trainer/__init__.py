@@ -2,6 +2,7 @@
 Users import these names from ``trainforge`` itself."""
 
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, LaunchError, TrainforgeError
+from trainforge.strategies.materialize import load_pretrained
 from trainforge.strategies.precision import PRECISIONS, Precision
 from trainforge.trainer.accelerate_state import DistributedType, PartialState
 from trainforge.trainer.accelerate_utils import find_executable_batch_size, skip_first_batches
@@ -35,6 +36,7 @@ __all__ = [
     "Precision",
     "PRECISIONS",
     "seed_everything",
+    "load_pretrained",
     "notebook_launcher",
     "TrainforgeError",
     "ConfigurationError",

@@ -31,6 +31,7 @@ from trainforge.strategies.checkpoint.async_save import AsyncCheckpointer
 from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.devices import check_device_matches, normalize_accelerator
 from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.materialize import init_module_context
 from trainforge.strategies.precision import Precision
 from trainforge.trainer.accelerate_compat import AccelerateCompat, AccelerateOptions, release_memory
 from trainforge.trainer.accelerator_data import DataPreparation, data_options
@@ -180,6 +181,11 @@ class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessContro
         self.strategy.configure(self.run_settings)
 
     # ---- prepare ---------------------------------------------------------------------------------
+    def init_module(self, empty_init: Optional[bool] = None) -> ContextManager[None]:
+        """``Trainer.init_module``'s: build the model inside with ``empty_init=True`` and ``prepare``
+        materialises it (FSDP: shard by shard); ``trainforge.load_pretrained`` gives it its weights."""
+        return init_module_context(self.strategy, empty_init)
+
     def prepare(self, *objects: Any) -> Any:
         """Models, optimizers, schedulers and dataloaders, in any order; returns them in that order."""
         loaders = [o for o in objects if isinstance(o, torch.utils.data.DataLoader)]

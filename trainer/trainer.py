@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any, Dict, List, Optional, Sequence, Sized, Union, cast
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Sized, Union, cast
 
 import torch
 
@@ -15,6 +15,7 @@ from trainforge.callbacks.hang_watchdog import hang_callbacks
 from trainforge.strategies import Strategy
 from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.materialize import init_module_context
 from trainforge.trainer.accelerator import Accelerator
 from trainforge.trainer.config import (
     LoopConfig,
@@ -376,6 +377,13 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
 
         self.accelerator.wait_for_checkpoint()  # one save at a time (an async one may be in flight)
         return save_weights(self.strategy, self.model, path, max_shard_size, adapter_only)
+
+    def init_module(self, empty_init: Optional[bool] = None) -> ContextManager[None]:
+        """Lightning's: modules built inside take no memory when ``empty_init`` (None: when the strategy
+        shards them, FSDP): their parameters wait on the meta device until setup materialises them, each
+        rank only its shards, filled by ``trainforge.load_pretrained(model, path)`` (read slice by slice)
+        or by each layer's ``reset_parameters()`` (strategies/materialize.py)."""
+        return init_module_context(self.strategy, empty_init)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _attach(self, module: TrainingModule, stage: str) -> None:

@@ -15,7 +15,7 @@ from trainforge.trainer.inference.dispatch import (
     load_checkpoint_and_dispatch,
     remove_dispatch,
 )
-from trainforge.trainer.inference.meta import init_empty_weights, materialize, retie, tie_groups
+from trainforge.strategies.meta import init_empty_weights, materialize, retie, tie_groups
 
 __all__ = [
     "compute_module_sizes",

@@ -15,7 +15,7 @@ from torch import nn
 
 from trainforge.strategies.checkpoint.io import parse_size
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
-from trainforge.trainer.inference.meta import tie_groups
+from trainforge.strategies.meta import tie_groups
 
 MODES = ("auto", "balanced", "balanced_low_0", "sequential")
 Device = Union[int, str]

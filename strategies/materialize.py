@@ -1,0 +1,164 @@
+"""Models built without memory, given their memory where they train.
+
+A model whose parameters are on the meta device (built inside ``Trainer.init_module(empty_init=True)``
+/ ``Accelerator.init_module(empty_init=True)``, or under ``torch.device("meta")``) takes no host memory
+until its strategy sets it up. FSDP2 shards it first and then materialises it, so each rank allocates
+only its shard; single-device and DDP materialise it on the device before placement (every rank holds
+the whole model there anyway). Each parameter then gets its values from, in order:
+
+1. the pretrained weights ``load_pretrained(model, path)`` recorded on it (each rank reads only the
+   slices it keeps: strategies/checkpoint/pretrained.py);
+2. its module's own ``reset_parameters()`` (torch's layers have one; on a DTensor it fills the local
+   shard, DTensor's random ops keeping the shards distinct);
+
+and a parameter that gets neither stops the setup with an error naming it: uninitialised memory is
+never trained. ``init_module`` keeps buffers real (rotary tables and masks are computed in
+``__init__`` and no checkpoint holds them), so they are copied across ``to_empty``. Weight ties are
+recorded before and restored after (``to_empty`` breaks them, strategies/meta.py).
+
+With pretrained weights the result equals building the model whole and loading the same file
+(tests/trainer/test_empty_init.py); with ``reset_parameters`` only, the values are a valid
+initialisation but not the same random draws as an eager build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Dict, Iterator, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from trainforge.strategies.checkpoint.pretrained import load_slices, named_targets, weight_files
+from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.meta import init_empty_weights, retie, tie_groups
+
+PRETRAINED_ATTR = "_trainforge_pretrained"  # (path, prefix) recorded by load_pretrained on a meta model
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for _, t in named_targets(module))
+
+
+@contextlib.contextmanager
+def _empty_init_context(enabled: bool = True) -> Iterator[None]:
+    """Parameters and persistent buffers created inside go to the meta device (non-persistent
+    buffers stay real: they are computed, not loaded)."""
+    if not enabled:
+        yield
+        return
+    with init_empty_weights(include_buffers=False):
+        yield
+
+
+def load_pretrained(module: nn.Module, path: Any, prefix: str = "") -> nn.Module:
+    """Give ``module`` the weights in ``path`` (a .safetensors file, a transformers save_pretrained
+    directory, a trainforge checkpoint directory). On a model built with ``empty_init`` the load is
+    deferred to the strategy's setup, where each rank reads only the slices it keeps; otherwise it
+    happens now (a DTensor-sharded model still reads only its slices). Every parameter must be in the
+    file, except, on a deferred load, those whose module has ``reset_parameters()``."""
+    if not isinstance(module, nn.Module):
+        raise ConfigurationError(f"load_pretrained(module={type(module).__name__}): give the nn.Module to load into")
+    if not isinstance(prefix, str):
+        raise ConfigurationError(f"load_pretrained(prefix={prefix!r}) must be a string such as 'model.'")
+    weight_files(path)  # a wrong path fails here, not at setup
+    if has_meta(module):
+        setattr(module, PRETRAINED_ATTR, (str(path), prefix))
+        return module
+    loaded = load_slices(module, path, prefix)
+    missing = sorted(n for n, _ in named_targets(module) if n not in loaded)
+    if missing:
+        raise ConfigurationError(
+            f"load_pretrained: {len(missing)} tensor(s) of the model are not in {path} under prefix {prefix!r}: "
+            f"{missing[:5]}; check the prefix (the file's names are the model's names with it in front)"
+        )
+    return module
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate ``module``'s meta tensors on ``device`` (each rank its local shards) and fill them: the
+    recorded pretrained weights, else the owning module's ``reset_parameters()``; error otherwise."""
+    empty = {n for n, t in named_targets(module) if t.is_meta}
+    if not empty:
+        return
+    groups = tie_groups(module)
+    # to_empty replaces every tensor: the real ones (buffers, parts built eagerly) are put back
+    real = {n: t.detach().clone() for n, t in _all_tensors(module) if not t.is_meta}
+    module.to_empty(device=device)
+    tensors = dict(_all_tensors(module))
+    for name, value in real.items():
+        _as_local(tensors[name]).copy_(value if not hasattr(value, "to_local") else value.to_local())
+    retie(module, groups)
+    loaded: Set[str] = set()
+    sources = []
+    for mod_name, sub in module.named_modules():  # load_pretrained may have named a submodule
+        recorded: Optional[Tuple[str, str]] = getattr(sub, PRETRAINED_ATTR, None)
+        if recorded is None:
+            continue
+        pre = f"{mod_name}." if mod_name else ""
+        mine = {n[len(pre) :] for n in empty if n.startswith(pre)}
+        loaded |= {pre + n for n in load_slices(sub, recorded[0], recorded[1], names=mine)}
+        sources.append(f"{recorded[0]} (prefix {recorded[1]!r})")
+    _reset_the_rest(module, empty - loaded, loaded, sources)
+
+
+def _reset_the_rest(module: nn.Module, left: Set[str], loaded: Set[str], sources: list) -> None:
+    for mod_name, mod in module.named_modules():
+        own = {f"{mod_name}.{leaf}" if mod_name else leaf: leaf for leaf in (*mod._parameters, *mod._buffers)}
+        mine = left & set(own)
+        if not mine or not callable(getattr(mod, "reset_parameters", None)):
+            continue
+        keep: Dict[str, torch.Tensor] = {n: _local(mod, own[n]).clone() for n in set(own) & loaded}
+        mod.reset_parameters()  # resets all of its tensors: the pretrained ones are put back
+        for name, value in keep.items():
+            _local(mod, own[name]).copy_(value)
+        left -= mine
+    if left:
+        where = f"not in {', '.join(sources)} and " if sources else ""
+        raise ConfigurationError(
+            f"{len(left)} parameter(s) built on the meta device are {where}owned by a module without "
+            f"reset_parameters(): {sorted(left)[:5]}. Load weights that hold them "
+            "(trainforge.load_pretrained(model, path)), give that module a reset_parameters() that "
+            "initialises its own tensors, or build the model without empty_init"
+        )
+
+
+def _local(mod: nn.Module, leaf: str) -> torch.Tensor:
+    tensor = mod._parameters[leaf] if leaf in mod._parameters else mod._buffers[leaf]
+    assert tensor is not None
+    return _as_local(tensor)
+
+
+def _as_local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor: this rank's shard
+    return to_local() if to_local is not None else tensor
+
+
+def _all_tensors(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def refuse_meta(module: nn.Module, strategy: str) -> None:
+    """The strategies that do not materialise a meta model yet say so before any work."""
+    if has_meta(module):
+        raise ConfigurationError(
+            f"strategy={strategy!r} cannot take a model built on the meta device (init_module(empty_init=True)) "
+            "yet: build it normally, or use strategy='fsdp' (sharded, materialised shard by shard), 'ddp' or "
+            "'single'"
+        )
+
+
+def init_module_context(strategy: Any, empty_init: Optional[bool]) -> ContextManager[None]:
+    """``Trainer.init_module`` / ``Accelerator.init_module``: ``empty_init`` True builds on the meta
+    device, False as usual, None as the strategy prefers (FSDP: empty, it materialises shard by shard)."""
+    if empty_init is not None and not isinstance(empty_init, bool):
+        raise ConfigurationError(f"init_module(empty_init={empty_init!r}) must be None, True or False")
+    if empty_init and not strategy.materializes_meta:
+        raise ConfigurationError(
+            f"init_module(empty_init=True) with strategy={strategy.name!r}: it cannot materialise a model "
+            "built on the meta device yet; use empty_init=False, or strategy='fsdp', 'ddp' or 'single'"
+        )
+    wanted = strategy.empty_init_default if empty_init is None else empty_init
+    return _empty_init_context(wanted)
