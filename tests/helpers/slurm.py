@@ -41,10 +41,15 @@ class SlurmUnavailable(Exception):
 def unavailable_reason() -> Optional[str]:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "a test SLURM cluster runs its daemons as root (SlurmUser=root); this test is not root"
-    missing = [p for p in PROGRAMS if shutil.which(p) is None]
+    missing = [p for p in PROGRAMS if program(p) is None]
     if missing:
         return f"SLURM is not installed ({', '.join(missing)} not on PATH): `{INSTALL}`"
     return None
+
+
+def program(name: str) -> Optional[str]:
+    """The path of ``name``: on PATH, else in the sbin directories a non-login root shell may lack."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/local/sbin")
 
 
 class Slurm:
@@ -126,7 +131,12 @@ class Slurm:
     def _spawn(self, name: str, cmd: List[str]) -> None:
         out = open(self.root / f"{name}.out", "wb")
         self.daemons[name] = subprocess.Popen(
-            cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            [program(cmd[0]) or cmd[0], *cmd[1:]],
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         out.close()
 
