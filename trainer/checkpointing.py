@@ -38,8 +38,9 @@ from trainforge.strategies.checkpoint.io import (
     load_object,
     read_metadata,
 )
-from trainforge.strategies.checkpoint.remote import location, open_writer
+from trainforge.strategies.checkpoint.remote import location
 from trainforge.strategies.checkpoint.remote_read import resolve_on_ranks
+from trainforge.strategies.checkpoint.remote_write import open_writer
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.adapters import (
     load_model_state,

@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 
 from trainforge.strategies.checkpoint.io import DEFAULT_MAX_SHARD_SIZE, CheckpointWriter
-from trainforge.strategies.checkpoint.remote import is_remote, open_writer
+from trainforge.strategies.checkpoint.remote import is_remote
+from trainforge.strategies.checkpoint.remote_write import open_writer
 from trainforge.strategies.checkpoint.write_errors import is_write_error, save_failed
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 

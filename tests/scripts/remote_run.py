@@ -7,6 +7,8 @@
   --resume           Trainer(resume="auto"): continue from the newest valid checkpoint in the bucket
   --async-save       ModelCheckpoint(async_save=True): the upload runs in the background
   --strategy S       Trainer(strategy=S) (ddp or fsdp on 2 processes: FSDP writes DCP shards)
+  --one-per-node     describe each rank as alone on its node (LOCAL_WORLD_SIZE=1, GROUP_RANK=RANK), as on
+                     several machines: each "node" stages in its own directory and uploads its own files
   --out FILE         rank 0 writes the final weights there (safetensors), and the resumed step to FILE.json
 Dropout on and shuffling on, so an inexact resume shows in the weights.
 """
@@ -34,8 +36,11 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--strategy", default="auto")
+    p.add_argument("--one-per-node", action="store_true")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    if a.one_per_node:  # what torchrun sets on each of WORLD_SIZE machines of one process
+        os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", GROUP_RANK=os.environ["RANK"])
     seed_everything(3)
     module = Regressor(make_net(dropout=0.2))
     loader = DataLoader(regression_data(64), batch_size=8, shuffle=True)
@@ -51,6 +56,10 @@ def main() -> None:
         seed=3,
     )
     trainer.fit(module, loader)
+    if a.one_per_node:  # the writer saw two nodes: each staged and uploaded its own files
+        from trainforge.strategies.checkpoint.remote_write import placement
+
+        assert placement(trainer.global_rank, trainer.world_size) == (trainer.global_rank, 0, 1)
     full = trainer.strategy.module_state_dict(trainer.model)  # collective: consolidated on rank 0 (FSDP)
     if trainer.is_global_zero:
         weights = {k: v.detach().cpu().contiguous() for k, v in full.items()}

@@ -18,13 +18,14 @@ from torch.utils.data import DataLoader
 
 from tests.helpers import forklaunch, procs
 from tests.helpers.s3server import S3Server
-from trainforge.strategies.checkpoint.remote import MARKER, RemoteCheckpointWriter, RemotePath, is_remote
+from trainforge.strategies.checkpoint.remote import MARKER, RemotePath, is_remote
 from trainforge.strategies.checkpoint.remote_read import (
     delete_checkpoint_at,
     list_remote,
     read_remote_latest,
     resolve_remote,
 )
+from trainforge.strategies.checkpoint.remote_write import RemoteCheckpointWriter
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,11 +132,14 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,strategy", [(0, "auto"), (2, "ddp"), (2, "fsdp")])
+@pytest.mark.parametrize("nproc,strategy", [(0, "auto"), (2, "ddp"), (2, "fsdp"), (2, "ddp-2-nodes")])
 def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, tmp_path, nproc, strategy):
-    """1 process synchronous; 2 processes with the upload in the background (DDP, and FSDP2's DCP shards)."""
+    """1 process synchronous; 2 processes with the upload in the background (DDP, FSDP2's DCP shards, and DDP
+    with each rank described as alone on its node: two staging dirs, each node uploading its own files)."""
     bucket = s3.bucket()
-    extra = ("--strategy", strategy, "--async-save") if nproc else ()
+    extra = ("--strategy", strategy.split("-")[0], "--async-save") if nproc else ()
+    if strategy.endswith("nodes"):
+        extra += ("--one-per-node",)
     full = run(tmp_path, s3, f"s3://{bucket}/full", "full.st", "--max-steps", "8", *extra, nproc=nproc)
     assert full["final_step"] == 8
     # user objects under the run's prefix: pruning (keep_last_k=1) never touches them
@@ -246,12 +250,20 @@ def test_a_server_dying_mid_upload_leaves_the_previous_checkpoint_the_one_latest
     assert load_file(local / "model.safetensors")["w"].tolist() == [2.0] * 4
 
 
-def test_a_save_from_several_nodes_is_refused_on_every_rank_before_any_work(s3, monkeypatch):
+def test_no_manifest_unless_every_node_listed_its_files_and_every_file_is_in_the_store(s3, tmp_path):
+    from trainforge.strategies.checkpoint.io import CheckpointWriter
+    from trainforge.strategies.checkpoint.remote_write import commit, prepare_prefix, upload_node
+
     bucket = s3.bucket()
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    with pytest.raises(ConfigurationError, match=r"4 processes on 2 nodes.*filesystem every node mounts"):
-        RemoteCheckpointWriter(f"s3://{bucket}/run/step-1", rank=0, world_size=4, barrier=lambda: None)
-    assert not s3.fs().find(bucket)  # nothing written
+    dest = RemotePath(f"s3://{bucket}/run/step-1")
+    prepare_prefix(dest, None, "test")
+    writer = CheckpointWriter(tmp_path / "node0" / "step-1")
+    writer.save_object("rng_rank0", {"a": 1})
+    upload_node(writer.finalize({"step": 1}), dest, 0)
+    with pytest.raises(CheckpointError, match="node 1 uploaded no file list"):  # node 1 failed or died
+        commit(dest, nodes=2, world_size=2, update_latest=True)
+    assert list_remote(dest.parent) == [] and read_remote_latest(dest.parent) is None
+    s3.fs().rm_file(f"{bucket}/run/step-1/rng_rank0.pt")  # an upload that did not arrive
+    with pytest.raises(CheckpointError, match=r"rng_rank0.pt: missing in the store"):
+        commit(dest, nodes=1, world_size=1, update_latest=True)
+    assert list_remote(dest.parent) == [] and read_remote_latest(dest.parent) is None
