@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from trainforge.strategies.checkpoint.remote import is_remote
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
 from trainforge.trainer.accelerate_config import (
     HANDLERS,
@@ -122,6 +123,14 @@ class AccelerateOptions:
             automatic = getattr(config, "automatic_checkpoint_naming", automatic)
             total_limit = getattr(config, "total_limit", total_limit)
             logging_dir = getattr(config, "logging_dir", None)
+        for name, value in (("project_dir", project_dir), ("logging_dir", logging_dir)):
+            if is_remote(value):  # trackers and automatic naming write local files: not a folder named 's3:'
+                raise ConfigurationError(
+                    f"Accelerator({name}={value!r}): {name} holds the trackers' files and the automatically named "
+                    "checkpoints on local disk, and object storage is not supported there; give a local "
+                    f"directory, and save_state({str(value).rstrip('/') + '/checkpoint_0'!r}) / load_state(URL) to "
+                    "keep checkpoints in object storage"
+                )
         self.logging_dir = logging_dir or project_dir
         self.log_with = parse_log_with(self.log_with, self.logging_dir)  # before any work: needs logging_dir
         return project_dir, automatic, total_limit

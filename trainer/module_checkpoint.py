@@ -39,6 +39,8 @@ from trainforge.strategies.checkpoint.io import (
     refused_load,
     resolve_checkpoint,
 )
+from trainforge.strategies.checkpoint.remote import RemotePath, cache_dir, is_remote
+from trainforge.strategies.checkpoint.remote_read import resolve_remote
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.adapters import base_model_name
 from trainforge.trainer.hparams import HPARAMS_KEY, HPARAMS_NAME_KEY, NOT_STORED_KEY, AttributeDict
@@ -94,6 +96,9 @@ def read_checkpoint(
             f"load_from_checkpoint(map_location={map_location!r}): give a device ('cpu', 'cuda:0', torch.device), "
             "a dict of device renames or a function, as torch.load takes"
         )
+    if is_remote(checkpoint_path):  # object storage: downloaded, verified (strategies/checkpoint/remote_read.py)
+        url = RemotePath(str(checkpoint_path))
+        checkpoint_path, _ = resolve_remote(url.parent, url, cache_dir(url.parent, os.getpid()))
     try:
         path = Path(os.fspath(checkpoint_path))
     except TypeError:

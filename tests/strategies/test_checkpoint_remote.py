@@ -267,3 +267,24 @@ def test_no_manifest_unless_every_node_listed_its_files_and_every_file_is_in_the
     with pytest.raises(CheckpointError, match=r"rng_rank0.pt: missing in the store"):
         commit(dest, nodes=1, world_size=1, update_latest=True)
     assert list_remote(dest.parent) == [] and read_remote_latest(dest.parent) is None
+
+
+def test_load_from_checkpoint_validate_and_accelerator_project_dir_with_urls(s3, tmp_path, monkeypatch):
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainforge import Accelerator, Trainer
+
+    monkeypatch.chdir(tmp_path)
+    bucket = s3.bucket()
+    module = Regressor(make_net())
+    trainer = Trainer(default_root_dir=f"s3://{bucket}/run", max_steps=2, enable_progress_bar=False)
+    trainer.fit(module, DataLoader(regression_data(16), batch_size=8))
+    assert trainer.default_checkpoint_dir == f"s3://{bucket}/run/checkpoints"
+    assert Path(trainer.default_root_dir) == tmp_path / "runs"  # logs stay local, under the local default
+    url = f"s3://{bucket}/run/checkpoints/" + read_remote_latest(RemotePath(trainer.default_checkpoint_dir))
+    loaded = Regressor.load_from_checkpoint(url, net=make_net())
+    for key, value in module.net.state_dict().items():
+        assert torch.equal(loaded.net.state_dict()[key], value), key
+    trainer.validate(module, DataLoader(regression_data(16), batch_size=8), ckpt_path="last")
+    with pytest.raises(ConfigurationError, match=r"project_dir='s3://.*local directory.*save_state"):
+        Accelerator(project_dir=f"s3://{bucket}/acc", automatic_checkpoint_naming=True)
+    assert not (tmp_path / "s3:").exists()
