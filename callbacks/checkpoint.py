@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from trainforge.callbacks.base import Callback
 from trainforge.strategies.checkpoint.async_save import check_async_save, resolve_async_save
-from trainforge.strategies.checkpoint.remote import check_protocol, is_remote, location
+from trainforge.strategies.checkpoint.io import read_metadata
+from trainforge.strategies.checkpoint.remote import RemotePath, check_protocol, is_remote, location
 from trainforge.strategies.checkpoint.remote_read import (
     Location,
     check_writable_at,
     delete_checkpoint_at,
-    read_metadata_at,
+    remote_name_taken,
 )
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
@@ -368,7 +369,7 @@ class ModelCheckpoint(Callback):
         directory, name = self.directory(trainer), name or self._format_name(trainer)
         free, version = name, 0
         if trainer.is_global_zero:  # the first name not held by another run's checkpoint (or anything else)
-            while (directory / free).exists() and not _same_run(directory / free, trainer.run_id):
+            while _taken(directory / free, trainer.run_id):
                 version += 1
                 free = f"{name}-v{version}"
             if version and not self._versioned_logged:
@@ -434,9 +435,16 @@ class ModelCheckpoint(Callback):
         trainer.strategy.barrier()
 
 
-def _same_run(path: Location, run_id: Optional[str]) -> bool:
+def _taken(path: Location, run_id: Optional[str]) -> bool:
+    """Whether ``path`` holds something this run may not replace (object storage: ``remote_name_taken``)."""
+    if isinstance(path, RemotePath):
+        return remote_name_taken(path, run_id)
+    return path.exists() and not _same_run(path, run_id)
+
+
+def _same_run(path: Path, run_id: Optional[str]) -> bool:
     """Whether ``path`` is a checkpoint this run wrote (so saving under its name again may replace it)."""
     try:
-        return run_id is not None and read_metadata_at(path).get("run_id") == run_id
+        return run_id is not None and read_metadata(path).get("run_id") == run_id
     except CheckpointError:
         return False

@@ -37,19 +37,20 @@ Credentials and endpoints come from fsspec's usual sources (for S3 the AWS envir
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import hashlib
 import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from trainforge.strategies.checkpoint.verify import (
     METADATA_FILE,
     parse_metadata,
 )
-from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.strategies.errors import CheckpointError, ConfigurationError, TrainforgeError
 
 MARKER = ".trainforge-upload"  # under a prefix while trainforge uploads a checkpoint there
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -174,12 +175,35 @@ def cache_dir(root: RemotePath, rank: int) -> Path:
     return _cache_base() / "cache" / _digest(root.url) / f"rank{rank}"
 
 
+ACCESS_HINT = (
+    "check that the bucket exists, the credentials (for S3: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) "
+    "and the endpoint (AWS_ENDPOINT_URL)"
+)
+
+
+@contextlib.contextmanager
+def access_errors(url: str, doing: str) -> Iterator[None]:
+    """A store that refuses us (no credentials, access denied, a malformed request) is a ConfigurationError
+    naming the URL and what to check; a missing object or an I/O failure passes through for the caller."""
+    try:
+        yield
+    except (TrainforgeError, FileNotFoundError):
+        raise
+    except Exception as e:
+        if isinstance(e, OSError) and not isinstance(e, PermissionError):
+            raise
+        raise ConfigurationError(
+            f"{url}: cannot {doing} ({type(e).__name__}: {str(e).strip()[:300]}); {ACCESS_HINT}"
+        ) from None
+
+
 def read_remote_metadata(path: RemotePath) -> Dict[str, Any]:
     """The checked manifest of the checkpoint at ``path`` (CheckpointError when there is none or it is bad)."""
     fs, inner = path.fs()
     where = f"{path.url}/{METADATA_FILE}"
     try:
-        data = fs.cat_file(f"{inner}/{METADATA_FILE}")
+        with access_errors(path.url, "read its manifest"):
+            data = fs.cat_file(f"{inner}/{METADATA_FILE}")
     except FileNotFoundError:
         raise CheckpointError(f"{where}: missing object; {path.url} is not a complete trainforge checkpoint") from None
     except OSError as e:
@@ -206,7 +230,9 @@ def claim(path: RemotePath, kind: Optional[str]) -> Optional[Dict[str, Any]]:
     checkpoint of the same ``kind``) and return the manifest of the checkpoint it would replace (None: none).
     Anything else is refused (ConfigurationError) before any work: nothing trainforge did not write is replaced."""
     fs, inner = path.fs()
-    names = sorted(p[len(inner) + 1 :] for p in fs.find(inner) if p.startswith(inner + "/"))
+    with access_errors(path.url, "list it"):
+        found = fs.find(inner)
+    names = sorted(p[len(inner) + 1 :] for p in found if p.startswith(inner + "/"))
     if not names or MARKER in names and METADATA_FILE not in names:
         return None
     if METADATA_FILE in names:

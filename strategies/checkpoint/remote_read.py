@@ -3,7 +3,7 @@ functions callers use for a path that may be local or a URL: a local path takes 
 (``verify.py``), a URL this module's.
 
     list_checkpoints_at(root)                 -> [Path | RemotePath], oldest first, complete ones only
-    read_metadata_at(path)                    -> manifest (CheckpointError if none)
+    remote_name_taken(url, run_id)            -> whether a save of this run may not use that name
     delete_checkpoint_at(path, root)          -> pruning: only complete trainforge checkpoints inside root
     check_writable_at(folder, where, fix)     -> ConfigurationError before training
     resolve_on_ranks(root, ckpt_path, ...)    -> the local directory to load (rank 0 chooses, verified)
@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from trainforge.strategies.checkpoint.remote import (
+    ACCESS_HINT,
+    MARKER,
     RemotePath,
+    access_errors,
     cache_dir,
     is_remote,
     listed_files,
@@ -31,7 +34,6 @@ from trainforge.strategies.checkpoint.verify import (
     METADATA_FILE,
     delete_checkpoint,
     list_checkpoints,
-    read_metadata,
     resolve_checkpoint,
     verify_checkpoint,
 )
@@ -45,7 +47,8 @@ Location = Union[Path, RemotePath]
 def read_remote_latest(root: RemotePath) -> Optional[str]:
     fs, inner = root.fs()
     try:
-        name = fs.cat_file(f"{inner}/{LATEST_FILE}").decode("utf-8").strip()
+        with access_errors(root.url, "read its latest pointer"):
+            name = fs.cat_file(f"{inner}/{LATEST_FILE}").decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return name or None
@@ -57,7 +60,8 @@ def list_remote(root: RemotePath) -> List[Tuple[RemotePath, Dict[str, Any]]]:
     listed."""
     fs, inner = root.fs()
     try:
-        found = fs.glob(f"{inner}/*/{METADATA_FILE}")
+        with access_errors(root.url, "list its checkpoints"):
+            found = fs.glob(f"{inner}/*/{METADATA_FILE}")
     except FileNotFoundError:
         return []
     out = []
@@ -81,8 +85,8 @@ def fetch(path: RemotePath, dest_root: Path) -> Path:
     meta = read_remote_metadata(path)
     files = listed_files(meta, f"{path.url}/{METADATA_FILE}")
     dest = dest_root / path.name
-    if dest.exists():
-        shutil.rmtree(dest)
+    if dest_root.exists():  # earlier downloads of this rank: one at a time is kept
+        shutil.rmtree(dest_root)
     dest.mkdir(parents=True)
     fs, inner = path.fs()
     try:
@@ -175,15 +179,25 @@ def resolve_on_ranks(
     return fetch(RemotePath(chosen), cache_dir(remote_root, rank))
 
 
+def remote_name_taken(path: RemotePath, run_id: Optional[str]) -> bool:
+    """Whether saving this run's checkpoint as ``path`` would replace something else: a checkpoint of another
+    run or objects that are not a checkpoint. Our killed upload (marker, no manifest) is not: it is replaced."""
+    fs, inner = path.fs()
+    with access_errors(path.url, "list it"):
+        found = [p[len(inner) + 1 :] for p in fs.find(inner) if p.startswith(inner + "/")]
+    if not found or (MARKER in found and METADATA_FILE not in found):
+        return False
+    try:
+        return run_id is None or read_remote_metadata(path).get("run_id") != run_id
+    except CheckpointError:
+        return True
+
+
 # ----------------------------------------------------------------------------- either kind of path
 def list_checkpoints_at(root: Location) -> List[Location]:
     if isinstance(root, RemotePath):
         return [p for p, _ in list_remote(root)]
     return list(list_checkpoints(root))
-
-
-def read_metadata_at(path: Location) -> Dict[str, Any]:
-    return read_remote_metadata(path) if isinstance(path, RemotePath) else read_metadata(path)
 
 
 def delete_checkpoint_at(path: Union[str, Location], root: Location) -> bool:
@@ -225,7 +239,6 @@ def check_writable_at(folder: Union[str, Location], where: str, fix: str) -> Non
     except Exception as e:
         raise ConfigurationError(
             f"{where}: cannot write to {target.url} ({type(e).__name__}: {str(e).strip()[:300]}); no checkpoint "
-            f"could be saved there. Check that the bucket exists, the credentials (for S3: AWS_ACCESS_KEY_ID/"
-            f"AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the endpoint (AWS_ENDPOINT_URL); or {fix[0].lower()}"
-            f"{fix[1:]} naming a location this process can write"
+            f"could be saved there: {ACCESS_HINT}; or {fix[0].lower()}{fix[1:]} naming a location this process "
+            "can write"
         ) from None

@@ -288,3 +288,47 @@ def test_load_from_checkpoint_validate_and_accelerator_project_dir_with_urls(s3,
     with pytest.raises(ConfigurationError, match=r"project_dir='s3://.*local directory.*save_state"):
         Accelerator(project_dir=f"s3://{bucket}/acc", automatic_checkpoint_naming=True)
     assert not (tmp_path / "s3:").exists()
+
+
+def test_a_killed_upload_keeps_its_name_free_and_other_objects_take_it(s3):
+    from trainforge.strategies.checkpoint.remote_read import remote_name_taken
+
+    bucket = s3.bucket()
+    fs = s3.fs()
+    root = RemotePath(f"s3://{bucket}/run/checkpoints")
+    fs.pipe(f"{bucket}/run/checkpoints/killed/{MARKER}", b"x")
+    fs.pipe(f"{bucket}/run/checkpoints/killed/rng_rank0.pt", b"half")
+    fs.pipe(f"{bucket}/run/checkpoints/yours/data.bin", b"mine")
+    writer = RemoteCheckpointWriter(f"{root}/ours", kind="trainer")
+    writer.save_object("trainer_state", {"step": 1})
+    writer.finalize({"step": 1, "kind": "trainer", "run_id": "run-a"})
+    assert not remote_name_taken(root / "killed", "run-a")  # our killed upload: the resumed run saves there
+    assert not remote_name_taken(root / "free", "run-a")
+    assert remote_name_taken(root / "yours", "run-a")  # not a checkpoint: ModelCheckpoint saves as yours-v1
+    assert not remote_name_taken(root / "ours", "run-a") and remote_name_taken(root / "ours", "run-b")
+
+
+def test_missing_credentials_are_an_error_naming_the_url_before_training(s3, tmp_path, monkeypatch):
+    import s3fs
+
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainforge import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    bucket = s3.bucket()
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    for key in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(key, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()  # a filesystem made earlier holds the credentials it found
+    try:
+        module = Regressor(make_net())
+        trainer = Trainer(default_root_dir=f"s3://{bucket}/run", max_steps=2, resume="auto", enable_progress_bar=False)
+        with pytest.raises(
+            ConfigurationError, match=rf"s3://{bucket}/run/checkpoints.*NoCredentialsError.*credentials"
+        ):
+            trainer.fit(module, DataLoader(regression_data(16), batch_size=8))
+        assert trainer.global_step == 0 and not module.losses
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
