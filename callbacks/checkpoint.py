@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from trainforge.callbacks.base import Callback
 from trainforge.strategies.checkpoint.async_save import check_async_save, resolve_async_save
 from trainforge.strategies.checkpoint.io import read_metadata
-from trainforge.strategies.checkpoint.remote import RemotePath, check_protocol, is_remote, location
+from trainforge.strategies.checkpoint.remote import RemotePath, check_not_mangled, check_protocol, is_remote, location
 from trainforge.strategies.checkpoint.remote_read import (
     Location,
     check_writable_at,
@@ -160,6 +160,7 @@ class ModelCheckpoint(Callback):
             )
         if train_time_interval is not None and not isinstance(train_time_interval, timedelta):
             raise ConfigurationError(f"train_time_interval={train_time_interval!r} must be a datetime.timedelta")
+        check_not_mangled(dirpath, "ModelCheckpoint(dirpath)")
         if is_remote(dirpath):
             check_protocol(str(dirpath))  # an fsspec protocol that is not installed fails now
         self.dirpath = dirpath

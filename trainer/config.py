@@ -323,8 +323,9 @@ def resolve_root_dirs(path: Optional[str]) -> "tuple[str, Optional[str]]":
     """(local root for logs and trackers, URL for checkpoints or None). A URL ``default_root_dir``
     (``s3://bucket/run``: strategies/checkpoint/remote.py) holds the checkpoints; trackers, profiles and hang
     dumps write local files and stay under the local default (``<cwd>/runs``), said once here."""
-    from trainforge.strategies.checkpoint.remote import RemotePath, check_protocol, is_remote
+    from trainforge.strategies.checkpoint.remote import RemotePath, check_not_mangled, check_protocol, is_remote
 
+    check_not_mangled(path, "default_root_dir")
     if not is_remote(path):
         return resolve_root_dir(path), None
     url = RemotePath(str(path)).url

@@ -148,6 +148,19 @@ def filesystem(url: str) -> Tuple[Any, str]:
     return fs, inner
 
 
+_MANGLED_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/[^/]")
+
+
+def check_not_mangled(path: Any, what: str) -> None:
+    """``pathlib.Path("s3://bucket/run")`` is ``s3:/bucket/run``: refuse it (ConfigurationError) instead of
+    writing a local folder named ``s3:``."""
+    if not is_remote(path) and path is not None and _MANGLED_RE.match(str(path)):
+        raise ConfigurationError(
+            f"{what}={str(path)!r} looks like a URL that pathlib.Path collapsed ('//' became '/'); pass the URL as "
+            f"a string, e.g. {str(path).replace(':/', '://', 1)!r}"
+        )
+
+
 def check_protocol(url: str) -> None:
     """Fail now (ConfigurationError) if ``url``'s protocol has no installed fsspec implementation."""
     filesystem(str(url))

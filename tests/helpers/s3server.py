@@ -18,11 +18,16 @@ class S3Server:
         self._server.start()
         host, port = self._server.get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
-        self.env: Dict[str, str] = {
+        self.env = self.dummy_env(self.endpoint)
+
+    @staticmethod
+    def dummy_env(endpoint: str) -> Dict[str, str]:
+        """Dummy credentials and ``endpoint`` for botocore (and so s3fs)."""
+        return {
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ENDPOINT_URL": endpoint,
         }
 
     def fs(self):  # an s3fs filesystem talking to this server (tests inspect and tamper with the bucket)

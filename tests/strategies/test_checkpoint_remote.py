@@ -173,6 +173,10 @@ def test_bad_urls_are_refused_before_training(s3, tmp_path, monkeypatch):
         Trainer(default_root_dir="nosuchproto://b/run", max_steps=2)
     with pytest.raises(ConfigurationError, match=r"nosuchproto://b/ck.*install"):
         ModelCheckpoint(dirpath="nosuchproto://b/ck")
+    with pytest.raises(ConfigurationError, match=r"'s3:/b/run' looks like a URL.*'s3://b/run'"):
+        Trainer(default_root_dir=Path("s3://b/run"), max_steps=2)
+    with pytest.raises(ConfigurationError, match=r"'s3:/b/ck' looks like a URL"):
+        ModelCheckpoint(dirpath=Path("s3://b/ck"))
     module = Regressor(make_net())
     trainer = Trainer(default_root_dir="s3://no-such-bucket-here/run", max_steps=2, enable_progress_bar=False)
     loader = torch.utils.data.DataLoader(regression_data(16), batch_size=8)
@@ -328,6 +332,29 @@ def test_missing_credentials_are_an_error_naming_the_url_before_training(s3, tmp
         with pytest.raises(
             ConfigurationError, match=rf"s3://{bucket}/run/checkpoints.*NoCredentialsError.*credentials"
         ):
+            trainer.fit(module, DataLoader(regression_data(16), batch_size=8))
+        assert trainer.global_step == 0 and not module.losses
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.slow  # botocore retries the connection for several seconds before giving up
+def test_an_unreachable_endpoint_is_an_error_naming_the_url_before_training(tmp_path, monkeypatch):
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainforge import Trainer
+    from trainforge.strategies.environment import find_free_port
+
+    pytest.importorskip("s3fs")
+    import s3fs
+
+    monkeypatch.chdir(tmp_path)
+    for key, value in S3Server.dummy_env(f"http://127.0.0.1:{find_free_port()}").items():  # nothing listens there
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        module = Regressor(make_net())
+        trainer = Trainer(default_root_dir="s3://bucket/run", max_steps=2, enable_progress_bar=False)
+        with pytest.raises(ConfigurationError, match=r"s3://bucket/run/checkpoints.*EndpointConnectionError.*endpoint"):
             trainer.fit(module, DataLoader(regression_data(16), batch_size=8))
         assert trainer.global_step == 0 and not module.losses
     finally:
