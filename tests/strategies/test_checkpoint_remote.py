@@ -359,3 +359,28 @@ def test_an_unreachable_endpoint_is_an_error_naming_the_url_before_training(tmp_
         assert trainer.global_step == 0 and not module.losses
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+EXIT_RIGHT_AFTER_SAVE = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from tests.helpers.models import make_net
+from trainforge import Accelerator
+acc = Accelerator(seed=0)
+net = make_net()
+model, opt = acc.prepare(net, torch.optim.AdamW(net.parameters()))
+acc.save_state({url!r}, async_save=True)  # returns once staged; the upload runs in the background
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_process_ending_right_after_an_asynchronous_save_commits_the_upload_first(s3, tmp_path):
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acc/checkpoint_0"
+    script = tmp_path / "exit_after_save.py"
+    script.write_text(EXIT_RIGHT_AFTER_SAVE.format(repo=str(ROOT), url=url))
+    out = procs.run([sys.executable, str(script)], timeout=120, cwd=tmp_path, env=procs.test_env(**s3.env)).stdout
+    assert "returned" in out
+    local, found = resolve_remote(RemotePath(url).parent, url, tmp_path / "cache")  # complete and verified
+    assert found == RemotePath(url) and (local / "model.safetensors").is_file()
