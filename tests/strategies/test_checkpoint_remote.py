@@ -384,3 +384,14 @@ def test_a_process_ending_right_after_an_asynchronous_save_commits_the_upload_fi
     assert "returned" in out
     local, found = resolve_remote(RemotePath(url).parent, url, tmp_path / "cache")  # complete and verified
     assert found == RemotePath(url) and (local / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_megatron_tensor_parallel_shards_go_to_s3_and_resume_exactly(s3, tmp_path):
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/tp/step-3"
+    script = ROOT / "tests" / "scripts" / "remote_megatron.py"
+    forklaunch.launch(str(script), url, str(tmp_path / "out.json"), nproc=2, timeout=240, env=procs.test_env(**s3.env))
+    assert json.loads((tmp_path / "out.json").read_text()) == {"losses_equal": True, "weights_equal": True}
+    manifest = json.loads(s3.fs().cat(f"{bucket}/tp/step-3/metadata.json"))["files"]
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= set(manifest)  # both ranks' shards
