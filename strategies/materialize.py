@@ -82,14 +82,15 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     empty = {n for n, t in named_targets(module) if t.is_meta}
     if not empty:
         return
-    groups = tie_groups(module)
+    same_tensor = _identity_groups(module)  # ties that hold now (FSDP2 keeps them; TP may not)
+    aliases = {n: [m for m in group if m != n] for group in tie_groups(module) for n in group}
     # to_empty replaces every tensor: the real ones (buffers, parts built eagerly) are put back
     real = {n: t.detach().clone() for n, t in _all_tensors(module) if not t.is_meta}
     module.to_empty(device=device)
     tensors = dict(_all_tensors(module))
     for name, value in real.items():
         _as_local(tensors[name]).copy_(value if not hasattr(value, "to_local") else value.to_local())
-    retie(module, groups)
+    retie(module, same_tensor)
     loaded: Set[str] = set()
     sources = []
     for mod_name, sub in module.named_modules():  # load_pretrained may have named a submodule
@@ -98,7 +99,8 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             continue
         pre = f"{mod_name}." if mod_name else ""
         mine = {n[len(pre) :] for n in empty if n.startswith(pre)}
-        loaded |= {pre + n for n in load_slices(sub, recorded[0], recorded[1], names=mine)}
+        sub_aliases = {n[len(pre) :]: [m[len(pre) :] for m in ms if m.startswith(pre)] for n, ms in aliases.items()}
+        loaded |= {pre + n for n in load_slices(sub, recorded[0], recorded[1], names=mine, aliases=sub_aliases)}
         sources.append(f"{recorded[0]} (prefix {recorded[1]!r})")
     _reset_the_rest(module, empty - loaded, loaded, sources)
 
@@ -122,6 +124,15 @@ def _reset_the_rest(module: nn.Module, left: Set[str], loaded: Set[str], sources
             "(trainforge.load_pretrained(model, path)), give that module a reset_parameters() that "
             "initialises its own tensors, or build the model without empty_init"
         )
+
+
+def _identity_groups(module: nn.Module) -> list:
+    """Names that share one tensor object now (not a transformers config's declared ties, which tensor
+    parallelism may have given separate shards)."""
+    by_id: Dict[int, list] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [group for group in by_id.values() if len(group) > 1]
 
 
 def _local(mod: nn.Module, leaf: str) -> torch.Tensor:

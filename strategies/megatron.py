@@ -83,7 +83,7 @@ from trainforge.strategies.checkpoint.dcp import DCP_DIR, has_sharded, load_shar
 from trainforge.strategies.ddp import ProcessGroupMixin
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from trainforge.strategies.fsdp_wrap import no_gradient_sync, remap_optimizers, select_modules
-from trainforge.strategies.materialize import refuse_meta
+from trainforge.strategies.materialize import has_meta, materialize, refuse_meta
 from trainforge.strategies.megatron_pipeline import PARALLELIZED, PipelineSetup
 from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
@@ -112,7 +112,6 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     model without a transformers config) inform the "auto" sizes."""
 
     name = "megatron"
-    materializes_meta = False  # a meta model is refused at setup (strategies/materialize.py)
     redirect_forward = True  # training_step through the root's forward, so FSDP's root hooks run
 
     def __init__(
@@ -315,9 +314,9 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
     def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         if getattr(module, PARALLELIZED, False):  # parallelized before
             return module, build_optimizers(optimizers)
-        refuse_meta(module, "megatron")
         self.plan_layout(module)  # 'auto' sizes, when neither the Trainer nor prepare() chose them before
         if self.pipelined:
+            refuse_meta(module, "megatron with pipeline_parallel_size > 1")
             return self._setup_pipeline(module, optimizers)
         before = list(module.named_parameters())
         module = self.setup_module(module)
@@ -341,8 +340,8 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
                 f"setup_module with pipeline_parallel_size={self.layout.pp}: the pipeline needs "
                 "setup(module, optimizer builder) (the Trainer's path), which builds the stages"
             )
-        module = module.to(self.root_device)
-        module = self.precision.convert_module(module)
+        meta = has_meta(module)  # built with empty_init: materialised once sharded (strategies/materialize.py)
+        module = self.precision.convert_module(module if meta else module.to(self.root_device))
         if self.layout.tp > 1:  # 1. (pp split: _setup_pipeline) 2. tensor parallelism
             self.tp_coverage = apply_tp(
                 module,
@@ -356,6 +355,9 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
                 install_loss_parallel(module)
         units = select_modules(module, None)  # 3. activation checkpointing
         wrappers = self.wrap_activation_blocks(module, {type(m) for _, m in units} or None)
+        if meta and self.layout.dp > 1 and self.data_parallel != "fsdp":  # DDP broadcasts real values
+            materialize(module, self.root_device)
+            meta = False
         if self.layout.dp > 1:  # 4. (compile: the Trainer's compile=True) 5. FSDP2 / DDP on the dp dimension
             apply_data_parallel(
                 self.data_parallel,
@@ -364,6 +366,8 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
                 self.mesh["dp"],
                 self._mp_policy(),
             )
+        if meta:  # each rank allocates and fills only its TP/FSDP shards
+            materialize(module, self.root_device)
         setattr(module, PARALLELIZED, True)
         return module
 

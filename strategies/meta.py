@@ -77,7 +77,13 @@ def tie_groups(model: nn.Module) -> List[List[str]]:
     for group in by_id.values():
         for n in group[1:]:
             parent[find(n)] = find(group[0])
-    for target, source in _hf_ties(model).items():
+    declared = {  # a transformers model's ties, also when it is a submodule (a TrainingModule's self.model)
+        f"{prefix}{target}": f"{prefix}{source}"
+        for mod_name, mod in model.named_modules()
+        for prefix in [f"{mod_name}." if mod_name else ""]
+        for target, source in _hf_ties(mod).items()
+    }
+    for target, source in declared.items():
         if target in names and source in names:
             parent[find(target)] = find(source)
     order = {n: i for i, n in enumerate(names_in_order(model))}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, Optional, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -85,32 +85,45 @@ def named_targets(module: nn.Module, names: Optional[Set[str]] = None) -> Iterat
 
 
 @torch.no_grad()
-def load_slices(module: nn.Module, path: Path | str, prefix: str = "", names: Optional[Set[str]] = None) -> Set[str]:
+def load_slices(
+    module: nn.Module,
+    path: Path | str,
+    prefix: str = "",
+    names: Optional[Set[str]] = None,
+    aliases: Optional[Dict[str, List[str]]] = None,
+) -> Set[str]:
     """Copy the pretrained values into ``module``'s tensors (only those in ``names`` when given),
-    each rank reading its own slice; returns the names loaded. Shapes are all checked first."""
+    each rank reading its own slice; returns the names loaded. Shapes are all checked first.
+    ``aliases``: names tied to a name (a file holds one name of a tied group: transformers drops
+    ``lm_head.weight`` when it is the embedding), read under another of them when absent."""
     from safetensors import safe_open
 
     files = weight_files(path)
-    targets = [(n, t) for n, t in named_targets(module, names) if prefix + n in files]
+    keys = {}
+    for name, _ in named_targets(module, names):
+        found = [k for k in (prefix + n for n in (name, *(aliases or {}).get(name, []))) if k in files]
+        if found:
+            keys[name] = found[0]
+    targets = [(n, t, keys[n]) for n, t in named_targets(module, names) if n in keys]
     with contextlib.ExitStack() as stack:
         handles = {
             f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
-            for f in {files[prefix + n] for n, _ in targets}
+            for f in {files[key] for _, _, key in targets}
         }
-        for name, tensor in targets:
-            stored = tuple(handles[files[prefix + name]].get_slice(prefix + name).get_shape())
+        for name, tensor, key in targets:
+            stored = tuple(handles[files[key]].get_slice(key).get_shape())
             if stored != tuple(tensor.shape):
                 raise CheckpointError(
-                    f"pretrained weights {path}: {prefix + name} has shape {list(stored)} in the file, the model's "
+                    f"pretrained weights {path}: {key} has shape {list(stored)} in the file, the model's "
                     f"{name} has {list(tensor.shape)}; build the model with the configuration the weights were "
                     "saved with"
                 )
-        for name, tensor in targets:
-            tensor_slice = handles[files[prefix + name]].get_slice(prefix + name)
+        for name, tensor, key in targets:
+            tensor_slice = handles[files[key]].get_slice(key)
             local, index = _local_part(tensor)
             if local.numel():
                 local.copy_(tensor_slice[index] if index else tensor_slice[:])
-    return {n for n, _ in targets}
+    return {n for n, _, _ in targets}
 
 
 def _local_part(tensor: torch.Tensor) -> Tuple[torch.Tensor, Optional[tuple]]:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainforge import Trainer, TrainingModule, load_pretrained
+from trainforge.strategies import MegatronStrategy
 
 CONFIG = dict(
     vocab_size=128,
@@ -47,7 +48,7 @@ class FineTune(TrainingModule):
 def main(out: Path, pretrained: Path, strategy: str, mode: str) -> None:
     config = transformers.LlamaConfig(**CONFIG)
     trainer = Trainer(
-        strategy=strategy,
+        strategy=MegatronStrategy(tensor_parallel_size=2) if strategy == "tp" else strategy,
         max_steps=4,
         enable_progress_bar=False,
         enable_checkpointing=False,
