@@ -217,7 +217,6 @@ def test_accelerator_save_state_and_load_state_round_trip_through_s3(s3, tmp_pat
     assert torch.equal(torch.rand(3), after_save)  # the RNG streams continue from the save
 
 
-@pytest.mark.slow  # s3fs and botocore retry the dead endpoint for a few seconds
 def test_a_server_dying_mid_upload_leaves_the_previous_checkpoint_the_one_latest_names(s3, tmp_path, monkeypatch):
     import s3fs
     from moto.server import ThreadedMotoServer
@@ -238,13 +237,15 @@ def test_a_server_dying_mid_upload_leaves_the_previous_checkpoint_the_one_latest
         return await original(self, *args, **kwargs)
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", put_then_die)
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1, raising=False)
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries of a dead endpoint ...
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # ... and botocore's, read by a client made from here on
+    s3fs.S3FileSystem.clear_instance_cache()
     try:
         with pytest.raises(CheckpointError, match=rf"upload of {root}/step-4 failed.*still names the previous one"):
             save(f"{root}/step-4", 4, 4.0)
     finally:
         monkeypatch.undo()
+        s3fs.S3FileSystem.clear_instance_cache()
         s3._server = ThreadedMotoServer(ip_address=host, port=port, verbose=False)  # the same in-memory store
         s3._server.start()
     assert read_remote_latest(root) == "step-2"
