@@ -1,4 +1,5 @@
-"""Peak host memory per rank while preparing a pretrained transformers Llama on 2 processes under FSDP2:
+"""Peak host memory per rank while preparing a pretrained transformers Llama on 2 processes under FSDP2 and
+under tensor parallelism (MegatronStrategy, TP=2):
 the path users have today (build the model whole, ``load_state_dict`` the file, then shard) vs built on
 the meta device (``init_module(empty_init=True)``) with ``trainforge.load_pretrained`` (each rank reads
 and allocates only its shards).
@@ -31,10 +32,11 @@ def rank_main(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file
 
     from trainforge import Accelerator, load_pretrained
-    from trainforge.strategies import FSDPStrategy
+    from trainforge.strategies import FSDPStrategy, MegatronStrategy
 
     config = transformers.LlamaConfig(**json.loads(args.config))
-    acc = Accelerator(strategy=FSDPStrategy())
+    strategy = MegatronStrategy(tensor_parallel_size=args.nproc) if args.strategy == "tp" else FSDPStrategy()
+    acc = Accelerator(strategy=strategy)
     base, base_anon = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, anon()
     sampler = Peak()
     sampler.start()
@@ -49,9 +51,10 @@ def rank_main(args: argparse.Namespace) -> None:
     sampler.stop = True
     sampler.join()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
-    held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # TP leaves norms whole
+    held = sum(t.numel() * t.element_size() for t in local)
     out = {"peak_rss": peak * 1024, "peak_anon": sampler.peak - base_anon, "shard_bytes": held}
-    Path(args.out, f"{args.mode}.rank{acc.process_index}.json").write_text(json.dumps(out))
+    Path(args.out, f"{args.strategy}-{args.mode}.rank{acc.process_index}.json").write_text(json.dumps(out))
     acc.end_training()
 
 
@@ -61,6 +64,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--strategies", default="fsdp,tp", help="fsdp (FSDP2), tp (MegatronStrategy, TP = nproc)")
+    p.add_argument("--strategy", default="fsdp", help=argparse.SUPPRESS)
     p.add_argument("--rank-mode", dest="mode", default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--weights", default=None, help=argparse.SUPPRESS)
@@ -77,7 +82,7 @@ def main() -> None:
         intermediate_size=int(args.hidden * 2.75),
         num_hidden_layers=args.layers,
         num_attention_heads=max(args.hidden // 64, 1),
-        num_key_value_heads=max(args.hidden // 256, 1),
+        num_key_value_heads=max(args.hidden // 256, args.nproc),  # TP splits whole heads
         tie_word_embeddings=False,
     )
     with tempfile.TemporaryDirectory(prefix="empty-init-") as tmp:
@@ -89,23 +94,25 @@ def main() -> None:
         model.save_pretrained(weights, max_shard_size="100GB")
         del model
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        for mode in ("eager", "empty"):
+        runs = [(s, m) for s in args.strategies.split(",") for m in ("eager", "empty")]
+        for strategy, mode in runs:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
-            cmd += [__file__, "--rank-mode", mode, "--config", json.dumps(config), "--weights", str(weights)]
-            subprocess.run(cmd + ["--out", str(out)], check=True, env=env)
+            cmd += [__file__, "--rank-mode", mode, "--strategy", strategy, "--config", json.dumps(config)]
+            subprocess.run(cmd + ["--weights", str(weights), "--out", str(out)], check=True, env=env)
         per_rank = model_bytes / args.nproc
-        print(f"Llama {model_bytes / 2**30:.2f} GiB fp32 on {args.nproc} processes (FSDP2, gloo, CPU)")
+        print(f"Llama {model_bytes / 2**30:.2f} GiB fp32 on {args.nproc} processes (gloo, CPU)")
         print("peak above the rank's baseline: RssAnon (process memory) and max RSS (also the pages of the")
         print("memory-mapped weight files it read, which the kernel can drop); ratios to model bytes / world size")
         print(
-            f"{'path':<6} {'rank':>4} {'RssAnon GiB':>12} {'ratio':>6} {'max RSS GiB':>12} {'ratio':>6} {'shard GiB':>10}"
+            f"{'path':<11} {'rank':>4} {'RssAnon GiB':>12} {'ratio':>6} {'max RSS GiB':>12} {'ratio':>6} {'shard':>6}"
         )
-        for mode in ("eager", "empty"):
+        for strategy, mode in runs:
             for rank in range(args.nproc):
-                r = json.loads(Path(out, f"{mode}.rank{rank}.json").read_text())
+                r = json.loads(Path(out, f"{strategy}-{mode}.rank{rank}.json").read_text())
                 print(
-                    f"{mode:<6} {rank:>4} {r['peak_anon'] / 2**30:>12.2f} {r['peak_anon'] / per_rank:>6.2f} "
-                    f"{r['peak_rss'] / 2**30:>12.2f} {r['peak_rss'] / per_rank:>6.2f} {r['shard_bytes'] / 2**30:>10.2f}"
+                    f"{strategy + ' ' + mode:<11} {rank:>4} {r['peak_anon'] / 2**30:>12.2f} "
+                    f"{r['peak_anon'] / per_rank:>6.2f} {r['peak_rss'] / 2**30:>12.2f} {r['peak_rss'] / per_rank:>6.2f} "
+                    f"{r['shard_bytes'] / 2**30:>6.2f}"
                 )
 
 

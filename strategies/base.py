@@ -69,9 +69,7 @@ class RunSettings:
 class Strategy:
     """Base class. Subclasses override what differs; the defaults are a single process."""
 
-    #: A model built on the meta device (init_module(empty_init=True)) is materialised at setup
-    #: (strategies/materialize.py); and whether ``init_module(empty_init=None)`` builds it so.
-    materializes_meta = True
+    #: Whether ``init_module(empty_init=None)`` builds on the meta device (strategies/materialize.py).
     empty_init_default = False
 
     name = "base"

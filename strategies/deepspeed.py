@@ -59,7 +59,7 @@ from trainforge.strategies.deepspeed_state import (  # noqa: F401  (re-exported)
     local_state_bytes,
 )
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
-from trainforge.strategies.materialize import refuse_meta
+from trainforge.strategies.materialize import materialize_whole
 
 log = logging.getLogger("trainforge")
 
@@ -156,7 +156,6 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
     "nvme") are the launch-config spellings of the same settings (``trainforge config``)."""
 
     name = "deepspeed"
-    materializes_meta = False  # a meta model is refused at setup (strategies/materialize.py)
     redirect_forward = True  # the engine's forward runs ZeRO-3's parameter gathering hooks
     handles_accumulation = True  # engine.backward divides by gradient_accumulation_steps
     loss_scaling_in_backend = True  # the config's fp16 section scales the loss
@@ -233,7 +232,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
     def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[Any]]:
         if self._ds is None:
             self.setup_environment()
-        refuse_meta(module, "deepspeed")
+        materialize_whole(module, torch.device("cpu"), "deepspeed")  # zero.Init is not used (yet)
         if callable(optimizers):
             # deepspeed.initialize takes the optimizer with the module, so it is built here, on the
             # device DeepSpeed will train on (fused AdamW on CUDA). Not when parameters are offloaded

@@ -24,6 +24,7 @@ initialisation but not the same random draws as an eager build.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, ContextManager, Dict, Iterator, Optional, Set, Tuple
 
 import torch
@@ -33,6 +34,7 @@ from trainforge.strategies.checkpoint.pretrained import load_slices, named_targe
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.meta import init_empty_weights, retie, tie_groups
 
+log = logging.getLogger("trainforge")
 PRETRAINED_ATTR = "_trainforge_pretrained"  # (path, prefix) recorded by load_pretrained on a meta model
 
 
@@ -151,14 +153,17 @@ def _all_tensors(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     yield from module.named_buffers()
 
 
-def refuse_meta(module: nn.Module, strategy: str) -> None:
-    """The strategies that do not materialise a meta model yet say so before any work."""
+def materialize_whole(module: nn.Module, device: torch.device, strategy: str) -> None:
+    """For the strategies that do not shard before materialising (DeepSpeed: zero.Init is not used;
+    pipeline parallelism; XLA): the model is materialised whole on ``device`` first, so the script runs
+    unchanged under them, without the memory saving (said once in the log)."""
     if has_meta(module):
-        raise ConfigurationError(
-            f"strategy={strategy!r} cannot take a model built on the meta device (init_module(empty_init=True)) "
-            "yet: build it normally, or use strategy='fsdp' (sharded, materialised shard by shard), 'ddp' or "
-            "'single'"
+        log.info(
+            "trainforge: strategy=%r materialises the meta model whole before sharding it: each rank holds the "
+            "whole model during setup (FSDP and tensor parallelism hold only their shards)",
+            strategy,
         )
+        materialize(module, device)
 
 
 def init_module_context(strategy: Any, empty_init: Optional[bool]) -> ContextManager[None]:
@@ -166,10 +171,5 @@ def init_module_context(strategy: Any, empty_init: Optional[bool]) -> ContextMan
     device, False as usual, None as the strategy prefers (FSDP: empty, it materialises shard by shard)."""
     if empty_init is not None and not isinstance(empty_init, bool):
         raise ConfigurationError(f"init_module(empty_init={empty_init!r}) must be None, True or False")
-    if empty_init and not strategy.materializes_meta:
-        raise ConfigurationError(
-            f"init_module(empty_init=True) with strategy={strategy.name!r}: it cannot materialise a model "
-            "built on the meta device yet; use empty_init=False, or strategy='fsdp', 'ddp' or 'single'"
-        )
     wanted = strategy.empty_init_default if empty_init is None else empty_init
     return _empty_init_context(wanted)

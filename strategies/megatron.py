@@ -83,7 +83,7 @@ from trainforge.strategies.checkpoint.dcp import DCP_DIR, has_sharded, load_shar
 from trainforge.strategies.ddp import ProcessGroupMixin
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, invalid_choice
 from trainforge.strategies.fsdp_wrap import no_gradient_sync, remap_optimizers, select_modules
-from trainforge.strategies.materialize import has_meta, materialize, refuse_meta
+from trainforge.strategies.materialize import has_meta, materialize, materialize_whole
 from trainforge.strategies.megatron_pipeline import PARALLELIZED, PipelineSetup
 from trainforge.strategies.parallel import ParallelDims, apply_tp
 from trainforge.strategies.parallel.auto import check_auto_options, choose_auto_layout, loader_shape
@@ -316,7 +316,7 @@ class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
             return module, build_optimizers(optimizers)
         self.plan_layout(module)  # 'auto' sizes, when neither the Trainer nor prepare() chose them before
         if self.pipelined:
-            refuse_meta(module, "megatron with pipeline_parallel_size > 1")
+            materialize_whole(module, self.root_device, "megatron with pipeline parallelism")
             return self._setup_pipeline(module, optimizers)
         before = list(module.named_parameters())
         module = self.setup_module(module)

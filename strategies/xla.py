@@ -37,7 +37,7 @@ from torch import nn
 from trainforge.strategies.base import REDUCE_OPS, Strategy, build_optimizers, mean_from_sum
 from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
-from trainforge.strategies.materialize import refuse_meta
+from trainforge.strategies.materialize import materialize_whole
 
 #: torch_xla release -> the torch it was built against (torch_xla follows torch's minor versions).
 LAST_TORCH_XLA = "2.9.0"
@@ -117,7 +117,6 @@ class XLAStrategy(Strategy):
     model was built with different seeds)."""
 
     name = "xla"
-    materializes_meta = False  # a meta model is refused at setup (strategies/materialize.py)
     activation_checkpointing_modes = ()
     activation_checkpointing_limits = (
         "XLA's compiler merges torch.utils.checkpoint's recomputation back into the forward (it saves "
@@ -168,7 +167,7 @@ class XLAStrategy(Strategy):
     def setup(self, module: nn.Module, optimizers: Any) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         """Optimizers built before placement (Accelerate's order) hold the CPU parameters, which moving
         to XLA replaces (CPU and XLA tensors cannot swap storage): they are pointed at the XLA ones."""
-        refuse_meta(module, "xla")
+        materialize_whole(module, torch.device("cpu"), "xla")  # then moved to the XLA device
         before = list(module.named_parameters())
         module = self.setup_module(module)
         if callable(optimizers):

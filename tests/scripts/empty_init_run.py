@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainforge import Trainer, TrainingModule, load_pretrained
-from trainforge.strategies import MegatronStrategy
+from trainforge.strategies import DeepSpeedStrategy, MegatronStrategy
 
 CONFIG = dict(
     vocab_size=128,
@@ -48,7 +48,9 @@ class FineTune(TrainingModule):
 def main(out: Path, pretrained: Path, strategy: str, mode: str) -> None:
     config = transformers.LlamaConfig(**CONFIG)
     trainer = Trainer(
-        strategy=MegatronStrategy(tensor_parallel_size=2) if strategy == "tp" else strategy,
+        strategy={"tp": MegatronStrategy(tensor_parallel_size=2), "deepspeed": DeepSpeedStrategy(stage=2)}.get(
+            strategy, strategy
+        ),
         max_steps=4,
         enable_progress_bar=False,
         enable_checkpointing=False,
