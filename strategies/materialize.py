@@ -50,7 +50,17 @@ def _empty_init_context(enabled: bool = True) -> Iterator[None]:
         yield
         return
     with init_empty_weights(include_buffers=False):
-        yield
+        try:
+            yield
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            if "meta" not in str(exc):
+                raise
+            raise ConfigurationError(
+                f"code inside init_module(empty_init=True) read the values of a tensor on the meta device ({exc}): "
+                "parameters built there have shapes but no values until the strategy materialises them at setup. "
+                "Initialise in the layer's reset_parameters() (run at setup) or give the weights with "
+                "trainforge.load_pretrained(model, path); compute from values after prepare()/fit setup"
+            ) from exc
 
 
 def load_pretrained(module: nn.Module, path: Any, prefix: str = "") -> nn.Module:

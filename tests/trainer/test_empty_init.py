@@ -139,3 +139,14 @@ def test_init_module_arguments():
         assert not nn.Linear(2, 2).weight.is_meta
     with init_module_context(FSDPStrategy(), None):  # FSDP: on the meta device, materialised shard by shard
         assert nn.Linear(2, 2).weight.is_meta
+
+
+def test_code_that_reads_meta_values_inside_init_module_gets_the_reason_and_the_fix():
+    acc = Accelerator()
+    with pytest.raises(ConfigurationError, match=r"read the values of a tensor on the meta device .*reset_parameters"):
+        with acc.init_module(empty_init=True):
+            layer = nn.Linear(2, 2)
+            layer.weight.sum().item()  # e.g. a user's init that normalises by a statistic of the weights
+    with pytest.raises(ValueError, match="unrelated"):  # other errors pass through as they are
+        with acc.init_module(empty_init=True):
+            raise ValueError("unrelated")
