@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tests.helpers import procs  # noqa: E402
+from tests.helpers import forklaunch, procs  # noqa: E402
 from trainforge import Accelerator, Trainer  # noqa: E402
 from trainforge.callbacks import ModelCheckpoint  # noqa: E402
 from trainforge.strategies.checkpoint.dcp_safe import load_metadata  # noqa: E402
@@ -37,7 +37,7 @@ STRATEGIES = ("ddp", "fsdp", "fsdp_full")  # FSDP2 with sharded (dcp/) and full 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("adapters")
-    procs.run(procs.torchrun(SCRIPTS / "adapter_run.py", out), timeout=240, env=procs.test_env(PYTHONWARNINGS="ignore"))
+    forklaunch.launch(SCRIPTS / "adapter_run.py", out, timeout=240, env=procs.test_env(PYTHONWARNINGS="ignore"))
     return out, json.loads((out / "results.json").read_text())
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import procs
+from tests.helpers import forklaunch
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import ConfigurationError, Trainer, TrainingModule, seed_everything
 from trainforge.callbacks import LossSpikes
@@ -123,7 +123,7 @@ def test_accumulation_decides_per_optimizer_step(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_skip_together(tmp_path):
     out = tmp_path / "spikes.json"
-    procs.run(procs.torchrun(SCRIPTS / "loss_spikes_dist.py", str(out)), timeout=120)
+    forklaunch.launch(SCRIPTS / "loss_spikes_dist.py", str(out), timeout=120)
     r = json.loads(out.read_text())
     saw_nan = [row[0] for row in r["rows"]]
     assert sorted(saw_nan) == [False, True]  # the NaN is on one rank only

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import procs
+from tests.helpers import forklaunch
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import CheckpointError, ConfigurationError, Trainer, TrainforgeError, seed_everything
 from trainforge.callbacks import Callback, EMAWeightAveraging, LossSpikes, ModelCheckpoint
@@ -216,7 +216,7 @@ def test_two_ranks_roll_back_together(tmp_path, strategy):
     """A NaN on rank 0 and a spike on rank 1: both ranks skip both steps and roll back together; under
     FSDP2 through the sharded (DCP) checkpoint into the live optimizer state."""
     out = tmp_path / "rollback.json"
-    procs.run(procs.torchrun(SCRIPTS / "loss_spikes_rollback_dist.py", str(out), strategy), timeout=180)
+    forklaunch.launch(SCRIPTS / "loss_spikes_rollback_dist.py", str(out), strategy, timeout=180)
     r = json.loads(out.read_text())
     assert r["rows"][0] == r["rows"][1] and r["rows"][0][:3] == [1, 2, 5]  # rollbacks, skips, step after
     assert r["restored_equal"] == [True, True] and r["agree"] and r["finite"]
