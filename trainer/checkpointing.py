@@ -306,7 +306,15 @@ def save_accelerator_state(
 def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str, parts: CheckpointParts) -> Path:
     s = acc.strategy
     path = cast(
-        Path, resolve_on_ranks(location(input_dir).parent, input_dir, rank=s.global_rank, broadcast=s.broadcast)
+        Path,
+        resolve_on_ranks(
+            location(input_dir).parent,
+            input_dir,
+            rank=s.global_rank,
+            broadcast=s.broadcast,
+            world_size=s.world_size,
+            barrier=s.barrier,
+        ),
     )
     _, rng = load_state(acc, path, parts)
     set_rng_state(rng)

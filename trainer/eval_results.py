@@ -100,7 +100,10 @@ class EvaluationInputs:
 
     def _resolve_eval(self, root: Any, ckpt_path: Any) -> Path:
         """``resolve_checkpoint``; in object storage, downloaded and verified (strategies/checkpoint/remote_read.py)."""
-        found = resolve_on_ranks(root, ckpt_path, rank=self.strategy.global_rank, broadcast=self.strategy.broadcast)
+        s = self.strategy
+        found = resolve_on_ranks(
+            root, ckpt_path, rank=s.global_rank, broadcast=s.broadcast, world_size=s.world_size, barrier=s.barrier
+        )
         return cast(Path, found)
 
     def _load_eval_weights(self, path: Optional[Path]) -> None:

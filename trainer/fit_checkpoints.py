@@ -141,8 +141,15 @@ class FitCheckpoints:
                 f"fit(ckpt_path='last'): there is no checkpoint under {root} yet. To resume when one "
                 "exists and start fresh otherwise, use Trainer(resume='auto') and leave ckpt_path out"
             )
-        path = resolve_on_ranks(  # a URL: downloaded and verified (strategies/checkpoint/remote_read.py)
-            root, ckpt_path, rank=self.strategy.global_rank, broadcast=self.strategy.broadcast, missing_ok=not required
+        s = self.strategy  # a URL: downloaded once per node and verified (strategies/checkpoint/remote_read.py)
+        path = resolve_on_ranks(
+            root,
+            ckpt_path,
+            rank=s.global_rank,
+            broadcast=s.broadcast,
+            missing_ok=not required,
+            world_size=s.world_size,
+            barrier=s.barrier,
         )
         if path is None:
             if self.is_global_zero:

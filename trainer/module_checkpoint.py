@@ -98,7 +98,7 @@ def read_checkpoint(
         )
     if is_remote(checkpoint_path):  # object storage: downloaded, verified (strategies/checkpoint/remote_read.py)
         url = RemotePath(str(checkpoint_path))
-        checkpoint_path, _ = resolve_remote(url.parent, url, cache_dir(url.parent, os.getpid()))
+        checkpoint_path, _ = resolve_remote(url.parent, url, cache_dir(url.parent, f"pid{os.getpid()}"))
     try:
         path = Path(os.fspath(checkpoint_path))
     except TypeError:

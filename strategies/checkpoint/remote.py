@@ -183,9 +183,9 @@ def staging_root(root: RemotePath) -> Path:
     return _cache_base() / "staging" / _digest(root.url)
 
 
-def cache_dir(root: RemotePath, rank: int) -> Path:
-    """Where rank ``rank`` downloads checkpoints of ``root`` to load them."""
-    return _cache_base() / "cache" / _digest(root.url) / f"rank{rank}"
+def cache_dir(root: RemotePath, who: str) -> Path:
+    """Where checkpoints of ``root`` are downloaded to be loaded, by ``who`` (``node<k>``: the ranks of a node)."""
+    return _cache_base() / "cache" / _digest(root.url) / who
 
 
 ACCESS_HINT = (

@@ -29,6 +29,7 @@ from trainforge.strategies.checkpoint.remote import (
     read_remote_metadata,
     remove_checkpoint_objects,
 )
+from trainforge.strategies.checkpoint.remote_write import placement
 from trainforge.strategies.checkpoint.verify import (
     LATEST_FILE,
     METADATA_FILE,
@@ -151,20 +152,25 @@ def resolve_on_ranks(
     rank: int,
     broadcast: Callable[[Any, int], Any],
     missing_ok: bool = False,
+    world_size: int = 1,
+    barrier: Optional[Callable[[], Any]] = None,
 ) -> Optional[Path]:
     """The local directory to load. A local ``root`` and ``ckpt_path``: ``resolve_checkpoint`` as always. With
-    a URL, rank 0 chooses (and verifies) the checkpoint and every other rank downloads and verifies the same
-    one into its own cache directory, so all ranks load the same step."""
+    a URL, rank 0 chooses (and verifies) the checkpoint into its node's cache directory; on every other node the
+    local rank 0 downloads and verifies the same one into that node's, and after ``barrier`` every rank reads its
+    node's copy: all ranks load the same step, and each node downloads it once."""
     if not is_remote(ckpt_path):
         if isinstance(root, Path):
             return resolve_checkpoint(root, ckpt_path, missing_ok=missing_ok)
         if str(ckpt_path) != "last" and Path(str(ckpt_path)).is_dir():  # a local checkpoint, named by its path
             return resolve_checkpoint(Path(str(ckpt_path)).parent, ckpt_path, missing_ok=missing_ok)
     remote_root = root if isinstance(root, RemotePath) else RemotePath(str(ckpt_path)).parent
+    node, local_rank, _ = placement(rank, world_size)
+    cache = cache_dir(remote_root, f"node{node}")  # shared by the ranks of a node
     chosen, error, local = "", "", None
     if rank == 0:
         try:
-            local, url = resolve_remote(remote_root, ckpt_path, cache_dir(remote_root, 0), missing_ok)
+            local, url = resolve_remote(remote_root, ckpt_path, cache, missing_ok)
             chosen = url.url if url is not None else ""
         except (CheckpointError, ConfigurationError) as e:
             error = f"{type(e).__name__}: {e}"
@@ -174,9 +180,20 @@ def resolve_on_ranks(
         raise (ConfigurationError if kind == "ConfigurationError" else CheckpointError)(message)
     if not chosen:
         return None
-    if rank == 0:
-        return local
-    return fetch(RemotePath(chosen), cache_dir(remote_root, rank))
+    failed: Optional[CheckpointError] = None
+    if rank != 0 and local_rank == 0:
+        try:
+            local = fetch(RemotePath(chosen), cache)
+        except CheckpointError as e:  # the node's other ranks are released below, then find no copy
+            failed = e
+    if barrier is not None and world_size > 1:
+        barrier()
+    if failed is not None:
+        raise failed
+    local = cache / RemotePath(chosen).name
+    if not (local / METADATA_FILE).is_file():
+        raise CheckpointError(f"{chosen}: the download of this node's local rank 0 failed; see its error")
+    return local
 
 
 def remote_name_taken(path: RemotePath, run_id: Optional[str]) -> bool:

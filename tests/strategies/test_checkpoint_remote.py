@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from tests.helpers import forklaunch, procs
 from tests.helpers.s3server import S3Server
-from trainforge.strategies.checkpoint.remote import MARKER, RemotePath, is_remote
+from trainforge.strategies.checkpoint.remote import MARKER, RemotePath, cache_dir, is_remote
 from trainforge.strategies.checkpoint.remote_read import (
     delete_checkpoint_at,
     list_remote,
@@ -156,6 +156,8 @@ def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, tmp_path, npro
     assert all(fs.size(f"{bucket}/cut/checkpoints/epoch=0-step=4/{rel}") == e["size"] for rel, e in manifest.items())
     resumed = run(tmp_path, s3, f"s3://{bucket}/cut", "cut.st", "--max-steps", "8", "--resume", *extra, nproc=nproc)
     assert resumed["final_step"] == 8
+    root = RemotePath(f"s3://{bucket}/cut/checkpoints")  # downloaded once per node, read by its ranks
+    assert cache_dir(root, "node0").is_dir() and cache_dir(root, "node1").is_dir() == strategy.endswith("nodes")
     assert_same_weights(tmp_path / "full.st", tmp_path / "cut.st")
     assert fs.cat(f"{bucket}/cut/checkpoints/latest").endswith(b"-step=8\n")
     assert fs.cat(f"{bucket}/cut/checkpoints/notes.txt") == b"mine"
