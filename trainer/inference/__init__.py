@@ -7,6 +7,7 @@ without copies (memory-mapped safetensors), keep tied weights together. Knows no
                                          max_memory={0: "10GiB", "cpu": "30GiB"}, offload_folder="off/")
 """
 
+from trainforge.strategies.meta import init_empty_weights, materialize, retie, tie_groups
 from trainforge.trainer.inference.device_map import compute_module_sizes, get_max_memory, infer_auto_device_map
 from trainforge.trainer.inference.dispatch import (
     cpu_offload,
@@ -15,7 +16,6 @@ from trainforge.trainer.inference.dispatch import (
     load_checkpoint_and_dispatch,
     remove_dispatch,
 )
-from trainforge.strategies.meta import init_empty_weights, materialize, retie, tie_groups
 
 __all__ = [
     "compute_module_sizes",
