@@ -91,11 +91,12 @@ def fetch(path: RemotePath, dest_root: Path) -> Path:
     dest.mkdir(parents=True)
     fs, inner = path.fs()
     try:
-        if files:
-            for folder in {rel.rsplit("/", 1)[0] for rel in files if "/" in rel}:
-                (dest / folder).mkdir(parents=True, exist_ok=True)
-            fs.get([f"{inner}/{rel}" for rel in files], [str(dest / rel) for rel in files])
-        fs.get_file(f"{inner}/{METADATA_FILE}", str(dest / METADATA_FILE))
+        with access_errors(path.url, "download it"):
+            if files:
+                for folder in {rel.rsplit("/", 1)[0] for rel in files if "/" in rel}:
+                    (dest / folder).mkdir(parents=True, exist_ok=True)
+                fs.get([f"{inner}/{rel}" for rel in files], [str(dest / rel) for rel in files])
+            fs.get_file(f"{inner}/{METADATA_FILE}", str(dest / METADATA_FILE))
     except FileNotFoundError as e:
         raise CheckpointError(f"{path.url}: a file its manifest lists is missing ({e})") from None
     except OSError as e:
@@ -172,20 +173,22 @@ def resolve_on_ranks(
         try:
             local, url = resolve_remote(remote_root, ckpt_path, cache, missing_ok)
             chosen = url.url if url is not None else ""
-        except (CheckpointError, ConfigurationError) as e:
+        except Exception as e:  # said on every rank (raised below), never left for the others to wait on
             error = f"{type(e).__name__}: {e}"
     chosen, error = broadcast((chosen, error), 0)
     if error:
         kind, _, message = error.partition(": ")
-        raise (ConfigurationError if kind == "ConfigurationError" else CheckpointError)(message)
+        raise (ConfigurationError if kind == "ConfigurationError" else CheckpointError)(
+            message if kind in ("ConfigurationError", "CheckpointError") else error
+        )
     if not chosen:
         return None
-    failed: Optional[CheckpointError] = None
+    failed: Optional[Exception] = None
     if rank != 0 and local_rank == 0:
         try:
             local = fetch(RemotePath(chosen), cache)
-        except CheckpointError as e:  # the node's other ranks are released below, then find no copy
-            failed = e
+        except Exception as e:  # the node's other ranks are released below, then find no copy
+            failed = e if isinstance(e, (CheckpointError, ConfigurationError)) else CheckpointError(f"{chosen}: {e}")
     if barrier is not None and world_size > 1:
         barrier()
     if failed is not None:
