@@ -154,8 +154,12 @@ class RemoteCheckpointWriter:
         self.nodes = world_size // per_node
         replaced = claim(self.final_dir, kind)  # every rank: the same objects, the same answer
         self._barrier()  # ... so every rank looks before rank 0 changes them
+        self._failed: Optional[BaseException] = None  # rank 0's, raised in finalize: the barriers stay in step
         if rank == 0:
-            prepare_prefix(self.final_dir, replaced, f"{world_size} processes")
+            try:
+                prepare_prefix(self.final_dir, replaced, f"{world_size} processes")
+            except Exception as e:
+                self._failed = e
         local_final = staging_root(self.root) / f"node{self.node}" / self.final_dir.name
         try:  # its first barrier also orders every node's uploads after prepare_prefix
             self._local = CheckpointWriter(
@@ -192,8 +196,8 @@ class RemoteCheckpointWriter:
     def finalize(self, metadata: Optional[Mapping[str, Any]] = None, *, update_latest: bool = True) -> RemotePath:
         """Every rank: commit on the node, upload the node's files, rank 0 commits in the store, all check."""
         local = self._local.finalize(metadata, update_latest=False)
-        error: Optional[BaseException] = None
-        if self.local_rank == 0:
+        error = self._failed
+        if self.local_rank == 0 and error is None:
             try:
                 upload_node(local, self.final_dir, self.node)
             except Exception as e:  # released at the barrier below; rank 0 then finds no list from this node
