@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
 from trainforge.callbacks.loss_spikes import LossSpikes
 from trainforge.strategies.checkpoint.io import read_metadata, resolve_checkpoint
-from trainforge.strategies.checkpoint.remote import is_remote, location
+from trainforge.strategies.checkpoint.remote import RemotePath, location
 from trainforge.strategies.checkpoint.remote_read import Location, list_checkpoints_at, resolve_on_ranks
 from trainforge.strategies.errors import CheckpointError
 from trainforge.trainer.checkpointing import CheckpointParts, load_state, save_state
@@ -111,7 +111,7 @@ class FitCheckpoints:
             run_id=self.run_id,
         )
 
-    _newest_checkpoint: Optional[Path] = None  # written by this fit (or resumed from): rollbacks restore it
+    _newest_checkpoint: Optional[Location] = None  # written by this fit (or resumed from): rollbacks restore it
 
     def _save_checkpoint(
         self, path: os.PathLike | str, async_save: bool = False, trainable_only: Optional[bool] = None
@@ -179,8 +179,11 @@ class FitCheckpoints:
         the directory: after a resume from an older checkpoint, the newer ones there belong to the branch
         that was abandoned."""
         self.accelerator.wait_for_checkpoint()
-        found = self._verified_newest() if self.is_global_zero else ("", "")
-        chosen, why = self.strategy.broadcast(found, 0)  # rank 0 names it: every rank restores the same one
+        if isinstance(self._newest_checkpoint, RemotePath):  # object storage: every node downloads the same one
+            chosen, why = self._remote_newest(self._newest_checkpoint)
+        else:
+            found = self._verified_newest() if self.is_global_zero else ("", "")
+            chosen, why = self.strategy.broadcast(found, 0)  # rank 0 names it: every rank restores the same one
         if not chosen:
             raise CheckpointError(
                 f"LossSpikes(rollback_after={spikes.rollback_after}): {spikes.consecutive_skips} consecutive "
@@ -212,9 +215,25 @@ class FitCheckpoints:
         newest = self._newest_checkpoint
         if newest is None:
             return "", "this fit has written no checkpoint yet and did not resume from one"
+        assert isinstance(newest, Path)  # a URL goes through _remote_newest
         try:
-            if is_remote(newest):  # rank 0 restores from its download; the others read it (same node)
-                return str(resolve_on_ranks(newest.parent, newest, rank=0, broadcast=lambda obj, src: obj)), ""
             return str(resolve_checkpoint(newest.parent, newest)), ""
         except CheckpointError as e:
             return "", str(e)
+
+    def _remote_newest(self, newest: RemotePath) -> "tuple[str, str]":
+        """The local copy of this fit's newest checkpoint in object storage, downloaded once per node and verified
+        (``remote_read.resolve_on_ranks``: rank 0 chooses), else ``""`` and why."""
+        s = self.strategy
+        try:
+            found = resolve_on_ranks(
+                newest.parent,
+                newest,
+                rank=s.global_rank,
+                broadcast=s.broadcast,
+                world_size=s.world_size,
+                barrier=s.barrier,
+            )
+        except CheckpointError as e:
+            return "", str(e)
+        return str(found), ""

@@ -398,3 +398,32 @@ def test_megatron_tensor_parallel_shards_go_to_s3_and_resume_exactly(s3, tmp_pat
     assert json.loads((tmp_path / "out.json").read_text()) == {"losses_equal": True, "weights_equal": True}
     manifest = json.loads(s3.fs().cat(f"{bucket}/tp/step-3/metadata.json"))["files"]
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= set(manifest)  # both ranks' shards
+
+
+def test_loss_spike_rollback_restores_the_newest_checkpoint_from_s3(s3, tmp_path, monkeypatch):
+    """LossSpikes(rollback_after=2) with checkpoints in the bucket ends on the weights of the same run on disk."""
+    import copy
+    import math
+
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainforge import Trainer, seed_everything
+    from trainforge.callbacks import LossSpikes, ModelCheckpoint
+
+    monkeypatch.chdir(tmp_path)
+    x, y = regression_data(n=64).tensors
+    x = x.clone()
+    x[5 * 8 + 1] = x[6 * 8 + 1] = math.nan  # batches 5 and 6 spike: back to the checkpoint of step 4
+    seed_everything(0)
+    net = make_net()
+    results = []
+    for root in (str(tmp_path / "disk"), f"s3://{s3.bucket()}/run"):
+        spikes = LossSpikes(threshold=10.0, window=2, rollback_after=2)
+        module = Regressor(copy.deepcopy(net), step_lr=True)
+        trainer = Trainer(
+            default_root_dir=root, max_epochs=1, enable_progress_bar=False,
+            callbacks=[spikes, ModelCheckpoint(every_n_steps=2)],
+        )  # fmt: skip
+        trainer.fit(module, DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+        assert spikes.rollbacks == 1
+        results.append(module.net.state_dict())
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
