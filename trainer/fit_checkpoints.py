@@ -215,9 +215,9 @@ class FitCheckpoints:
         newest = self._newest_checkpoint
         if newest is None:
             return "", "this fit has written no checkpoint yet and did not resume from one"
-        assert isinstance(newest, Path)  # a URL goes through _remote_newest
+        local = cast(Path, newest)  # a URL goes through _remote_newest
         try:
-            return str(resolve_checkpoint(newest.parent, newest)), ""
+            return str(resolve_checkpoint(local.parent, local)), ""
         except CheckpointError as e:
             return "", str(e)
 
