@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from trainforge.strategies.checkpoint.pretrained import load_slices, named_targets, weight_files
-from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.strategies.meta import init_empty_weights, retie, tie_groups
 
 log = logging.getLogger("trainforge")
@@ -94,6 +94,7 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     empty = {n for n, t in named_targets(module) if t.is_meta}
     if not empty:
         return
+    _adopt_from_pretrained_origin(module, empty)
     same_tensor = _identity_groups(module)  # ties that hold now (FSDP2 keeps them; TP may not)
     aliases = {n: [m for m in group if m != n] for group in tie_groups(module) for n in group}
     # to_empty replaces every tensor: the real ones (buffers, parts built eagerly) are put back
@@ -115,6 +116,34 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         loaded |= {pre + n for n in load_slices(sub, recorded[0], recorded[1], names=mine, aliases=sub_aliases)}
         sources.append(f"{recorded[0]} (prefix {recorded[1]!r})")
     _reset_the_rest(module, empty - loaded, loaded, sources)
+
+
+def _adopt_from_pretrained_origin(module: nn.Module, empty: Set[str]) -> None:
+    """A transformers model loaded with ``from_pretrained`` inside ``init_module(empty_init=True)`` had
+    its weights dropped on the meta device (they were registered there like any new parameter).
+    Re-initialising it would train from random weights, silently: its files are read instead when
+    ``config._name_or_path`` is a local directory of safetensors, else the setup stops and says how."""
+    covered: list = []
+    for mod_name, sub in module.named_modules():
+        pre = f"{mod_name}." if mod_name else ""
+        origin = getattr(getattr(sub, "config", None), "_name_or_path", "")
+        if getattr(sub, PRETRAINED_ATTR, None) is not None:
+            covered.append(pre)
+        if not origin or any(pre.startswith(c) for c in covered) or not any(n.startswith(pre) for n in empty):
+            continue
+        try:
+            weight_files(origin)
+        except CheckpointError as exc:
+            raise ConfigurationError(
+                f"{type(sub).__name__} ({mod_name or 'the model'}) was loaded with from_pretrained({origin!r}) inside "
+                "init_module(empty_init=True): its weights were dropped on the meta device, and that name is not a "
+                f"local directory of safetensors to read them back from ({exc}). Build it there from its config "
+                "(from_config) and call trainforge.load_pretrained(model, <directory of its safetensors>), or load "
+                "it outside init_module"
+            ) from None
+        log.info("trainforge: %s came from from_pretrained(%r): its weights are read from there", mod_name, origin)
+        setattr(sub, PRETRAINED_ATTR, (str(origin), ""))
+        covered.append(pre)
 
 
 def _reset_the_rest(module: nn.Module, left: Set[str], loaded: Set[str], sources: list) -> None:

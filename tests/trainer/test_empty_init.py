@@ -150,3 +150,24 @@ def test_code_that_reads_meta_values_inside_init_module_gets_the_reason_and_the_
     with pytest.raises(ValueError, match="unrelated"):  # other errors pass through as they are
         with acc.init_module(empty_init=True):
             raise ValueError("unrelated")
+
+
+def test_from_pretrained_inside_init_module_reads_its_files_instead_of_training_random_weights(pretrained, tmp_path):
+    """Lightning users write this; the weights land on the meta device like any new parameter. A local
+    origin is read back at setup (the same logits as the file); a hub name that is not a local directory
+    stops the setup with the fix, where re-initialising would silently train from random weights."""
+    path, reference = pretrained
+    acc = Accelerator()
+    with acc.init_module(empty_init=True):
+        model = transformers.LlamaForCausalLM.from_pretrained(path)
+    assert all(p.is_meta for p in model.parameters())
+    model = acc.prepare(model)
+    tokens = torch.randint(0, 128, (2, 8))
+    assert torch.equal(model(tokens).logits, reference(tokens).logits)
+    with acc.init_module(empty_init=True):
+        moved = transformers.LlamaForCausalLM.from_pretrained(path)
+    moved.config._name_or_path = "org/some-hub-model"  # what a hub download records
+    with pytest.raises(
+        ConfigurationError, match=r"from_pretrained\('org/some-hub-model'\) inside init_module.*from_config"
+    ):
+        acc.prepare(moved)
