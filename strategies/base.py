@@ -190,8 +190,8 @@ class Strategy:
         return module, build_optimizers(optimizers)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if has_meta(module):  # built with empty_init: every rank holds it whole here, so before placement
-            materialize(module, self.root_device if self.settings.device_placement else torch.device("cpu"))
+        if has_meta(module) and self.settings.device_placement:  # built with empty_init: whole, before placement
+            materialize(module, self.root_device)  # (device_placement=False: the user's model is left as it is)
         placed = module.to(self.root_device) if self.settings.device_placement else module
         module = self.precision.convert_module(placed)
         self.wrap_activation_blocks(module)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -239,8 +240,15 @@ def test_trainer_single_device_mode_matches_off_and_resumes_exactly(tmp_path):
 
 
 def test_too_large_an_interval_is_refused_before_the_first_step(tmp_path):
-    with pytest.raises(ConfigurationError, match=r"every=8 but LitGPT has 4 block\(s\).*every <= 4"):
-        _fit(tmp_path, DDPStrategy(activation_checkpointing="selective:8"))
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(ConfigurationError, match=r"every=8 but LitGPT has 4 block\(s\).*every <= 4"):
+            _fit(tmp_path, DDPStrategy(activation_checkpointing="selective:8"))
+    finally:  # DDPStrategy started a 1-process group here (and set RANK, MASTER_PORT...): later tests must not find them
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def test_a_model_without_blocks_is_refused_with_the_fix(tmp_path):

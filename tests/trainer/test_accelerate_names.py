@@ -256,8 +256,8 @@ def test_device_placement_false_leaves_the_model_and_batches_where_they_are():
     assert model.weight.device.type == "meta" and acc.device_placement is False
     loader = acc.prepare(DataLoader(TensorDataset(torch.zeros(4, 2)), batch_size=2))
     assert loader.device == torch.device("cpu")
-    with pytest.raises(NotImplementedError):
-        Accelerator().prepare(nn.Linear(2, 2, device="meta"))
+    placed = Accelerator().prepare(nn.Linear(2, 2, device="meta"))  # with placement: materialised (test_empty_init)
+    assert placed.weight.device.type == "cpu" and torch.isfinite(placed.weight).all()
     with pytest.raises(ConfigurationError, match=r"prepare_model\(device_placement=True\): placement is decided once"):
         acc.prepare_model(nn.Linear(2, 2), device_placement=True)
 
