@@ -21,6 +21,33 @@ from tests.helpers import procs
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # see the docstring; procs.ORIGINAL_CUDA_VISIBLE keeps the old value
 
 
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_outlives_its_test():
+    """A test that starts a torch.distributed group (or sets the launch variables) in the test process
+    and leaves it makes later tests of the same worker fail far from the cause (notebook_launcher refuses,
+    children inherit MASTER_PORT): it fails itself instead, and the group and variables are cleaned up."""
+    before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    yield
+    import torch.distributed as dist
+
+    left = [k for k in LAUNCH_VARS if os.environ.get(k) != before[k]]
+    for key in left:
+        if before[key] is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before[key]
+    group = dist.is_available() and dist.is_initialized()
+    if group:
+        dist.destroy_process_group()
+    if group or left:
+        pytest.fail(
+            f"the test left {'a process group and ' if group else ''}launch variables {left} in the test process"
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     _skip_xla_without_torch_xla(items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
