@@ -5,9 +5,10 @@ the internet. ``S3Server`` starts it on a free port and gives the environment a 
 from __future__ import annotations
 
 import contextlib
-import os
 import uuid
 from typing import Dict, Iterator
+
+from tests.helpers import procs
 
 
 class S3Server:
@@ -48,14 +49,5 @@ class S3Server:
     @contextlib.contextmanager
     def environ(self) -> Iterator[None]:
         """This process's environment pointed at the server while inside (a context manager)."""
-        saved = {k: os.environ.get(k) for k in (*self.env, "AWS_PROFILE")}
-        os.environ.update(self.env)
-        os.environ.pop("AWS_PROFILE", None)
-        try:
+        with procs.environment({**self.env, "AWS_PROFILE": None}):
             yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
