@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import time
 import warnings
@@ -29,6 +30,7 @@ from trainforge.strategies.checkpoint.remote_read import (
     delete_checkpoint_at,
     remote_name_taken,
 )
+from trainforge.strategies.environment import STOP_GRACE_ENV
 from trainforge.strategies.errors import CheckpointError, ConfigurationError, check_metric_name, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -190,6 +192,7 @@ class ModelCheckpoint(Callback):
         self._last_time = time.monotonic()
         self._restored_paths = False  # set by load_state_dict: paths to place in this run at fit start
         self._versioned_logged = False  # the "-v1: taken by another run" warning was given
+        self._grace_warned = False  # a save outlasted the launcher's stop grace (_check_stop_grace): said once
         self._unfilled: Optional[str] = None  # why the name being saved is not the template's (raised after)
 
     # ---- state ---------------------------------------------------------------------------------
@@ -385,15 +388,39 @@ class ModelCheckpoint(Callback):
 
     def _write(self, trainer: "TrainerView", path: str) -> None:
         self.last_saved_step, self.last_path = trainer.global_step, path
+        started, asynchronous = time.monotonic(), self._async(trainer)
         if self.save_weights_only:
             trainer.save_weights(path)
         else:
-            trainer.save_checkpoint(path, async_save=self._async(trainer), trainable_only=self.trainable_only)
+            trainer.save_checkpoint(path, async_save=asynchronous, trainable_only=self.trainable_only)
+        if not asynchronous:
+            self._check_stop_grace(trainer, time.monotonic() - started)
         if self._unfilled is not None:  # the metrics are known only now: the work is saved, then we stop
             message, self._unfilled = self._unfilled, None
             raise ConfigurationError(
                 f"{message}. Nothing is lost: this checkpoint was saved as {path}; fix filename and resume "
                 f"from it (fit(ckpt_path=...))"
+            )
+
+    def _check_stop_grace(self, trainer: "TrainerView", seconds: float) -> None:
+        """A stop signal's checkpoint is saved like this one; a launcher that kills the workers sooner after
+        forwarding the signal (``STOP_GRACE_ENV``) would cut it (the previous checkpoint stays intact,
+        the steps since are lost): said once, at the first save that shows it."""
+        grace = os.environ.get(STOP_GRACE_ENV)
+        if self._grace_warned or not grace or not trainer.is_global_zero:
+            return
+        try:
+            limit = float(grace)
+        except ValueError:
+            return
+        if seconds > limit:
+            self._grace_warned = True
+            warnings.warn(
+                f"ModelCheckpoint: saving {self.last_path} took {seconds:.1f} s, longer than the {limit:g} s the "
+                "launcher waits after forwarding a stop signal before it kills the workers: a stop (SIGTERM, "
+                "SIGUSR1) would be cut before its checkpoint commits. Raise `trainforge launch --shutdown-timeout` "
+                f"(and a scheduler's grace, e.g. SLURM's --signal=USR1@<seconds>) above {math.ceil(seconds * 1.5)} s",
+                stacklevel=2,
             )
 
     def _async(self, trainer: "TrainerView") -> bool:

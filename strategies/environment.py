@@ -70,6 +70,11 @@ class ClusterEnvironment:
         }
 
 
+#: Seconds a worker has after a forwarded stop signal before its launcher kills it (``trainforge launch``
+#: exports its --shutdown-timeout, else torchrun's 30): ModelCheckpoint warns when a save takes longer.
+STOP_GRACE_ENV = "TRAINFORGE_STOP_GRACE_S"
+
+
 def detect_environment(environ: Mapping[str, str] = os.environ) -> ClusterEnvironment:
     """The environment of this process, from ``environ`` (see the module docstring for the order)."""
     for reader in (_torchrun, _slurm, _mpi, _kubeflow):

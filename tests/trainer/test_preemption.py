@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,36 @@ def test_launcher_forwards_slurm_signals_and_passes_the_grace_period(monkeypatch
     with pytest.raises(ConfigurationError, match="lacks .torch >= 2.12 has it.*leave --shutdown-timeout out"):
         launch.check_shutdown_timeout({"shutdown_timeout": 90})
     launch.check_shutdown_timeout({})  # not asked for: fine on any torch
+
+
+def test_a_save_longer_than_the_launchers_stop_grace_is_said_once(tmp_path, monkeypatch):
+    """`trainforge launch` exports how long workers have after a forwarded stop signal (--shutdown-timeout,
+    else torchrun's 30 s); a checkpoint that takes longer to save would be cut on a stop."""
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainforge.callbacks import ModelCheckpoint
+    from trainforge.strategies.environment import STOP_GRACE_ENV
+
+    def fit(root):
+        checkpoints = ModelCheckpoint(every_n_steps=1)
+        trainer = Trainer(max_steps=3, callbacks=[checkpoints], default_root_dir=str(root), enable_progress_bar=False)
+        trainer.fit(Regressor(make_net()), torch.utils.data.DataLoader(regression_data(), batch_size=4))
+
+    monkeypatch.setenv(STOP_GRACE_ENV, "0.000001")  # any save is longer
+    with pytest.warns(UserWarning, match=r"took [0-9.]+ s, longer than the 1e-06 s .*--shutdown-timeout") as caught:
+        fit(tmp_path / "short")
+    assert sum("longer than the" in str(w.message) for w in caught) == 1  # three saves, said once
+    monkeypatch.setenv(STOP_GRACE_ENV, "3600")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*longer than the")
+        fit(tmp_path / "long")
+
+
+def test_the_launcher_exports_the_stop_grace_to_its_workers(tmp_path):
+    from trainforge.trainer.launch import torchrun_accepts
+
+    if not torchrun_accepts("shutdown_timeout"):
+        pytest.skip("this torch's torchrun has no --shutdown-timeout (torch >= 2.12)")
+    script = tmp_path / "grace.py"
+    script.write_text("import os\nprint('grace', os.environ.get('TRAINFORGE_STOP_GRACE_S'), flush=True)\n")
+    out = procs.run(procs.trainforge_launch(script, nproc=1, launch_args=["--shutdown-timeout", "7"]), timeout=120)
+    assert "grace 7" in out.stdout, out.stdout[-2000:]
