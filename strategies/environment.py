@@ -28,11 +28,12 @@ the first source present wins:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, Iterator, List, Mapping, Optional
 
 import torch
 
@@ -73,6 +74,26 @@ class ClusterEnvironment:
 #: Seconds a worker has after a forwarded stop signal before its launcher kills it (``trainforge launch``
 #: exports its --shutdown-timeout, else torchrun's 30): ModelCheckpoint warns when a save takes longer.
 STOP_GRACE_ENV = "TRAINFORGE_STOP_GRACE_S"
+
+
+@contextlib.contextmanager
+def temporary_environ(values: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """This process's environment with ``values`` set (None: unset) inside the ``with`` block, the
+    previous values restored after (what a launcher hands its children, what a test points at a server)."""
+    saved = {key: os.environ.get(key) for key in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 def detect_environment(environ: Mapping[str, str] = os.environ) -> ClusterEnvironment:

@@ -32,7 +32,7 @@ from torch import nn
 
 from trainforge.strategies.checkpoint.pretrained import load_slices, named_targets, weight_files
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
-from trainforge.strategies.meta import init_empty_weights, retie, tie_groups
+from trainforge.strategies.meta import init_empty_weights, retie, shared_tensor_groups, tie_groups
 
 log = logging.getLogger("trainforge")
 PRETRAINED_ATTR = "_trainforge_pretrained"  # (path, prefix) recorded by load_pretrained on a meta model
@@ -95,7 +95,8 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     if not empty:
         return
     _adopt_from_pretrained_origin(module, empty)
-    same_tensor = _identity_groups(module)  # ties that hold now (FSDP2 keeps them; TP may not)
+    # ties that hold now (FSDP2 keeps them; TP may have given a declared tie two shards)
+    same_tensor = [group for group in shared_tensor_groups(module) if len(group) > 1]
     aliases = {n: [m for m in group if m != n] for group in tie_groups(module) for n in group}
     # to_empty replaces every tensor: the real ones (buffers, parts built eagerly) are put back
     real = {n: t.detach().clone() for n, t in _all_tensors(module) if not t.is_meta}
@@ -165,15 +166,6 @@ def _reset_the_rest(module: nn.Module, left: Set[str], loaded: Set[str], sources
             "(trainforge.load_pretrained(model, path)), give that module a reset_parameters() that "
             "initialises its own tensors, or build the model without empty_init"
         )
-
-
-def _identity_groups(module: nn.Module) -> list:
-    """Names that share one tensor object now (not a transformers config's declared ties, which tensor
-    parallelism may have given separate shards)."""
-    by_id: Dict[int, list] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [group for group in by_id.values() if len(group) > 1]
 
 
 def _local(mod: nn.Module, leaf: str) -> torch.Tensor:

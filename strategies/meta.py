@@ -60,13 +60,19 @@ def _hf_ties(model: nn.Module) -> Dict[str, str]:
     return {}
 
 
-def tie_groups(model: nn.Module) -> List[List[str]]:
-    """Groups (size >= 2) of parameter names that must share one tensor, each group's names in
-    module order; the first name is the one a checkpoint holds."""
+def shared_tensor_groups(model: nn.Module) -> List[List[str]]:
+    """Every parameter's names, grouped by the tensor object they name now (groups of one included)."""
     by_id: Dict[int, List[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
-    names = {n for group in by_id.values() for n in group}
+    return list(by_id.values())
+
+
+def tie_groups(model: nn.Module) -> List[List[str]]:
+    """Groups (size >= 2) of parameter names that must share one tensor, each group's names in
+    module order; the first name is the one a checkpoint holds."""
+    shared = shared_tensor_groups(model)
+    names = {n for group in shared for n in group}
     parent = {n: n for n in names}
 
     def find(n: str) -> str:
@@ -74,7 +80,7 @@ def tie_groups(model: nn.Module) -> List[List[str]]:
             n = parent[n]
         return n
 
-    for group in by_id.values():
+    for group in shared:
         for n in group[1:]:
             parent[find(n)] = find(group[0])
     declared = {  # a transformers model's ties, also when it is a submodule (a TrainingModule's self.model)

@@ -90,7 +90,10 @@ class FitLoop:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
         automatic = self._fit_module.automatic_optimization
         self._loss_spikes = find_loss_spikes(self.callbacks, automatic, cfg.nonfinite_loss)
-        self._custom_clipping = _overrides_clipping(self._fit_module)
+        # the module's own configure_gradient_clipping (the default only applies the Trainer's settings)
+        self._custom_clipping = (
+            type(self._fit_module).configure_gradient_clipping is not TrainingModule.configure_gradient_clipping
+        )
         train_modes = module_modes(self._fit_module)  # the user's per-submodule modes (a frozen part stays in eval)
         if p.batch_idx >= self.num_training_batches or p.epoch_end_pending:  # resumed at the epoch's last batch
             if p.epoch_end_pending:  # written at BATCH_END: the epoch's end is still to come
@@ -438,10 +441,3 @@ class FitLoop:
             log.warning("trainforge: the fp16 grad scaler skipped %d optimizer step(s) on inf/nan gradients", skipped)
         if self.progress.skipped_nonfinite and self.is_global_zero:
             log.warning("trainforge: %d batch(es) with a non-finite loss were skipped", self.progress.skipped_nonfinite)
-
-
-def _overrides_clipping(module: Any) -> bool:
-    """Whether ``module`` has its own ``configure_gradient_clipping`` (the default only applies the
-    Trainer's settings, which the loop does without the call)."""
-    hook = getattr(type(module), "configure_gradient_clipping", None)
-    return hook is not None and hook is not TrainingModule.configure_gradient_clipping

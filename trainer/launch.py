@@ -34,7 +34,7 @@ import signal
 import sys
 from typing import Any, List, Mapping, Optional, Sequence
 
-from trainforge.strategies.environment import STOP_GRACE_ENV, port_is_free
+from trainforge.strategies.environment import STOP_GRACE_ENV, port_is_free, temporary_environ
 from trainforge.strategies.errors import ConfigurationError, LaunchError
 from trainforge.strategies.watchdog import HANG_EXIT_CODE, hang_summary
 from trainforge.trainer.launch_config import (
@@ -209,11 +209,10 @@ def run(args: argparse.Namespace) -> int:
     waiting = waiting_message(settings)
     if waiting:
         print(waiting, file=sys.stderr, flush=True)
-    grace_before = os.environ.get(STOP_GRACE_ENV)
     # what a worker has after a forwarded stop signal before torchrun SIGKILLs it (ModelCheckpoint compares
     # its saves against it): --shutdown-timeout, else torchrun's 30 s
-    os.environ[STOP_GRACE_ENV] = str(settings.get("shutdown_timeout") or 30)
-    with settings_for_workers(settings):  # read by every worker torchrun starts
+    grace = {STOP_GRACE_ENV: str(settings.get("shutdown_timeout") or 30)}
+    with settings_for_workers(settings), temporary_environ(grace):  # read by every worker torchrun starts
         try:
             torchrun.run(parsed)
         except ChildFailedError as error:
@@ -247,11 +246,6 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 128 + int(error.sigval)
-        finally:
-            if grace_before is None:
-                os.environ.pop(STOP_GRACE_ENV, None)
-            else:
-                os.environ[STOP_GRACE_ENV] = grace_before
     return 0
 
 

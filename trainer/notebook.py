@@ -7,16 +7,15 @@ must not be initialised in the parent before the fork (a forked child cannot use
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainforge.strategies.environment import find_free_port, port_is_free
+from trainforge.strategies.environment import find_free_port, port_is_free, temporary_environ
 from trainforge.strategies.errors import ConfigurationError, LaunchError
 
 MASTER_ADDR = "127.0.0.1"
@@ -70,7 +69,7 @@ def notebook_launcher(
         "WORLD_SIZE": str(num_processes),
         "LOCAL_WORLD_SIZE": str(num_processes),
     }
-    with _environment(env):
+    with temporary_environ(env):
         context = mp.start_processes(
             _run_rank, args=(function, tuple(args)), nprocs=num_processes, join=False, start_method="fork"
         )
@@ -120,18 +119,3 @@ def _stop(context: "mp.ProcessContext") -> None:
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
-
-
-@contextlib.contextmanager
-def _environment(values: Dict[str, str]) -> Iterator[None]:
-    """Sets variables for the duration of a ``with`` block, then restores the previous values."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -99,12 +99,11 @@ def load_slices(
     from safetensors import safe_open
 
     files = weight_files(path)
-    keys = {}
-    for name, _ in named_targets(module, names):
+    targets = []  # (name, tensor, the file's key for it)
+    for name, tensor in named_targets(module, names):
         found = [k for k in (prefix + n for n in (name, *(aliases or {}).get(name, []))) if k in files]
         if found:
-            keys[name] = found[0]
-    targets = [(n, t, keys[n]) for n, t in named_targets(module, names) if n in keys]
+            targets.append((name, tensor, found[0]))
     with contextlib.ExitStack() as stack:
         handles = {
             f: stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from tests.helpers import procs
+from trainforge.strategies.environment import temporary_environ
 
 # Imported once in the forkserver. Only third-party modules: their import-time reads of the
 # environment (thread counts) are the same for every test. trainforge itself is imported by each
@@ -73,7 +74,7 @@ def _forkserver() -> Any:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         one_thread = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        with procs.environment(one_thread):
+        with temporary_environ(one_thread):
             from multiprocessing import forkserver
 
             forkserver.ensure_running()

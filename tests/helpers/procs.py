@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, Mapping, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 # tests/conftest.py hides CUDA from the test process and its children (CPU tests); gpu tests give
@@ -122,22 +121,3 @@ def trainforge_launch(script: Path | str, *args: str, nproc: int = 2, launch_arg
         str(script),
         *map(str, args),
     ]
-
-
-@contextlib.contextmanager
-def environment(values: Mapping[str, Optional[str]]) -> Iterator[None]:
-    """This process's environment with ``values`` set (None: unset) inside the block, restored after."""
-    saved = {key: os.environ.get(key) for key in values}
-    try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old

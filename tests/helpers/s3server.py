@@ -8,7 +8,7 @@ import contextlib
 import uuid
 from typing import Dict, Iterator
 
-from tests.helpers import procs
+from trainforge.strategies.environment import temporary_environ
 
 
 class S3Server:
@@ -49,5 +49,5 @@ class S3Server:
     @contextlib.contextmanager
     def environ(self) -> Iterator[None]:
         """This process's environment pointed at the server while inside (a context manager)."""
-        with procs.environment({**self.env, "AWS_PROFILE": None}):
+        with temporary_environ({**self.env, "AWS_PROFILE": None}):
             yield
