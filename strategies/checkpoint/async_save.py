@@ -94,6 +94,7 @@ class AsyncCheckpointer:
         self._group: Any = None
         self._logged_wait = self._logged_size = False
         self._lock = threading.Lock()
+        self._owner = os.getpid()  # the process whose writer thread runs the saves
 
     # ---- main thread -------------------------------------------------------------------------
     def open(self, final_dir: Any, kind: Optional[str] = None) -> "StagingWriter":
@@ -212,6 +213,7 @@ class AsyncCheckpointer:
             )
             # Run before concurrent.futures' own exit hook (threading's exit hooks run last-registered
             # first): after that one, the writer's checksum threads could no longer be started.
+            self._owner = os.getpid()
             getattr(threading, "_register_atexit", atexit.register)(self._at_exit)
         after: List[Callable[[], Any]] = []
 
@@ -230,6 +232,11 @@ class AsyncCheckpointer:
         self._future = self._executor.submit(run)
 
     def _at_exit(self) -> None:
+        # A process forked from this one (a DataLoader worker) inherits the hook but not the writer
+        # thread: waiting there for the save in flight would hang its exit until the DataLoader
+        # kills it (5 s per worker at every epoch's end). The save is the parent's to finish.
+        if os.getpid() != self._owner:
+            return
         try:
             self.close()
         except CheckpointError as e:

@@ -88,7 +88,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_env(base: Dict[str, str], rank: int, nproc: int, port: int, run_id: str) -> Dict[str, str]:
+def _rank_env(
+    base: Dict[str, str], rank: int, nproc: int, port: int, run_id: str, restart: int = 0, max_restarts: int = 0
+) -> Dict[str, str]:
     env = dict(base)
     if nproc == 0:  # run_script: a plain `python script.py`, no launcher variables
         return env
@@ -105,8 +107,8 @@ def _rank_env(base: Dict[str, str], rank: int, nproc: int, port: int, run_id: st
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHELASTIC_RUN_ID=run_id,
-        TORCHELASTIC_RESTART_COUNT="0",
-        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RESTART_COUNT=str(restart),
+        TORCHELASTIC_MAX_RESTARTS=str(max_restarts),
     )
     return env
 
@@ -129,6 +131,11 @@ def _rank_main(script: str, argv: Sequence[str], env: Dict[str, str], cwd: str, 
     if env.get("PYTHONWARNINGS"):  # read by the interpreter at start-up, which this process skipped
         warnings._processoptions(env["PYTHONWARNINGS"].split(","))  # type: ignore[attr-defined]
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # multiprocessing made "forkserver" this process's default start method (a child inherits the
+    # method that started it). A torchrun worker has the interpreter's default: DataLoader workers
+    # and other children must start as they would there (fork on Linux before Python 3.14), not
+    # through the forkserver, which re-imports the script's __main__ in each of them (~1.3 s each).
+    multiprocessing.set_start_method(None, force=True)
     code: Any = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -155,29 +162,42 @@ def launch(
     env: Optional[Dict[str, str]] = None,
     cwd: Optional[Path] = None,
     check: bool = True,
+    max_restarts: int = 0,
 ) -> subprocess.CompletedProcess:
     """Runs ``script args...`` on ``nproc`` ranks as torchrun would; output of all ranks merged,
     return code 0 when every rank exited 0, else the first failing rank's code. ``check``:
     AssertionError with the output tail unless it is 0. ``nproc=0``: one process without the
-    launcher's variables, as ``python script args...`` (what ``run_script`` does)."""
+    launcher's variables, as ``python script args...`` (what ``run_script`` does).
+    ``max_restarts``: as torchrun's ``--max-restarts``: after a rank fails (the others stopped),
+    every rank starts again, up to that many times, with TORCHELASTIC_RESTART_COUNT counting the
+    restarts (a new rendezvous: a new port). The real agent's restarts are tested once
+    (tests/trainer/test_resume.py); tests of what a restarted run does use this."""
     ctx = _forkserver()
     base = env or procs.test_env()
-    port = _free_port()
-    run_id = f"forklaunch-{os.getpid()}-{port}"
     argv = [str(a) for a in args]
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="forklaunch-") as tmp:
         log = os.path.join(tmp, "output.txt")
-        ranks = [
-            ctx.Process(
-                target=_rank_main,
-                args=(str(script), argv, _rank_env(base, r, nproc, port, run_id), str(cwd or procs.REPO), log),
-                name=f"rank{r}",
-            )
-            for r in range(max(nproc, 1))
-        ]
-        for rank in ranks:
-            rank.start()
-        code, timed_out = _wait(ranks, time.monotonic() + timeout)
+        for restart in range(max_restarts + 1):
+            port = _free_port()
+            run_id = f"forklaunch-{os.getpid()}-{port}"
+            envs = [_rank_env(base, r, nproc, port, run_id, restart, max_restarts) for r in range(max(nproc, 1))]
+            ranks = [
+                ctx.Process(
+                    target=_rank_main, args=(str(script), argv, e, str(cwd or procs.REPO), log), name=f"rank{r}"
+                )
+                for r, e in enumerate(envs)
+            ]
+            for rank in ranks:
+                rank.start()
+            code, timed_out = _wait(ranks, deadline)
+            if code == 0 or timed_out:
+                break
+            if restart < max_restarts:
+                with open(log, "a") as out:
+                    out.write(
+                        f"forklaunch: a rank exited with {code}; restarting every rank ({restart + 1}/{max_restarts})\n"
+                    )
         output = Path(log).read_text(errors="replace") if os.path.exists(log) else ""
     command = f"forklaunch({script}, {' '.join(argv)}, nproc={nproc})"
     if timed_out:

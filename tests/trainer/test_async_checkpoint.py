@@ -5,6 +5,7 @@ and bit-identical resume on 1 process and on 2 (DDP, FSDP, DeepSpeed) processes.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import random
 import signal
@@ -106,6 +107,34 @@ def test_one_save_in_flight_and_pruning_only_after_the_commit(tmp_path, caplog):
     second.finalize({"step": 2})
     saver.close()
     assert read_latest_pointer(tmp_path) == "b"
+
+
+def test_a_process_forked_while_a_save_is_in_flight_exits_at_once(tmp_path):
+    """A DataLoader worker forked during a background save inherits the exit hook, not the writer thread:
+    its exit must not wait for that save (it hung until the DataLoader killed it, 5 s per worker)."""
+    saver = AsyncCheckpointer(resolve_strategy("single"))
+    writer = saver.open(tmp_path / "a")
+    writer.save_object("state", {"n": 1})
+    gate = threading.Event()
+    real_finalize = writer._writer.finalize
+    writer._writer.finalize = lambda *a, **k: (gate.wait(30), real_finalize(*a, **k))[1]
+    writer.finalize({"step": 1})
+    try:
+        assert saver.in_flight()
+        child = multiprocessing.get_context("fork").Process(target=int)
+        started = time.monotonic()
+        child.start()
+        child.join(10)
+        took = time.monotonic() - started
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+            child.join()
+        assert not alive and child.exitcode == 0, f"the forked process hung at exit ({took:.1f} s)"
+    finally:
+        gate.set()
+        saver.close()
+    assert read_latest_pointer(tmp_path) == "a"  # the parent's save still committed
 
 
 def test_a_failed_background_write_is_raised_naming_the_checkpoint(tmp_path):
@@ -245,26 +274,25 @@ def test_two_processes_async_saves_killed_and_restarted_resume_bit_identical(tmp
     common = ["--strategy", strategy, "--ckpt-every", "2"]
     forklaunch.launch(script, "--root", tmp_path / "full", "--record", tmp_path / "full.rec", *common, timeout=240)
     marker = tmp_path / "killed-once"
-    # rank 1 is killed at step 7, while rank 0 may still be writing the step-6 save; torchrun restarts both
-    procs.run(
-        procs.trainforge_launch(
-            script,
-            "--root",
-            tmp_path / "cut",
-            "--record",
-            tmp_path / "cut.rec",
-            *common,
-            "--async-save",
-            "--kill-at",
-            "7",
-            "--kill-rank",
-            "1",
-            "--kill-marker",
-            marker,
-            "--resume",
-            launch_args=("--max-restarts", "1"),
-        ),
+    # rank 1 is killed at step 7, while rank 0 may still be writing the step-6 save; both restart as under
+    # torchrun --max-restarts 1 (forked; the real agent's restart: tests/trainer/test_resume.py)
+    forklaunch.launch(
+        script,
+        "--root",
+        tmp_path / "cut",
+        "--record",
+        tmp_path / "cut.rec",
+        *common,
+        "--async-save",
+        "--kill-at",
+        "7",
+        "--kill-rank",
+        "1",
+        "--kill-marker",
+        marker,
+        "--resume",
         timeout=240,
+        max_restarts=1,
     )
     assert marker.exists(), "the kill never happened"
     full, cut = _final(tmp_path / "full"), _final(tmp_path / "cut")
