@@ -23,10 +23,15 @@ API = ROOT / "docs" / "api"
 # to docs/api/ and empty the set.
 PENDING: set = set()
 
-pytest.importorskip("mkdocs", reason="mkdocs is not installed (requirements/ci.txt pins it)")
-pytest.importorskip("mkdocstrings", reason="mkdocstrings is not installed (requirements/ci.txt pins it)")
-pytest.importorskip("material", reason="mkdocs-material is not installed (requirements/ci.txt pins it)")
-yaml = pytest.importorskip("yaml")
+
+@pytest.fixture(scope="module", autouse=True)
+def yaml():
+    """The documentation tools, checked before any test here runs (not at collection, where importing
+    mkdocstrings cost every worker); the yaml module for the tests that read mkdocs.yml."""
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (requirements/ci.txt pins it)")
+    pytest.importorskip("mkdocstrings", reason="mkdocstrings is not installed (requirements/ci.txt pins it)")
+    pytest.importorskip("material", reason="mkdocs-material is not installed (requirements/ci.txt pins it)")
+    return pytest.importorskip("yaml")
 
 
 def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
@@ -96,7 +101,7 @@ def nav_titles(nav: list) -> list:
 
 
 @pytest.mark.parametrize("page", ["index.html", "guides/training-module/index.html"])
-def test_site_renders_in_a_headless_browser(site, page, tmp_path):
+def test_site_renders_in_a_headless_browser(site, page, tmp_path, yaml):
     shot = tmp_path / "screenshot.png"
     dom = browse(site / page, shot, tmp_path)
     # the theme's JavaScript ran (it marks <html>), and the navigation holds every page of mkdocs.yml's nav
@@ -117,7 +122,7 @@ def test_site_renders_in_a_headless_browser(site, page, tmp_path):
     assert len(image.getcolors(WINDOW[0] * WINDOW[1])) > 50  # text and highlighted code, not a blank page
 
 
-def test_reference_to_a_missing_name_fails_naming_it(tmp_path):
+def test_reference_to_a_missing_name_fails_naming_it(tmp_path, yaml):
     # the project's configuration, with one page that names what does not exist
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     (tmp_path / "docs").mkdir()

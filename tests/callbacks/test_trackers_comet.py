@@ -16,8 +16,13 @@ from trainforge.callbacks.trackers import CometLogger
 from trainforge.callbacks.trackers.base import flatten_params
 from trainforge.strategies.errors import ConfigurationError
 
-pytest.importorskip("comet_ml")
 SECRET = "tfk-SENTINEL-0123456789abcdefXYZ"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_comet_ml():
+    """Imported here, not at the top: collection would import comet_ml (and IPython) in every worker."""
+    return pytest.importorskip("comet_ml")
 
 
 def read_archive(path: Path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -11,8 +12,14 @@ from trainforge.callbacks.trackers import MLflowLogger
 from trainforge.callbacks.trackers.base import flatten_params
 from trainforge.strategies.errors import ConfigurationError
 
-pytest.importorskip("mlflow")
-from mlflow.tracking import MlflowClient  # noqa: E402
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_mlflow():
+    """Imported here, not at the top: collection would import mlflow in every worker."""
+    return pytest.importorskip("mlflow")
 
 
 @pytest.fixture
@@ -22,6 +29,8 @@ def store(tmp_path, tmp_path_factory):
 
 
 def client_for(root) -> MlflowClient:
+    from mlflow.tracking import MlflowClient
+
     return MlflowClient(tracking_uri=f"sqlite:///{root}/mlflow.db")
 
 
@@ -124,6 +133,7 @@ def test_a_replaced_checkpoint_is_uploaded_only_once_the_new_one_is_in_place(tmp
 
 
 def test_params_are_flattened_cleaned_and_truncated(tmp_path, tmp_path_factory):
+    from mlflow.tracking import MlflowClient
     from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
     uri = mlflow_store(tmp_path_factory, tmp_path / "other.db")
@@ -149,6 +159,8 @@ def test_params_are_flattened_cleaned_and_truncated(tmp_path, tmp_path_factory):
 
 
 def test_two_loggers_in_one_process_do_not_interfere(tmp_path, tmp_path_factory):
+    from mlflow.tracking import MlflowClient
+
     a = MLflowLogger(tracking_uri=mlflow_store(tmp_path_factory, tmp_path / "a.db"), experiment_name="a")
     b = MLflowLogger(tracking_uri=mlflow_store(tmp_path_factory, tmp_path / "b.db"), experiment_name="b")
     recorder = Recorder()
@@ -171,6 +183,8 @@ def test_bad_arguments_are_rejected_with_the_value():
 
 def test_experiment_is_the_mlflow_client_during_fit(tmp_path, store):
     """Lightning's ``MLFlowLogger.experiment``: the MlflowClient (with ``logger.run_id``)."""
+    from mlflow.tracking import MlflowClient
+
     from trainforge.callbacks import Callback
 
     logger, seen = MLflowLogger(), []

@@ -17,11 +17,14 @@ from tests.callbacks.test_trackers_base import Recorder, fit, make_module, mlflo
 from trainforge.callbacks.trackers import FailurePolicy, MLflowLogger
 from trainforge.callbacks.trackers.base import flatten_params
 
-pytest.importorskip("mlflow")
-from mlflow.tracking import MlflowClient  # noqa: E402
-
 pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 90  # ~10 s on an idle machine; a busy shared one is much slower
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_mlflow():
+    """Imported here, not at the top: collection would import mlflow in every worker."""
+    return pytest.importorskip("mlflow")
 
 
 def free_port() -> int:
@@ -117,6 +120,8 @@ def fail_fast(monkeypatch):
 
 
 def test_fit_logs_to_a_real_tracking_server(tmp_path, server, fail_fast):
+    from mlflow.tracking import MlflowClient
+
     recorder, logger = Recorder(), MLflowLogger(tracking_uri=server.url, experiment_name="served")
     trainer = fit([recorder, logger], tmp_path, max_epochs=1)
     client = MlflowClient(tracking_uri=server.url)
@@ -129,6 +134,8 @@ def test_fit_logs_to_a_real_tracking_server(tmp_path, server, fail_fast):
 
 
 def test_server_killed_mid_run_training_finishes_and_the_drop_is_reported(tmp_path, server, fail_fast):
+    from mlflow.tracking import MlflowClient
+
     policy = FailurePolicy(initial_backoff_s=0.2, flush_timeout_s=15)
     logger = MLflowLogger(tracking_uri=server.url, failure_policy=policy)
     recorder = Recorder()

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 from tests.callbacks.test_trackers_base import Recorder, StandIn, fit
 from trainforge.callbacks.trackers import TensorBoardLogger
 from trainforge.callbacks.trackers.base import flatten_params
 
-pytest.importorskip("tensorboard")
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from tensorboard.plugins.hparams import plugin_data_pb2  # noqa: E402
+if TYPE_CHECKING:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_tensorboard():
+    """Imported here, not at the top: collection would import TensorBoard's readers in every worker."""
+    return pytest.importorskip("tensorboard")
 
 
 def load(directory) -> EventAccumulator:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(directory), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return acc
@@ -24,6 +33,8 @@ def scalars(acc, tag):
 
 
 def test_fit_writes_scalars_and_hparams(tmp_path):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
     recorder, logger = Recorder(), TensorBoardLogger()
     trainer = fit([recorder, logger], tmp_path, log_every=2)
     assert logger.directory == str(tmp_path / "tensorboard" / "version_0")

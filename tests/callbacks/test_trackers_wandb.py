@@ -22,19 +22,22 @@ import pytest
 from tests.callbacks.test_trackers_base import Recorder, fit, make_loader, make_module, tracker_warnings
 from tests.callbacks.test_trackers_dead import closed_port, timed
 from trainforge.callbacks import ModelCheckpoint
-from trainforge.callbacks.trackers import FailurePolicy, TrackerWarning
+from trainforge.callbacks.trackers import FailurePolicy, TrackerWarning, WandbLogger
 from trainforge.callbacks.trackers.base import flatten_params
 from trainforge.callbacks.trackers.experiment import NO_EXPERIMENT
 from trainforge.strategies.errors import ConfigurationError
-
-pytest.importorskip("wandb")
-from trainforge.callbacks.trackers import WandbLogger  # noqa: E402
 
 # what a test run needs of wandb: no system metrics, no code or git capture
 QUIET = {"x_disable_stats": True, "x_disable_meta": True, "disable_git": True, "save_code": False}
 # the first wandb.init of a process starts wandb's service: seconds on a busy machine, more than the
 # default 5 s the end of a run waits for pending writes (the dead-server test keeps the default bounds)
 PATIENT = FailurePolicy(flush_timeout_s=60)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_wandb():
+    """Imported here, not at the top: collection would import wandb in every worker."""
+    return pytest.importorskip("wandb")
 
 
 @pytest.fixture(autouse=True)

@@ -1,24 +1,31 @@
 """A tiny Llama (transformers) with a LoRA adapter (peft), its data and a TrainingModule, shared by
 tests/trainer/test_adapter_checkpoints.py and tests/scripts/adapter_run.py. About 107K parameters,
-1.8K of them trainable; fp32 on CPU, so resumed runs are bit-identical."""
+1.8K of them trainable; fp32 on CPU, so resumed runs are bit-identical.
+
+peft and transformers are imported where a model is built: the test module imports this one at
+collection, which would otherwise import both (seconds) in every pytest worker."""
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List
 
 import torch
-from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainforge import TrainingModule
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+    from transformers import LlamaForCausalLM
 
 VOCAB, SEQ, SAMPLES = 256, 16, 64
 
 
 def tiny_base(seed: int = 0, intermediate_size: int = 128) -> LlamaForCausalLM:
     """The "pretrained" base: the same weights for the same seed, in every process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -33,10 +40,14 @@ def tiny_base(seed: int = 0, intermediate_size: int = 128) -> LlamaForCausalLM:
 
 
 def lora_config() -> LoraConfig:
+    from peft import LoraConfig
+
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
 
 
 def lora_model(seed: int = 0, **base_kwargs: Any) -> nn.Module:
+    from peft import get_peft_model
+
     model = get_peft_model(tiny_base(seed, **base_kwargs), lora_config())
     torch.manual_seed(100)  # LoRA's B starts at zero: give it weights, so outputs depend on both matrices
     with torch.no_grad():

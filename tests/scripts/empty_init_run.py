@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -46,6 +45,8 @@ class FineTune(TrainingModule):
 
 
 def main(out: Path, pretrained: Path, strategy: str, mode: str) -> None:
+    import transformers  # here, not at the top: test_empty_init.py imports CONFIG at collection
+
     config = transformers.LlamaConfig(**CONFIG)
     trainer = Trainer(
         strategy={"tp": MegatronStrategy(tensor_parallel_size=2), "deepspeed": DeepSpeedStrategy(stage=2)}.get(

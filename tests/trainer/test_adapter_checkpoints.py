@@ -13,25 +13,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch import nn
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
-
-from safetensors.torch import load_file  # noqa: E402
-from torch import nn  # noqa: E402
-
-from tests.helpers import forklaunch, procs  # noqa: E402
-from trainforge import Accelerator, Trainer  # noqa: E402
-from trainforge.callbacks import ModelCheckpoint  # noqa: E402
-from trainforge.strategies.checkpoint.dcp_safe import load_metadata  # noqa: E402
-from trainforge.strategies.checkpoint.io import load_object, load_tensors, read_metadata  # noqa: E402
-from trainforge.strategies.errors import CheckpointError, ConfigurationError  # noqa: E402
+from tests.helpers import forklaunch, procs
+from trainforge import Accelerator, Trainer
+from trainforge.callbacks import ModelCheckpoint
+from trainforge.strategies.checkpoint.dcp_safe import load_metadata
+from trainforge.strategies.checkpoint.io import load_object, load_tensors, read_metadata
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from adapter_common import LitLora, loader, lora_model, tiny_base, tokens  # noqa: E402
 
 STRATEGIES = ("ddp", "fsdp", "fsdp_full")  # FSDP2 with sharded (dcp/) and full state dicts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_peft():
+    """Imported here (and by adapter_common where a model is built), not at the top: collection would
+    import peft and transformers in every worker."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,19 @@ from trainforge import Accelerator, CheckpointError, ConfigurationError, load_pr
 from trainforge.strategies import FSDPStrategy, SingleDeviceStrategy
 from trainforge.strategies.materialize import init_module_context
 
-transformers = pytest.importorskip("transformers")
 SCRIPT = procs.REPO / "tests" / "scripts" / "empty_init_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from empty_init_run import CONFIG  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def transformers():
+    """Imported here, not at the top: collection would import transformers in every worker."""
+    return pytest.importorskip("transformers")
+
+
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
+def pretrained(tmp_path_factory, transformers):
     path = tmp_path_factory.mktemp("pretrained")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
@@ -56,6 +61,8 @@ def test_two_ranks_built_empty_train_like_the_model_built_whole(tmp_path, pretra
 
 
 def _accelerator_model(pretrained_dir, empty: bool):
+    import transformers
+
     acc = Accelerator()
     with acc.init_module(empty_init=empty):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
@@ -102,7 +109,7 @@ def test_a_parameter_nothing_can_initialise_is_named_before_training():
         acc.prepare(model)
 
 
-def test_bad_pretrained_sources_are_refused_with_the_path(tmp_path, pretrained):
+def test_bad_pretrained_sources_are_refused_with_the_path(tmp_path, pretrained, transformers):
     path, _ = pretrained
     model = nn.Linear(2, 2)
     with pytest.raises(CheckpointError, match=r"pretrained weights .*nowhere: no such file or directory"):
@@ -120,7 +127,7 @@ def test_bad_pretrained_sources_are_refused_with_the_path(tmp_path, pretrained):
         load_pretrained(eager, path, prefix=3)
 
 
-def test_a_mis_shaped_pretrained_tensor_names_both_shapes_at_setup(pretrained):
+def test_a_mis_shaped_pretrained_tensor_names_both_shapes_at_setup(pretrained, transformers):
     path, _ = pretrained
     acc = Accelerator()
     with acc.init_module(empty_init=True):
@@ -152,7 +159,9 @@ def test_code_that_reads_meta_values_inside_init_module_gets_the_reason_and_the_
             raise ValueError("unrelated")
 
 
-def test_from_pretrained_inside_init_module_reads_its_files_instead_of_training_random_weights(pretrained, tmp_path):
+def test_from_pretrained_inside_init_module_reads_its_files_instead_of_training_random_weights(
+    pretrained, tmp_path, transformers
+):
     """Lightning users write this; the weights land on the meta device like any new parameter. A local
     origin is read back at setup (the same logits as the file); a hub name that is not a local directory
     stops the setup with the fix, where re-initialising would silently train from random weights."""

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -18,10 +19,17 @@ from tests.helpers import forklaunch, procs
 from trainforge import Trainer, TrainingModule
 from trainforge.strategies.errors import ConfigurationError
 
-torchmetrics = pytest.importorskip("torchmetrics")
-from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
+if TYPE_CHECKING:
+    from torchmetrics.classification import MulticlassAccuracy
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def needs_torchmetrics():
+    """Imported here and where a metric is made, not at the top: collection would import torchmetrics
+    (and scipy) in every worker."""
+    return pytest.importorskip("torchmetrics")
 
 
 def class_data(seed: int, n: int) -> TensorDataset:
@@ -31,6 +39,8 @@ def class_data(seed: int, n: int) -> TensorDataset:
 
 
 def accuracy() -> MulticlassAccuracy:
+    from torchmetrics.classification import MulticlassAccuracy
+
     return MulticlassAccuracy(num_classes=2, average="micro")
 
 
@@ -132,6 +142,9 @@ def test_epoch_value_is_compute_over_the_epoch_then_reset(tmp_path):
 
 class WithCollection(Classifier):
     def __init__(self) -> None:
+        import torchmetrics
+        from torchmetrics.classification import MulticlassAccuracy
+
         super().__init__()
         self.test_metrics = torchmetrics.MetricCollection(
             {"acc": accuracy(), "macro_acc": MulticlassAccuracy(num_classes=2, average="macro")}, prefix="test/"
@@ -163,6 +176,9 @@ def test_log_dict_of_a_metric_collection_in_test_resets_between_runs(tmp_path):
 
 class BadLog(Classifier):
     def __init__(self, case: str) -> None:
+        import torchmetrics
+        from torchmetrics.classification import MulticlassAccuracy
+
         super().__init__()
         self.case = case
         self.per_class = MulticlassAccuracy(num_classes=2, average=None)
