@@ -12,7 +12,10 @@ is there: ``pytest -m gpu`` runs just them.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from pathlib import Path
+from typing import Dict
 
 import pytest
 
@@ -21,6 +24,12 @@ from tests.helpers import procs
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # see the docstring; procs.ORIGINAL_CUDA_VISIBLE keeps the old value
 
 
+# Seconds each test file took (``pytest --update-durations`` rewrites it): pytest-xdist hands whole files
+# to its two workers in collection order, so the longest go first and the short ones fill the end
+# (ordered by test count, xdist's default, a 60 s file of 40 tests went last and ran alone). A stale or
+# missing entry only costs balance: a file not listed counts 1 s per slow test and 0.05 s per other.
+DURATIONS = Path(__file__).with_name("durations.json")
+_seconds: Dict[str, float] = {}
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -48,7 +57,16 @@ def _no_process_group_outlives_its_test():
         )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-durations",
+        action="store_true",
+        help="write the seconds of each test file that ran to tests/durations.json (the order of the files)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    _longest_files_first(items)
     _skip_xla_without_torch_xla(items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
@@ -69,3 +87,37 @@ def _skip_xla_without_torch_xla(items: list) -> None:
     for item in items:
         if item.get_closest_marker("xla") is not None:
             item.add_marker(skip)
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _longest_files_first(items: list) -> None:
+    """Files in decreasing recorded duration; the tests of a file keep their order (a stable sort)."""
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        known = {}
+    guess: Dict[str, float] = {}
+    for item in items:
+        weight = 1.0 if item.get_closest_marker("slow") is not None else 0.05
+        guess[_file(item.nodeid)] = guess.get(_file(item.nodeid), 0.0) + weight
+    cost = {name: float(known.get(name, seconds)) for name, seconds in guess.items()}
+    items.sort(key=lambda item: -cost[_file(item.nodeid)])
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds[_file(report.nodeid)] = _seconds.get(_file(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """``--update-durations``: the controller (or a run without xdist) merges what ran into DURATIONS."""
+    if not session.config.getoption("--update-durations") or hasattr(session.config, "workerinput"):
+        return
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known.update({name: round(seconds, 1) for name, seconds in _seconds.items()})
+    DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
