@@ -59,8 +59,8 @@ class _Server:
         self.replies: List[dict] = []
         self._pending = b""
         ready = self._reply(time.monotonic() + 300)
-        if ready != {"ready": True}:
-            raise RuntimeError(f"the rank server did not start: {ready}")
+        if ready is None or not ready.get("ready") or ready.get("threads") != 1:
+            raise RuntimeError(f"the rank server did not start with one thread (forks would copy held locks): {ready}")
 
     def _receive(self, timeout: float) -> bool:
         """Reads what the server sent within ``timeout``: exits into ``exits``, other messages into
@@ -222,12 +222,15 @@ def _wait(server: _Server, ranks: List[int], deadline: float) -> tuple:
 
 
 def _signal_all(server: _Server, ranks: List[int], sig: int) -> None:
-    """``sig`` to each live rank's process group (the rank and its DataLoader workers)."""
+    """``sig`` to each rank's process group, the ranks that ended included, as torchrun's agent stops its
+    workers (what the rank started in its group goes too; DataLoader workers forked while trainforge's
+    stop signals are installed have their own group and end with their parent, or by torch's watchdog
+    within ~5 s of a SIGKILL, holding the dead rank's gloo sockets open meanwhile, as under torchrun)."""
     for pid in ranks:
-        if pid not in server.exits:
-            try:
-                os.killpg(pid, sig)
-            except ProcessLookupError:  # not yet its own group leader (os.setsid not reached)
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:  # the group is empty, or the rank has not reached os.setsid yet
+            if pid not in server.exits:
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:

@@ -67,7 +67,9 @@ def serve() -> Dict[str, Any]:
             __import__(name)
         except ImportError:  # an optional package: the ranks that need it import it (and fail) themselves
             pass
-    _reply({"ready": True})
+    # A fork copies only the forking thread: a preloaded module that started one (deepspeed does: it is
+    # not preloaded) could leave a lock held in every rank. The client refuses a server with more.
+    _reply({"ready": True, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1})
     pending = b""
     while True:
         readable, _, _ = select.select([0], [], [], 0.05)
