@@ -2,7 +2,8 @@
 
     trainforge launch --nproc-per-node 2 hang_run.py KIND ROOT
 
-KIND "hang": rank 1 sleeps forever inside training_step at global step 3 (hang_timeout=3 s).
+KIND "hang": rank 1 sleeps forever inside training_step at global step 3 (hang_timeout=1 s: from fit start
+to that stall the ranks never go more than a few ms without progress).
 KIND "straggler": rank 1 sleeps 50 ms per step; HangWatchdog(straggler_every=5) reports it.
 """
 
@@ -51,7 +52,7 @@ def main(kind: str, root: str) -> None:
         seed=0,
     )
     if kind == "hang":
-        trainer = Trainer(hang_timeout=3, **common)
+        trainer = Trainer(hang_timeout=1, **common)
     else:
         trainer = Trainer(callbacks=[HangWatchdog(60, straggler_every=5)], **common)
     trainer.fit(Net(kind), DataLoader(data, batch_size=4))

@@ -124,6 +124,25 @@ def run(tmp: Path, s3, url: str, out: str, *args: str, nproc: int = 0) -> dict:
     return json.loads((tmp / f"{out}.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(s3, tmp_path_factory):
+    """``uninterrupted(nproc, strategy)``: the final weights of the run of 8 steps without a stop, what a stopped
+    and resumed run must end on. Checkpointed to local disk (where it saves does not change what it trains), and
+    run once per training for the module: DDP with each rank described as alone on its node trains the same."""
+    done: dict = {}
+
+    def weights(nproc: int, strategy: str) -> Path:
+        if (nproc, strategy) not in done:
+            tmp = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
+            extra = ("--strategy", strategy, "--async-save") if nproc else ()
+            full = run(tmp, s3, str(tmp / "run"), "full.st", "--max-steps", "8", *extra, nproc=nproc)
+            assert full["final_step"] == 8
+            done[nproc, strategy] = tmp / "full.st"
+        return done[nproc, strategy]
+
+    return weights
+
+
 def assert_same_weights(a: Path, b: Path) -> None:
     wa, wb = load_file(a), load_file(b)
     assert wa.keys() == wb.keys()
@@ -133,15 +152,13 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,strategy", [(0, "auto"), (2, "ddp"), (2, "fsdp"), (2, "ddp-2-nodes")])
-def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, tmp_path, nproc, strategy):
+def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, uninterrupted, tmp_path, nproc, strategy):
     """1 process synchronous; 2 processes with the upload in the background (DDP, FSDP2's DCP shards, and DDP
     with each rank described as alone on its node: two staging dirs, each node uploading its own files)."""
     bucket = s3.bucket()
     extra = ("--strategy", strategy.split("-")[0], "--async-save") if nproc else ()
     if strategy.endswith("nodes"):
         extra += ("--one-per-node",)
-    full = run(tmp_path, s3, f"s3://{bucket}/full", "full.st", "--max-steps", "8", *extra, nproc=nproc)
-    assert full["final_step"] == 8
     # user objects under the run's prefix: pruning (keep_last_k=1) never touches them
     fs = s3.fs()
     fs.pipe(f"{bucket}/cut/checkpoints/notes.txt", b"mine")
@@ -158,7 +175,7 @@ def test_a_run_stopped_and_resumed_from_s3_ends_bit_identical(s3, tmp_path, npro
     assert resumed["final_step"] == 8
     root = RemotePath(f"s3://{bucket}/cut/checkpoints")  # downloaded once per node, read by its ranks
     assert cache_dir(root, "node0").is_dir() and cache_dir(root, "node1").is_dir() == strategy.endswith("nodes")
-    assert_same_weights(tmp_path / "full.st", tmp_path / "cut.st")
+    assert_same_weights(uninterrupted(nproc, strategy.split("-")[0]), tmp_path / "cut.st")
     assert fs.cat(f"{bucket}/cut/checkpoints/latest").endswith(b"-step=8\n")
     assert fs.cat(f"{bucket}/cut/checkpoints/notes.txt") == b"mine"
     assert fs.cat(f"{bucket}/cut/checkpoints/mine/model.safetensors") == b"mine"
@@ -341,7 +358,6 @@ def test_missing_credentials_are_an_error_naming_the_url_before_training(s3, tmp
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-@pytest.mark.slow  # botocore retries the connection for several seconds before giving up
 def test_an_unreachable_endpoint_is_an_error_naming_the_url_before_training(tmp_path, monkeypatch):
     from tests.helpers.models import Regressor, make_net, regression_data
     from trainforge import Trainer
@@ -353,6 +369,9 @@ def test_an_unreachable_endpoint_is_an_error_naming_the_url_before_training(tmp_
     monkeypatch.chdir(tmp_path)
     for key, value in S3Server.dummy_env(f"http://127.0.0.1:{find_free_port()}").items():  # nothing listens there
         monkeypatch.setenv(key, value)
+    # botocore's own setting (AWS_MAX_ATTEMPTS, read when s3fs makes its client): one try, where its default
+    # retries a refused connection with backoff for ~10 s before raising the same EndpointConnectionError
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     s3fs.S3FileSystem.clear_instance_cache()
     try:
         module = Regressor(make_net())
@@ -383,7 +402,8 @@ def test_a_process_ending_right_after_an_asynchronous_save_commits_the_upload_fi
     url = f"s3://{bucket}/acc/checkpoint_0"
     script = tmp_path / "exit_after_save.py"
     script.write_text(EXIT_RIGHT_AFTER_SAVE.format(repo=str(ROOT), url=url))
-    out = procs.run([sys.executable, str(script)], timeout=120, cwd=tmp_path, env=procs.test_env(**s3.env)).stdout
+    # the script's whole interpreter exit (teardown=True): threading's exit hooks, atexit, module teardown
+    out = forklaunch.run_script(script, timeout=120, cwd=tmp_path, env=procs.test_env(**s3.env), teardown=True).stdout
     assert "returned" in out
     local, found = resolve_remote(RemotePath(url).parent, url, tmp_path / "cache")  # complete and verified
     assert found == RemotePath(url) and (local / "model.safetensors").is_file()

@@ -1,6 +1,8 @@
 """Hangs are diagnosed, not waited out (strategies/watchdog.py, callbacks/hang_watchdog.py): 2 real gloo
-processes through `trainforge launch` where rank 1 stalls inside training_step; a slow validation that
-is no hang; stragglers logged; bad input refused. tests/scripts/hang_run.py."""
+processes through `trainforge launch` where rank 1 stalls inside training_step (the launcher's summary of
+the hung ranks is part of what is tested); a slow validation that is no hang; stragglers logged (2 ranks
+forked by tests/helpers/forklaunch.py: the log line is the callback's, not the launcher's); bad input
+refused. tests/scripts/hang_run.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import procs
+from tests.helpers import forklaunch, procs
 from trainforge import ConfigurationError, Trainer, TrainingModule
 from trainforge.callbacks import HangWatchdog
 from trainforge.strategies.watchdog import HANG_EXIT_CODE
@@ -40,7 +42,7 @@ def test_a_rank_that_stalls_ends_the_job_with_every_ranks_stacks(tmp_path):
 
 @pytest.mark.slow
 def test_a_rank_far_slower_than_the_median_is_logged_with_its_host(tmp_path):
-    out = procs.run(procs.trainforge_launch(SCRIPT, "straggler", tmp_path), timeout=120)
+    out = forklaunch.launch(SCRIPT, "straggler", tmp_path, nproc=2, timeout=120)
     assert "straggler: rank 1 on " in out.stdout, out.stdout[-4000:]
     assert "straggler: rank 0" not in out.stdout, out.stdout[-4000:]
 
@@ -63,7 +65,7 @@ class SlowValidation(TrainingModule):
 def test_a_validation_longer_than_the_timeout_with_short_batches_does_not_fire(tmp_path):
     data = TensorDataset(torch.randn(20, 4), torch.randn(20, 1))
     trainer = Trainer(
-        max_steps=4,
+        max_steps=3,  # one validation (after step 2), mid-fit: the watchdog is armed before and after it
         hang_timeout=1.0,
         val_check_interval=2,
         num_sanity_val_steps=0,
@@ -72,7 +74,7 @@ def test_a_validation_longer_than_the_timeout_with_short_batches_does_not_fire(t
         enable_checkpointing=False,
     )
     trainer.fit(SlowValidation(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
-    assert trainer.global_step == 4
+    assert trainer.global_step == 3
     assert not (tmp_path / "hang").exists()
 
 
@@ -95,25 +97,25 @@ def test_hang_timeout_and_a_hang_watchdog_callback_are_not_both_given():
 
 def test_a_hang_report_never_overwrites_an_existing_file(tmp_path):
     """<root>/hang/rank0.txt may be a user's file or an earlier run's report: the new one goes beside it."""
-    import subprocess
-    import sys
-
     from trainforge.strategies.files import open_new
 
     hang = tmp_path / "hang"
     hang.mkdir()
     (hang / "rank0.txt").write_text("the user's notes\n")
-    script = (
-        "import sys, time\n"
+    script = tmp_path / "stall.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # what comes back is stderr alone\n"
         "from trainforge.strategies.watchdog import ProgressWatchdog\n"
         "w = ProgressWatchdog(0.5, sys.argv[1], rank=0, grace_s=0)\n"
         "w.start()\n"
         "time.sleep(30)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, str(hang)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 124, out.stderr[-2000:]
+    out = forklaunch.run_script(script, hang, timeout=60, cwd=tmp_path, check=False)  # a process, torch preloaded
+    stderr = out.stdout
+    assert out.returncode == 124, stderr[-2000:]
     assert (hang / "rank0.txt").read_text() == "the user's notes\n"
-    assert "made no progress" in (hang / "rank0-1.txt").read_text() and str(hang / "rank0-1.txt") in out.stderr
+    assert "made no progress" in (hang / "rank0-1.txt").read_text() and str(hang / "rank0-1.txt") in stderr
     f, path = open_new(hang / "rank0.txt")
     f.close()
     assert path == hang / "rank0-2.txt"
