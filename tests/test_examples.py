@@ -1,5 +1,7 @@
 """The examples train for real (a tiny model for a few steps, on one process and on two: DDP over
-gloo started by `trainforge launch`), and the benchmarks run end to end, as subprocesses."""
+gloo started by `trainforge launch`), and the benchmarks run end to end. `trainforge launch` runs as
+a real subprocess; the other runs are `python script ...` forked from the test's rank server
+(tests/helpers/forklaunch.py): neither a launcher nor a fresh interpreter is what they test."""
 
 import csv
 import re
@@ -39,6 +41,12 @@ def run(args, cwd, timeout):
     return procs.run([sys.executable, *map(str, args)], cwd=cwd, env=env, timeout=timeout).stdout
 
 
+def run_script(script, *args, cwd, timeout):
+    """`python script args...` forked from the rank server, output merged; fails unless it exits 0."""
+    env = procs.test_env(XDG_CONFIG_HOME=str(cwd / "xdg"))  # no user launch config
+    return forklaunch.run_script(script, *args, cwd=cwd, env=env, timeout=timeout).stdout
+
+
 def losses(output):
     initial = re.search(r"initial val loss ([0-9.]+)", output)
     final = re.search(r"final val loss ([0-9.]+) at step (\d+)", output)
@@ -66,7 +74,7 @@ def check_run(root, output, world_size):
 
 
 def test_char_gpt_one_process(tmp_path):
-    out = run([EXAMPLE, *TINY, "--root-dir", tmp_path / "run"], tmp_path, timeout=120)
+    out = run_script(EXAMPLE, *TINY, "--root-dir", tmp_path / "run", cwd=tmp_path, timeout=120)
     check_run(tmp_path / "run", out, world_size=1)
 
 
@@ -94,7 +102,7 @@ def check_converted(output, state, world_size):
 
 
 def test_raw_loop_converted_to_accelerator_one_process(tmp_path):
-    out = run([CONVERTED, *CONVERTED_TINY, "--save-dir", tmp_path / "state"], tmp_path, timeout=120)
+    out = run_script(CONVERTED, *CONVERTED_TINY, "--save-dir", tmp_path / "state", cwd=tmp_path, timeout=120)
     check_converted(out, tmp_path / "state", world_size=1)
 
 
@@ -123,28 +131,20 @@ def table_rows(output, first_column):
 def test_benchmarks_run_and_report_every_loop(tmp_path):
     """Smoke: both benchmarks run end to end on CPU (timings are printed, never asserted)."""
     loops = ("raw", "accelerator", "trainer")
-    out = run(
-        [
-            ROOT / "benchmarks" / "overhead.py",
-            "--repeats",
-            "1",
-            "--warmup-repeats",
-            "0",
-            "--steps",
-            "5",
-            "--warmup",
-            "2",
-        ],
-        tmp_path,
+    out = run_script(
+        ROOT / "benchmarks" / "overhead.py",
+        *("--repeats", "1", "--warmup-repeats", "0", "--steps", "5", "--warmup", "2"),
+        cwd=tmp_path,
         timeout=120,
     )
     rows = table_rows(out, loops)
     assert set(rows) == set(loops), out
     for loop in loops:  # a wall-time and a CPU-time row, each with a positive median step time
         assert len(rows[loop]) == 2 and all(r[0] > 0 for r in rows[loop]), out
-    out = run(
-        [ROOT / "benchmarks" / "throughput.py", "--small", "--modes", "eager", "--steps", "2", "--warmup", "1"],
-        tmp_path,
+    out = run_script(
+        ROOT / "benchmarks" / "throughput.py",
+        *("--small", "--modes", "eager", "--steps", "2", "--warmup", "1"),
+        cwd=tmp_path,
         timeout=180,
     )
     rows = table_rows(out, loops + ("trainer-defaults",))

@@ -1,5 +1,8 @@
-"""The trainforge CLI, run as `python -m trainforge ...` subprocesses (real torchrun, gloo, 2 ranks)."""
+"""The trainforge CLI. Launches run as `python -m trainforge launch ...` subprocesses (real torchrun, gloo,
+2 ranks); what ends before anything starts (`config`, refused launches) runs `cli.main` in this process,
+with torchrun's `run` replaced by a failure, so that a refusal that broke cannot start a job here."""
 
+import io
 import json
 import os
 import signal
@@ -44,6 +47,30 @@ def run_cli(args, tmp_path, timeout=120, stdin=None, **env_extra):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.fixture
+def cli_here(tmp_path, monkeypatch, capsys):
+    """`trainforge ARGS` as `cli.main` in this process, in ``tmp_path`` with an isolated config home, as
+    ``run_cli`` runs it: the exit code, stdout and stderr. torchrun never starts: it raises instead."""
+
+    def started(*args, **kwargs):
+        raise AssertionError("torchrun was started: the launch should have been refused before")
+
+    monkeypatch.setattr("torch.distributed.run.run", started)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(LAUNCH_CONFIG_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    def run(args, stdin=None):
+        capsys.readouterr()
+        if stdin is not None:
+            monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        code = cli.main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["trainforge", *args], code, out, err)
+
+    return run
+
+
 @pytest.mark.slow
 def test_launch_two_ranks_all_reduce_with_config_defaults_and_flag_overrides(tmp_path):
     save_config(
@@ -81,12 +108,12 @@ def test_crashing_rank_fails_the_job_fast_with_its_traceback(tmp_path):
     assert "rank      : 1 (local_rank: 1)" in result.stderr  # torchrun's root-cause summary
 
 
-def test_master_port_in_use_is_refused_before_start(tmp_path):
+def test_master_port_in_use_is_refused_before_start(cli_here):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_cli(["launch", "--nproc-per-node", "2", "--master-port", port, SCRIPTS / "cli_crash.py"], tmp_path)
+        result = cli_here(["launch", "--nproc-per-node", "2", "--master-port", port, SCRIPTS / "cli_crash.py"])
     assert result.returncode == 2
     assert f"master port {port} is already in use" in result.stderr
     assert "--master-port" in result.stderr
@@ -94,9 +121,9 @@ def test_master_port_in_use_is_refused_before_start(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_config_non_interactive_writes_flags_and_defaults(tmp_path):
+def test_config_non_interactive_writes_flags_and_defaults(tmp_path, cli_here):
     target = tmp_path / "cfg.yaml"
-    result = run_cli(
+    result = cli_here(
         [
             "config",
             "--non-interactive",
@@ -114,8 +141,7 @@ def test_config_non_interactive_writes_flags_and_defaults(tmp_path):
             "2",
             "--accelerator",
             "cpu",
-        ],
-        tmp_path,
+        ]
     )
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(target.read_text()) == {
@@ -129,7 +155,7 @@ def test_config_non_interactive_writes_flags_and_defaults(tmp_path):
     }
 
 
-def test_config_interactive_reasks_bad_answers_and_writes_default_location(tmp_path):
+def test_config_interactive_reasks_bad_answers_and_writes_default_location(tmp_path, cli_here):
     answers = [
         "multi_node",
         "3",
@@ -149,7 +175,7 @@ def test_config_interactive_reasks_bad_answers_and_writes_default_location(tmp_p
         "bf16",
         "8",
     ]  # "" takes the default; bad answers are re-asked
-    result = run_cli(["config", "--interactive"], tmp_path, stdin="\n".join(answers) + "\n")
+    result = cli_here(["config", "--interactive"], stdin="\n".join(answers) + "\n")
     assert result.returncode == 0, result.stderr
     assert "node_rank=3 must be < nnodes=3" in result.stdout
     assert "nproc_per_node='0' must be an integer >= 1" in result.stdout
@@ -340,7 +366,7 @@ def test_launch_of_two_nodes_says_what_it_waits_for_before_waiting(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_reads_the_megatron_section_the_readme_documents(tmp_path):
+def test_launch_reads_the_megatron_section_the_readme_documents(tmp_path, cli_here):
     """Audit: `megatron: {tensor_parallel_size: 2}` in a config file was refused by launch."""
     config = tmp_path / "mg.yaml"
     config.write_text("strategy: megatron\nnproc_per_node: 2\nmegatron: {tensor_parallel_size: 2}\n")
@@ -352,11 +378,11 @@ def test_launch_reads_the_megatron_section_the_readme_documents(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("STRAT MegatronStrategy 2") == 2
     (tmp_path / "bad.yaml").write_text("strategy: ddp\nmegatron: {tensor_parallel_size: 2}\n")
-    refused = run_cli(["launch", "--config-file", tmp_path / "bad.yaml", "s.py"], tmp_path)
+    refused = cli_here(["launch", "--config-file", tmp_path / "bad.yaml", "s.py"])
     assert (
         refused.returncode == 2
         and "a megatron section (MegatronStrategy arguments) needs strategy megatron" in refused.stderr
     )
     (tmp_path / "typo.yaml").write_text("strategy: megatron\nmegatron: {tp_size: 2}\n")
-    typo = run_cli(["launch", "--config-file", tmp_path / "typo.yaml", "s.py"], tmp_path)
+    typo = cli_here(["launch", "--config-file", tmp_path / "typo.yaml", "s.py"])
     assert typo.returncode == 2 and "megatron.tp_size" in typo.stderr and "tensor_parallel_size" in typo.stderr

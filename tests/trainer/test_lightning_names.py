@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import procs
+from tests.helpers import forklaunch
 from trainforge import CheckpointError, ConfigurationError, DataModule, Trainer, TrainingModule
 from trainforge.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint, ModelSummary
 from trainforge.callbacks.model_summary import summarize
@@ -259,19 +259,41 @@ def test_device_indices_pick_each_ranks_device():
         strategy_with_device("xla", plan, local_rank=0)
 
 
-def test_devices_n_needs_a_script_to_run_again(tmp_path):
-    code = "import trainforge; trainforge.Trainer(accelerator='cpu', devices=2, max_epochs=1)"
-    out = procs.run([sys.executable, "-c", code], timeout=120, check=False, cwd=tmp_path)
-    assert out.returncode != 0
-    assert "Trainer(devices=N) with N > 1 starts N - 1 copies of the running script" in out.stdout
-    assert "notebook_launcher" in out.stdout
+def test_devices_n_needs_a_script_to_run_again(monkeypatch):
+    import os
+    import types
+
+    from trainforge.trainer import script_launcher
+
+    # what `python -c CODE` shows the program: sys.argv[0] == "-c", a __main__ module without a spec or a file
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    rank_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_PORT")
+    for name in (*rank_vars, "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)  # a plain process, not a launched rank
+
+    def started(*args, **kwargs):
+        raise AssertionError("a copy of the program was started: devices=2 should have been refused")
+
+    monkeypatch.setattr(script_launcher, "_Child", started)
+    try:
+        with pytest.raises(ConfigurationError) as refused:
+            Trainer(accelerator="cpu", devices=2, max_epochs=1)
+    finally:  # had it made this process rank 0: not for the tests after this one
+        for name in (*rank_vars, "MASTER_ADDR"):
+            os.environ.pop(name, None)
+    assert "Trainer(devices=N) with N > 1 starts N - 1 copies of the running script" in str(refused.value)
+    assert "notebook_launcher" in str(refused.value)
 
 
+# `python lightning_devices.py` is forked from the rank server (tests/helpers/forklaunch.py): rank 0 is that
+# process; rank 1 is what is tested, the real copy of the script that Trainer(devices=2) starts (a fresh
+# `python lightning_devices.py`, trainer/script_launcher.py).
 @pytest.mark.slow
 def test_devices_2_from_python_script_runs_two_ranks(tmp_path):
     import json
 
-    out = procs.run([sys.executable, SCRIPTS / "lightning_devices.py", tmp_path], timeout=240)
+    out = forklaunch.run_script(SCRIPTS / "lightning_devices.py", tmp_path, timeout=240)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in ranks] == [0, 1] and {r["world_size"] for r in ranks} == {2}
     assert {r["strategy"] for r in ranks} == {"ddp"} and ranks[0]["pid"] != ranks[1]["pid"]
@@ -281,7 +303,11 @@ def test_devices_2_from_python_script_runs_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_child_fails_rank_0_with_its_traceback(tmp_path):
-    out = procs.run([sys.executable, SCRIPTS / "lightning_devices.py", tmp_path, "fail"], timeout=240, check=False)
+    # teardown: rank 0's uncaught error goes through sys.excepthook (the launcher's hook) and the interpreter's
+    # own exit, as under `python`; without it the rank server would print it and skip the hook
+    out = forklaunch.run_script(
+        SCRIPTS / "lightning_devices.py", tmp_path, "fail", timeout=240, check=False, teardown=True
+    )
     assert out.returncode != 0
     report = out.stdout[out.stdout.index("trainforge: Trainer(devices=2): rank 1") :]
     assert "exited with code 1; its last output:" in report and "ValueError: rank 1 breaks on purpose" in report
