@@ -87,14 +87,20 @@ def test_staged_state_is_the_state_at_save_time_with_buffers_reused(tmp_path):
     saver.close()
 
 
-def test_one_save_in_flight_and_pruning_only_after_the_commit(tmp_path, caplog):
+def _save_held_in_flight(path: Path) -> "tuple[AsyncCheckpointer, threading.Event]":
+    """A saver whose save of ``path`` stays in flight until the returned event is set."""
     saver = AsyncCheckpointer(resolve_strategy("single"))
-    first = saver.open(tmp_path / "a")
-    first.save_object("state", {"n": 1})
+    writer = saver.open(path)
+    writer.save_object("state", {"n": 1})
     gate = threading.Event()
-    real_finalize = first._writer.finalize
-    first._writer.finalize = lambda *a, **k: (gate.wait(30), real_finalize(*a, **k))[1]
-    first.finalize({"step": 1})
+    real_finalize = writer._writer.finalize
+    writer._writer.finalize = lambda *a, **k: (gate.wait(30), real_finalize(*a, **k))[1]
+    writer.finalize({"step": 1})
+    return saver, gate
+
+
+def test_one_save_in_flight_and_pruning_only_after_the_commit(tmp_path, caplog):
+    saver, gate = _save_held_in_flight(tmp_path / "a")
     seen = []
     saver.after_commit(lambda: seen.append((tmp_path / "a" / "metadata.json").is_file()))
     assert saver.in_flight() and not seen
@@ -112,13 +118,7 @@ def test_one_save_in_flight_and_pruning_only_after_the_commit(tmp_path, caplog):
 def test_a_process_forked_while_a_save_is_in_flight_exits_at_once(tmp_path):
     """A DataLoader worker forked during a background save inherits the exit hook, not the writer thread:
     its exit must not wait for that save (it hung until the DataLoader killed it, 5 s per worker)."""
-    saver = AsyncCheckpointer(resolve_strategy("single"))
-    writer = saver.open(tmp_path / "a")
-    writer.save_object("state", {"n": 1})
-    gate = threading.Event()
-    real_finalize = writer._writer.finalize
-    writer._writer.finalize = lambda *a, **k: (gate.wait(30), real_finalize(*a, **k))[1]
-    writer.finalize({"step": 1})
+    saver, gate = _save_held_in_flight(tmp_path / "a")
     try:
         assert saver.in_flight()
         child = multiprocessing.get_context("fork").Process(target=int)
