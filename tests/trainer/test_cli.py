@@ -372,7 +372,8 @@ def test_launch_reads_the_megatron_section_the_readme_documents(tmp_path, cli_he
     config.write_text("strategy: megatron\nnproc_per_node: 2\nmegatron: {tensor_parallel_size: 2}\n")
     (tmp_path / "s.py").write_text(
         "from trainforge import Accelerator\na = Accelerator()\n"
-        "print('STRAT', type(a.strategy).__name__, a.strategy.sizes['tp'], flush=True)\n"
+        # one write per rank: the two ranks share the pipe unbuffered, print's separate pieces interleaved
+        "import sys\nsys.stdout.write(f'STRAT {type(a.strategy).__name__} {a.strategy.sizes[\"tp\"]}\\n')\n"
     )
     result = run_cli(["launch", "--config-file", config, "s.py"], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
