@@ -93,12 +93,17 @@ def _file(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _recorded() -> Dict[str, float]:
+    """DURATIONS' file -> seconds; empty when it is missing or unreadable (only the order suffers)."""
+    try:
+        return dict(json.loads(DURATIONS.read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
 def _longest_files_first(items: list) -> None:
     """Files in decreasing recorded duration; the tests of a file keep their order (a stable sort)."""
-    try:
-        known = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = _recorded()
     guess: Dict[str, float] = {}
     for item in items:
         weight = 1.0 if item.get_closest_marker("slow") is not None else 0.05
@@ -115,9 +120,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """``--update-durations``: the controller (or a run without xdist) merges what ran into DURATIONS."""
     if not session.config.getoption("--update-durations") or hasattr(session.config, "workerinput"):
         return
-    try:
-        known = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = _recorded()
     known.update({name: round(seconds, 1) for name, seconds in _seconds.items()})
     DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")

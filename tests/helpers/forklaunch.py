@@ -13,8 +13,9 @@ TORCHELASTIC_RUN_ID, ...; rank 0 hosts the rendezvous store as without an agent 
 script run as ``__main__`` with its argv, its folder first on sys.path, the requested cwd, the
 interpreter's default start method for its own children (DataLoader workers fork), and Python's
 exit order (non-daemon threads joined, then atexit handlers; with ``teardown=True`` also the module
-teardown and C++ static destructors of ``python script.py``), its exit status the script's. A rank that fails stops the others, as torchrun's
-agent does; ``max_restarts`` starts them again as ``--max-restarts`` does.
+teardown and C++ static destructors of ``python script.py``), its exit status the script's. A rank
+that fails stops the others, as torchrun's agent does; ``max_restarts`` starts them again as
+``--max-restarts`` does.
 
 What it does not give: a fresh interpreter (modules the server preloaded are not re-imported,
 so import-time behaviour and ``sys.modules`` shadowing are not exercised) and torchrun's own
