@@ -39,6 +39,10 @@ PRELOAD = (
     "trainforge",
     "trainforge.callbacks",
     "trainforge.utils",
+    # the model pages' blocks (empty init, big-model inference, PEFT adapters): ~3.5 s per block otherwise
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "peft",
 )
 CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 
@@ -138,6 +142,10 @@ def run_bash(block: Dict, out_fd: int) -> int:
 def main(spec_path: str, results_path: str) -> None:
     for name in PRELOAD:
         __import__(name)
+    # a fork copies only the forking thread: a thread started by an import (an OpenMP pool when
+    # OMP_NUM_THREADS is not 1) would leave its locks held in every child
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    assert threads == 1, f"the docs runner must fork from one thread; its imports started {threads - 1} more"
     results = {}
     for block in json.loads(Path(spec_path).read_text()):
         start = time.monotonic()
