@@ -18,6 +18,7 @@ this interpreter and stdin is empty. ``XDG_CONFIG_HOME`` is the block directory'
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import signal
@@ -142,6 +143,8 @@ def run_bash(block: Dict, out_fd: int) -> int:
 def main(spec_path: str, results_path: str) -> None:
     for name in PRELOAD:
         __import__(name)
+    gc.collect()
+    gc.freeze()  # a block's collections then leave the preloaded objects, shared with this process, unwritten
     # a fork copies only the forking thread: a thread started by an import (an OpenMP pool when
     # OMP_NUM_THREADS is not 1) would leave its locks held in every child
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1

@@ -23,6 +23,7 @@ do). trainforge itself is not preloaded, so an edited source file is what each r
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import json
 import os
@@ -67,6 +68,11 @@ def serve() -> Dict[str, Any]:
             __import__(name)
         except ImportError:  # an optional package: the ranks that need it import it (and fail) themselves
             pass
+    # Out of the collector's reach: a rank's first full collection would otherwise write to every preloaded
+    # object's header and so copy the server's whole heap into the rank (~0.2 CPU-s and ~120 MB per process
+    # forked from here or from a rank, DataLoader workers included).
+    gc.collect()
+    gc.freeze()
     # A fork copies only the forking thread: a preloaded module that started one (deepspeed does: it is
     # not preloaded) could leave a lock held in every rank. The client refuses a server with more.
     _reply({"ready": True, "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1})
