@@ -31,15 +31,19 @@ signal left to its default action is taken over: a handler someone else installe
   their own: torchrun forwards a signal to each worker's process group, and a terminal sends Ctrl-C
   to the foreground group, and DataLoader workers die of SIGTERM from anyone but their parent
   (torch's handler), which fails the loader before the stop step. Their parent still ends them; if
-  the parent is SIGKILLed they exit on their own within seconds (torch's watchdog).
+  the parent is SIGKILLed, the kernel ends them at once (Linux: ``PR_SET_PDEATHSIG``, for children of
+  the main thread; elsewhere torch's watchdog ends them within seconds), so that the other ranks see
+  the lost rank's connections close instead of waiting for its workers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Tuple, Union
@@ -61,6 +65,7 @@ SignalsArg = Union[str, int, signal.Signals, Sequence[Union[str, int, signal.Sig
 
 _installed = 0  # StopSignals objects with handlers installed in this process
 _fork_hook = False
+_forked_from_main, _forking_pid = True, 0  # set by the fork hook in the parent just before each fork
 
 
 def exit_code(sig: Union[int, signal.Signals]) -> int:
@@ -313,20 +318,44 @@ def _say(text: str) -> None:
         pass
 
 
+def _note_forking_thread() -> None:
+    """``before`` fork hook: who forks, and whether from the main thread (the child reads the copy)."""
+    global _forked_from_main, _forking_pid
+    _forked_from_main = threading.current_thread() is threading.main_thread()
+    _forking_pid = os.getpid()
+
+
 def _own_group_in_child() -> None:
     """``os.register_at_fork(after_in_child=...)``: a process forked while stop signals are caught gets
-    its own process group (see the module docstring)."""
+    its own process group (see the module docstring), and, forked by the main thread on Linux, is
+    SIGKILLed when its parent dies: out of the parent's group, nothing else would end it at once when
+    the parent is SIGKILLed, and a DataLoader worker holds the parent's sockets (the other ranks'
+    collectives would wait for them) until torch's watchdog notices, up to 5 s later. Only a main
+    thread's child: the kernel sends the signal when the forking *thread* ends."""
     if _installed > 0:
         try:
             os.setpgid(0, 0)
         except OSError:
             pass
+        if _forked_from_main and _set_parent_death_signal(signal.SIGKILL) and os.getppid() != _forking_pid:
+            os._exit(1)  # the parent died before the request took effect
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` (Linux; False elsewhere or when it fails)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(sig), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
 
 
 def _install_fork_hook() -> None:
     global _fork_hook
     if not _fork_hook:
-        os.register_at_fork(after_in_child=_own_group_in_child)
+        os.register_at_fork(before=_note_forking_thread, after_in_child=_own_group_in_child)
         _fork_hook = True
 
 

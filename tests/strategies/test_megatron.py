@@ -306,27 +306,10 @@ def test_megatron_section_of_the_launch_config():
 
 @pytest.mark.slow
 def test_parallel_benchmark_smoke():
-    out = run(
-        [
-            sys.executable,
-            str(SCRIPTS.parents[1] / "benchmarks" / "parallel.py"),
-            "--processes",
-            "2",
-            "--dim",
-            "16",
-            "--depth",
-            "2",
-            "--vocab",
-            "32",
-            "--seq",
-            "8",
-            "--steps",
-            "1",
-            "--warmup",
-            "0",
-        ],
-        timeout=300,
-    ).stdout
+    # its ranks forked, as torchrun starts them (its own relaunch through torch.distributed.run is one call)
+    script = SCRIPTS.parents[1] / "benchmarks" / "parallel.py"
+    size = ["--dim", "16", "--depth", "2", "--vocab", "32", "--seq", "8", "--steps", "1", "--warmup", "0"]
+    out = forklaunch.launch(script, *size, nproc=2, timeout=300).stdout
     for layout in ("dp2 ", "tp2 ", "pp2 "):
         line = next(line for line in out.splitlines() if line.startswith(layout))
         assert "per-rank MiB [" in line and "formula" in line and " ms" in line, out[-2000:]
