@@ -1,19 +1,16 @@
 """DeepSpeedStrategy: ZeRO 1/2/3 against DDP through Trainer.fit on 2 real CPU processes (gloo).
 
-The slow test starts two launches at once (2 processes: everything; 1 process: the ZeRO-3
-memory baseline) because DeepSpeed's import dominates the time; see tests/scripts/ds_parity.py.
+The slow tests share two launches (2 processes: everything; 1 process: the ZeRO-3 memory baseline)
+because DeepSpeed's import dominates the time; see tests/scripts/ds_parity.py.
 """
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import forklaunch, procs
 from trainforge.strategies import strategy_class
 from trainforge.strategies.checkpoint.io import load_tensors
 from trainforge.strategies.deepspeed import DeepSpeedStrategy
@@ -23,46 +20,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ds_parity.py"
 TIMEOUT = 420
 
 
-def _launch(nproc, out, *extra):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    env.pop("TRAINFORGE_LAUNCH_CONFIG", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(SCRIPT),
-        str(out),
-        *extra,
-    ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-
-
-def _wait(proc):
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"launch timed out after {TIMEOUT}s:\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-6000:]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds")
-    procs = [_launch(2, out), _launch(1, out, "--memory-only")]
-    try:
-        for proc in procs:
-            _wait(proc)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    env = procs.test_env(DS_ACCELERATOR="cpu")
+    # ranks forked as torchrun starts them (tests/helpers/forklaunch.py): 2 processes, everything; then
+    # 1 process, the ZeRO-3 memory baseline
+    forklaunch.launch(SCRIPT, out, nproc=2, env=env, timeout=TIMEOUT)
+    forklaunch.launch(SCRIPT, out, "--memory-only", nproc=1, env=env, timeout=TIMEOUT)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     return out, ranks, json.loads((out / "memory_world1.json").read_text())
 

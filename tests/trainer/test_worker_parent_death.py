@@ -62,6 +62,9 @@ def test_a_sigkilled_ranks_forked_workers_end_with_it():
     try:
         before, during, from_thread = children = [int(p) for p in proc.stdout.readline().split()]
         assert os.getpgid(before) == proc.pid  # forked before the handlers: the parent's group, as always
+        deadline = time.monotonic() + 10  # a child moves to its own group in its fork hook, as it starts
+        while {os.getpgid(during), os.getpgid(from_thread)} != {during, from_thread} and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert os.getpgid(during) == during and os.getpgid(from_thread) == from_thread  # groups of their own
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
