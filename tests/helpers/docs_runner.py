@@ -10,20 +10,27 @@ exit status is the block's (an uncaught exception prints its traceback and exits
 exits n, atexit handlers run); with ``"launch": N`` it runs under ``trainforge launch --nproc-per-node N``
 instead (real processes: a multi-process example). Nothing here runs torch code before a fork (no thread pools to inherit).
 A bash block runs under ``bash -e -o pipefail`` in its directory, where ``python3``/``python`` are
-this interpreter and stdin is empty. ``XDG_CONFIG_HOME`` is the block directory's ``.config`` (where
+this interpreter and stdin is empty; its ``trainforge`` command is the console script's ``main`` run in
+a child forked from this process (``.bin/trainforge`` hands over its arguments, directory, environment
+and standard streams through a Unix socket and exits with the child's code): the CLI's own processes
+cost what the command does, not torch's and transformers' imports again. ``XDG_CONFIG_HOME`` is the block directory's ``.config`` (where
 ``trainforge config`` writes, never the user's). Each block's output (stdout and stderr together) is
 ``<dir>/output.txt``; RESULTS.json maps each id to ``{"exit": code, "seconds": wall time}`` (exit -9: killed after its timeout).
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
 import gc
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -119,12 +126,83 @@ def _wait(command: List[str], block: Dict, out_fd: int, env: Dict[str, str]) -> 
         stderr=out_fd,
         start_new_session=True,
     )
+    deadline, commands = time.monotonic() + block["timeout"], {}
+    while proc.poll() is None or commands:
+        if time.monotonic() > deadline:
+            for pid in [proc.pid, *commands]:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            return -9
+        _serve_commands(commands)
+    return proc.returncode
+
+
+LISTENER: socket.socket  # where .bin/trainforge connects (main() opens it)
+SHIM = """#!{python}
+import os, socket, sys
+connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+connection.connect({address!r})
+request = repr((sys.argv[1:], os.getcwd(), dict(os.environ))).encode()
+socket.send_fds(connection, [request], [0, 1, 2])
+sys.exit(int(connection.recv(16) or b"1"))
+"""
+
+
+def _serve_commands(commands: Dict[int, socket.socket]) -> None:
+    """Starts the ``trainforge`` commands asked for (a forked child each) and answers those that ended."""
+    readable, _, _ = select.select([LISTENER], [], [], 0.02)
+    if readable:
+        connection, _ = LISTENER.accept()
+        request, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+        argv, cwd, env = ast.literal_eval(request.decode())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _command(argv, cwd, env, fds)
+        for fd in fds:
+            os.close(fd)
+        commands[pid] = connection
+    for pid in list(commands):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            connection = commands.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            connection.send(str(128 - code if code < 0 else code).encode())  # killed by a signal: as a shell says
+            connection.close()
+
+
+def _command(argv: List[str], cwd: str, env: Dict[str, str], fds: List[int]) -> None:
+    """In the forked child: ``trainforge ARGV...`` as the console script runs it; never returns."""
+    os.setpgid(0, 0)
+    for sig in CAUGHT:
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["trainforge", *argv]
+    from trainforge.trainer.cli import main as cli
+
+    code = 1
     try:
-        return proc.wait(timeout=block["timeout"])
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return -9
+        code = cli() or 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run_bash(block: Dict, out_fd: int) -> int:
@@ -134,6 +212,9 @@ def run_bash(block: Dict, out_fd: int) -> int:
         link = bin_dir / name
         if not link.exists():
             link.symlink_to(sys.executable)
+    shim = bin_dir / "trainforge"
+    shim.write_text(SHIM.format(python=sys.executable, address=LISTENER.getsockname()))
+    shim.chmod(0o755)
     path = os.pathsep.join((str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]))
     # XDG_CONFIG_HOME: `trainforge config` writes there, not into the user's ~/.config
     env = dict(os.environ, PATH=path, XDG_CONFIG_HOME=str(Path(block["dir"]) / ".config"))
@@ -141,6 +222,10 @@ def run_bash(block: Dict, out_fd: int) -> int:
 
 
 def main(spec_path: str, results_path: str) -> None:
+    global LISTENER
+    LISTENER = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    LISTENER.bind(os.path.join(tempfile.mkdtemp(prefix="docs-runner-"), "cli.sock"))  # short: 108 bytes at most
+    LISTENER.listen(4)
     for name in PRELOAD:
         __import__(name)
     gc.collect()
