@@ -16,7 +16,7 @@ An HTML comment just before a fence (invisible on the site and on GitHub) says w
       name: model                              (names the block, for other blocks of its page)
       use: model                               (runs the named block's program first; a block
                                                 that others use runs as their first part only)
-      launch: 2                                (runs under `trainforge launch --nproc-per-node 2`)
+      launch: 2                                (runs on 2 ranks, as `trainforge launch --nproc-per-node 2`)
       -->
 
   A ``replace`` whose text is no longer in the block fails, so the page cannot drift from what runs.

@@ -7,8 +7,9 @@ and trainforge takes seconds on a loaded 2-core machine, and a block runs in a f
 process imports them once, then forks one child per python block: the child starts from a fresh
 ``__main__`` namespace in the block's own empty directory, as ``python example.py`` there would, and its
 exit status is the block's (an uncaught exception prints its traceback and exits 1, ``sys.exit(n)``
-exits n, atexit handlers run); with ``"launch": N`` it runs under ``trainforge launch --nproc-per-node N``
-instead (real processes: a multi-process example). Nothing here runs torch code before a fork (no thread pools to inherit).
+exits n, atexit handlers run); with ``"launch": N`` it runs as N such children, the ranks of a job, with
+the variables ``trainforge launch --nproc-per-node N`` gives its workers (a multi-process example; the first
+rank that fails ends the others). Nothing here runs torch code before a fork (no thread pools to inherit).
 A bash block runs under ``bash -e -o pipefail`` in its directory, where ``python3``/``python`` are
 this interpreter and stdin is empty; its ``trainforge`` command is the console script's ``main`` run in
 a child forked from this process (``.bin/trainforge`` hands over its arguments, directory, environment
@@ -35,7 +36,10 @@ import time
 import traceback
 import types
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
+
+from tests.helpers.forklaunch import rank_env
+from trainforge.strategies.environment import find_free_port
 
 # what the blocks' fits import (torch imports dynamo, sympy and torch.distributed's parts lazily): seconds each
 PRELOAD = (
@@ -55,14 +59,18 @@ PRELOAD = (
 CAUGHT = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 
 
-def _child(block: Dict, out_fd: int) -> None:
-    """In the forked child: become ``python example.py`` in the block's directory; never returns."""
+def _child(block: Dict, out_fd: int, env: Optional[Dict[str, str]] = None) -> None:
+    """In the forked child: become ``python example.py`` in the block's directory (``env``: this
+    environment, e.g. a rank's); never returns."""
     os.setpgid(0, 0)  # its own group: a timeout kills what it started too
     for sig in CAUGHT:  # as in a new process (pytest or this runner may have handlers)
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.chdir(block["dir"])
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.environ["XDG_CONFIG_HOME"] = str(Path(block["dir"]) / ".config")
     sys.argv = ["example.py"]
     sys.path[0] = block["dir"]
@@ -88,32 +96,46 @@ def _child(block: Dict, out_fd: int) -> None:
 
 
 def run_python(block: Dict, out_fd: int) -> int:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        _child(block, out_fd)
-    deadline = time.monotonic() + block["timeout"]
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
-            return -9
-        time.sleep(0.02)
+    return _run_forked(block, out_fd, [None])
 
 
 def run_launched(block: Dict, out_fd: int) -> int:
-    """``trainforge launch --nproc-per-node N example.py``: real processes, started as users start them."""
-    script = Path(block["dir"]) / "example.py"
-    script.write_text(block["code"])
-    command = [sys.executable, "-m", "trainforge", "launch", "--nproc-per-node", str(block["launch"]), str(script)]
-    return _wait(command, block, out_fd, dict(os.environ, XDG_CONFIG_HOME=str(Path(block["dir"]) / ".config")))
+    """``launch: N``: N ranks forked with the variables ``trainforge launch --nproc-per-node N`` gives its
+    workers (tests/helpers/forklaunch.py's; the launcher itself is tested in tests/trainer/test_cli.py)."""
+    port, nproc = find_free_port(), block["launch"]
+    envs = [rank_env(dict(os.environ), r, nproc, port, f"docs-{port}") for r in range(nproc)]
+    return _run_forked(block, out_fd, envs)
+
+
+def _run_forked(block: Dict, out_fd: int, envs: List[Optional[Dict[str, str]]]) -> int:
+    """One forked child per environment; the first failure's code (the others killed then, as a
+    launcher stops a job whose rank failed), else 0; -9 after the block's timeout."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for env in envs:
+        pid = os.fork()
+        if pid == 0:
+            _child(block, out_fd, env)
+        pids.append(pid)
+    deadline, running, failed = time.monotonic() + block["timeout"], set(pids), 0
+    while running:
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                failed = failed or os.waitstatus_to_exitcode(status)
+        if running and (failed or time.monotonic() > deadline):
+            for pid in running:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for pid in running:
+                os.waitpid(pid, 0)
+            return failed or -9
+        time.sleep(0.02)
+    return failed
 
 
 def _wait(command: List[str], block: Dict, out_fd: int, env: Dict[str, str]) -> int:

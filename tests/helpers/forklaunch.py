@@ -118,7 +118,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_env(
+def rank_env(
     base: Dict[str, str], rank: int, nproc: int, port: int, run_id: str, restart: int = 0, max_restarts: int = 0
 ) -> Dict[str, str]:
     env = dict(base)
@@ -173,7 +173,7 @@ def launch(
         for restart in range(max_restarts + 1):
             port = _free_port()
             run_id = f"forklaunch-{os.getpid()}-{port}"
-            envs = [_rank_env(base, r, nproc, port, run_id, restart, max_restarts) for r in range(max(nproc, 1))]
+            envs = [rank_env(base, r, nproc, port, run_id, restart, max_restarts) for r in range(max(nproc, 1))]
             ranks = [server.start(str(script), argv, e, str(cwd or procs.REPO), log, teardown) for e in envs]
             code, timed_out = _wait(server, ranks, deadline)
             if code == 0 or timed_out:

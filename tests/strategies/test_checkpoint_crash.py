@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import forklaunch
 from trainforge.strategies.checkpoint.io import (
     CheckpointWriter,
     load_object,
@@ -102,19 +103,7 @@ def test_sigkill_during_save_never_loses_the_last_reported_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_two_process_save_with_per_rank_files(tmp_path):
     root = tmp_path / "ckpts"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(SCRIPTS / "ckpt_two_ranks.py"),
-        str(root),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
+    output = forklaunch.launch(SCRIPTS / "ckpt_two_ranks.py", root, nproc=2, timeout=180).stdout  # as torchrun forks
     assert "rank 0 ok" in output and "rank 1 ok" in output
     for step, name in ((2, "step-2"), (4, "last")):
         meta = verify_checkpoint(root / name)
