@@ -36,7 +36,7 @@ import time
 import traceback
 import types
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from tests.helpers.forklaunch import rank_env
 from trainforge.strategies.environment import find_free_port
@@ -77,16 +77,21 @@ def _child(block: Dict, out_fd: int, env: Optional[Dict[str, str]] = None) -> No
     main = types.ModuleType("__main__")  # what pickle and dataclasses look classes up in
     main.__file__ = str(Path(block["dir"]) / "example.py")
     sys.modules["__main__"] = main
-    code = 0
+    _exit_after(lambda: exec(compile(block["code"], block["id"], "exec"), main.__dict__))
+
+
+def _exit_after(run: Callable[[], Any]) -> None:
+    """``run()``, then exit as the interpreter would: its ``sys.exit`` code, 1 and the traceback for an
+    uncaught exception, atexit handlers run; never returns."""
+    code = 1
     try:
-        exec(compile(block["code"], block["id"], "exec"), main.__dict__)
+        code = run() or 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if not isinstance(stop.code, (int, type(None))):
             print(stop.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
-        code = 1
     try:
         atexit._run_exitfuncs()
     finally:
@@ -210,21 +215,7 @@ def _command(argv: List[str], cwd: str, env: Dict[str, str], fds: List[int]) -> 
     sys.argv = ["trainforge", *argv]
     from trainforge.trainer.cli import main as cli
 
-    code = 1
-    try:
-        code = cli() or 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if not isinstance(stop.code, (int, type(None))):
-            print(stop.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    _exit_after(cli)
 
 
 def run_bash(block: Dict, out_fd: int) -> int:
