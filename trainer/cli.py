@@ -18,7 +18,7 @@ from trainforge.strategies.errors import TrainforgeError
 
 COMMANDS = {
     "launch": "trainforge.trainer.launch",
-    "config": "trainforge.trainer.launch_config",
+    "config": "trainforge.trainer.config_command",
     "env": "trainforge.trainer.env_info",
     "estimate-memory": "trainforge.trainer.estimate_memory",
     "merge-weights": "trainforge.trainer.merge_weights",

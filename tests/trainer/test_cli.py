@@ -18,8 +18,9 @@ import yaml
 
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer import cli
+from trainforge.trainer.config_command import resolve_answers
 from trainforge.trainer.launch import resolve_settings, torchrun_argv
-from trainforge.trainer.launch_config import LAUNCH_CONFIG_ENV, launch_defaults, resolve_answers, save_config
+from trainforge.trainer.launch_config import LAUNCH_CONFIG_ENV, launch_defaults, save_config
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
