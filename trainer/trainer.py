@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, Sized, Union, cast
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -54,12 +54,15 @@ from trainforge.trainer.preemption import DEFAULT_STOP_SIGNALS, SignalsArg, Stop
 from trainforge.trainer.profiling import instrument, reset_profilers, with_profiler
 from trainforge.trainer.seed import seed_everything
 from trainforge.trainer.slurm_requeue import SlurmRequeue
+from trainforge.trainer.stage_loaders import StageLoaders, as_list
 from trainforge.trainer.wrappers import PreparedDataLoader
 
 log = logging.getLogger("trainforge")
 
 
-class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpoints, LightningAttributes):
+class Trainer(
+    FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpoints, StageLoaders, LightningAttributes
+):
     def __init__(
         self,
         *,
@@ -273,7 +276,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
             if val_dataloaders is None:
                 val_dataloaders = self._loaders_for("validate", None, datamodule, required=False) or None
         self._check_loader(train_dataloaders, "train_dataloaders")
-        for i, dl in enumerate(_as_list(val_dataloaders)):  # an empty one would validate on nothing, silently
+        for i, dl in enumerate(as_list(val_dataloaders)):  # an empty one would validate on nothing, silently
             self._check_loader(
                 dl, "val_dataloaders" if not isinstance(val_dataloaders, (list, tuple)) else f"val_dataloaders[{i}]"
             )
@@ -337,7 +340,7 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
         self.lr_scheduler_configs = configured[0].schedulers
         self._training_step = acc.step_function(self.model, "training_step")
         val_loaders = validation_loaders(module, val_loaders, self._pipelined)  # none without validation_step
-        self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in _as_list(val_loaders)]
+        self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in as_list(val_loaders)]
         self.num_training_batches = limited(loader_length(self.train_dataloader), self.config.limit_train_batches)
         if (
             self.num_training_batches == float("inf")
@@ -434,59 +437,6 @@ class Trainer(FitLoop, MetricLogging, Evaluation, ManualOptimization, FitCheckpo
             self._fire(Event.TEARDOWN, stage)
             raise
 
-    def _setup_datamodule(self, datamodule: Any, stage: str) -> None:
-        if datamodule is self.datamodule:
-            return
-        self.datamodule = datamodule
-        datamodule.trainer = self  # Lightning's datamodule.trainer
-        if self.strategy.local_rank == 0:
-            datamodule.prepare_data()  # once per node; the other processes wait
-        self.strategy.barrier()
-        datamodule.setup(stage)
-
-    def _loaders_for(self, stage: str, given: Any, datamodule: Any, required: bool = True) -> List[Any]:
-        """The loaders a stage runs on: given, else the datamodule's, else the module's own."""
-        if given is not None:
-            return _as_list(given)
-        method = {
-            "fit": "train_dataloader",
-            "validate": "val_dataloader",
-            "test": "test_dataloader",
-            "predict": "predict_dataloader",
-        }[stage]
-        source = datamodule if datamodule is not None else self.module
-        if datamodule is not None:
-            self._setup_datamodule(datamodule, "fit" if stage == "validate" and self.stage == "fit" else stage)
-        if not callable(getattr(source, method, None)):
-            if not required:
-                return []
-            arg = "train_dataloaders" if stage == "fit" else "dataloaders"
-            raise ConfigurationError(
-                f"Trainer.{stage}() got no {arg}: pass them, pass datamodule=..., or define "
-                f"{type(self.module).__name__}.{method}()"
-            )
-        try:
-            loaders = getattr(source, method)()
-        except NotImplementedError:
-            if not required:
-                return []
-            raise
-        return _as_list(loaders)
-
-    @staticmethod
-    def _check_loader(loader: Any, name: str) -> None:
-        if not isinstance(loader, torch.utils.data.DataLoader):
-            raise ConfigurationError(f"{name} must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
-        try:
-            empty = len(loader) == 0
-        except TypeError:
-            return  # an IterableDataset without a length
-        if empty:
-            raise ConfigurationError(
-                f"{name} is empty (len == 0, dataset of {len(cast(Sized, loader.dataset))} samples with "
-                f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data"
-            )
-
 
 def _check_pipelined(trainer: Trainer, manual: bool) -> None:
     """What pipeline parallelism does not run (yet), refused before any work."""
@@ -505,9 +455,3 @@ def _check_pipelined(trainer: Trainer, manual: bool) -> None:
 def _overrides(target: Any, hook: str) -> bool:
     method = getattr(type(target), hook, None)
     return method is not None and method is not getattr(Callback, hook)
-
-
-def _as_list(loaders: Any) -> List[Any]:
-    if loaders is None:
-        return []
-    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
