@@ -80,9 +80,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """What collection imported (torch, transformers, mlflow, every test module: millions of objects) is
-    kept out of the garbage collector's passes from here on. A full collection walks every tracked object:
-    ~0.3 s in this process, and tests call it often (``release_memory``, the batch-size finders after
+    """What collection imported (torch, transformers, mlflow, every test module: ~500k objects) is kept
+    out of the garbage collector's passes from here on. A full collection walks every tracked object:
+    ~0.25 s in this process, and tests call it often (``release_memory``, the batch-size finders after
     each attempt, pytest's unraisable-exception check); objects made by the tests are collected as
     before."""
     gc.collect()

@@ -66,6 +66,7 @@ SignalsArg = Union[str, int, signal.Signals, Sequence[Union[str, int, signal.Sig
 _installed = 0  # StopSignals objects with handlers installed in this process
 _fork_hook = False
 _forked_from_main, _forking_pid = True, 0  # set by the fork hook in the parent just before each fork
+_prctl: Any = None  # libc's prctl, looked up when the fork hook is installed (Linux)
 
 
 def exit_code(sig: Union[int, signal.Signals]) -> int:
@@ -342,19 +343,25 @@ def _own_group_in_child() -> None:
 
 
 def _set_parent_death_signal(sig: int) -> bool:
-    """``prctl(PR_SET_PDEATHSIG, sig)`` (Linux; False elsewhere or when it fails)."""
+    """``prctl(PR_SET_PDEATHSIG, sig)`` (Linux; False elsewhere or when it fails). In a forked child: only
+    calls the function looked up before (a lookup takes the dynamic loader's lock, which another thread of
+    the parent may have held at the fork)."""
+    return _prctl is not None and _prctl(1, int(sig), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+
+
+def _find_prctl() -> Any:
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(1, int(sig), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return False
+        return None
 
 
 def _install_fork_hook() -> None:
-    global _fork_hook
+    global _fork_hook, _prctl
     if not _fork_hook:
+        _prctl = _find_prctl()
         os.register_at_fork(before=_note_forking_thread, after_in_child=_own_group_in_child)
         _fork_hook = True
 
