@@ -27,6 +27,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -236,9 +237,18 @@ def run_bash(block: Dict, out_fd: int) -> int:
 
 def main(spec_path: str, results_path: str) -> None:
     global LISTENER
+    where = tempfile.mkdtemp(prefix="docs-runner-")  # a short path: a socket's is 108 bytes at most
     LISTENER = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    LISTENER.bind(os.path.join(tempfile.mkdtemp(prefix="docs-runner-"), "cli.sock"))  # short: 108 bytes at most
+    LISTENER.bind(os.path.join(where, "cli.sock"))
     LISTENER.listen(4)
+    try:  # not atexit: the forked children run this process's exit handlers
+        run_blocks(spec_path, results_path)
+    finally:
+        LISTENER.close()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def run_blocks(spec_path: str, results_path: str) -> None:
     for name in PRELOAD:
         __import__(name)
     gc.collect()
