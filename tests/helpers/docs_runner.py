@@ -22,7 +22,6 @@ cost what the command does, not torch's and transformers' imports again. ``XDG_C
 from __future__ import annotations
 
 import ast
-import atexit
 import gc
 import json
 import os
@@ -34,12 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import types
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from tests.helpers.forklaunch import rank_env
+from tests.helpers.rank_server import exit_after
 from trainforge.strategies.environment import find_free_port
 
 # what the blocks' fits import (torch imports dynamo, sympy and torch.distributed's parts lazily): seconds each
@@ -78,27 +77,7 @@ def _child(block: Dict, out_fd: int, env: Optional[Dict[str, str]] = None) -> No
     main = types.ModuleType("__main__")  # what pickle and dataclasses look classes up in
     main.__file__ = str(Path(block["dir"]) / "example.py")
     sys.modules["__main__"] = main
-    _exit_after(lambda: exec(compile(block["code"], block["id"], "exec"), main.__dict__))
-
-
-def _exit_after(run: Callable[[], Any]) -> None:
-    """``run()``, then exit as the interpreter would: its ``sys.exit`` code, 1 and the traceback for an
-    uncaught exception, atexit handlers run; never returns."""
-    code = 1
-    try:
-        code = run() or 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if not isinstance(stop.code, (int, type(None))):
-            print(stop.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    exit_after(lambda: exec(compile(block["code"], block["id"], "exec"), main.__dict__))
 
 
 def run_python(block: Dict, out_fd: int) -> int:
@@ -132,16 +111,21 @@ def _run_forked(block: Dict, out_fd: int, envs: List[Optional[Dict[str, str]]]) 
                 running.discard(pid)
                 failed = failed or os.waitstatus_to_exitcode(status)
         if running and (failed or time.monotonic() > deadline):
-            for pid in running:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill_groups(running)
             for pid in running:
                 os.waitpid(pid, 0)
             return failed or -9
         time.sleep(0.02)
     return failed
+
+
+def _kill_groups(pids: Iterable[int]) -> None:
+    """SIGKILL to each child's process group (each child made its own): what it started dies with it."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _wait(command: List[str], block: Dict, out_fd: int, env: Dict[str, str]) -> int:
@@ -157,12 +141,10 @@ def _wait(command: List[str], block: Dict, out_fd: int, env: Dict[str, str]) -> 
     deadline, commands = time.monotonic() + block["timeout"], {}
     while proc.poll() is None or commands:
         if time.monotonic() > deadline:
-            for pid in [proc.pid, *commands]:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill_groups([proc.pid, *commands])
             proc.wait()
+            for pid in commands:
+                os.waitpid(pid, 0)
             return -9
         _serve_commands(commands)
     return proc.returncode
@@ -216,7 +198,7 @@ def _command(argv: List[str], cwd: str, env: Dict[str, str], fds: List[int]) -> 
     sys.argv = ["trainforge", *argv]
     from trainforge.trainer.cli import main as cli
 
-    _exit_after(cli)
+    exit_after(lambda: sys.exit(cli()))
 
 
 def run_bash(block: Dict, out_fd: int) -> int:

@@ -30,7 +30,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from tests.helpers import procs
+from trainforge.strategies.environment import find_free_port
 
 STOP_GRACE_S = 10.0  # how long the other ranks get to exit after one failed, as torchrun's agent waits
 
@@ -112,12 +112,6 @@ def _rank_server() -> _Server:
     return _server
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rank_env(
     base: Dict[str, str], rank: int, nproc: int, port: int, run_id: str, restart: int = 0, max_restarts: int = 0
 ) -> Dict[str, str]:
@@ -171,7 +165,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="forklaunch-") as tmp:
         log = os.path.join(tmp, "output.txt")
         for restart in range(max_restarts + 1):
-            port = _free_port()
+            port = find_free_port()
             run_id = f"forklaunch-{os.getpid()}-{port}"
             envs = [rank_env(base, r, nproc, port, run_id, restart, max_restarts) for r in range(max(nproc, 1))]
             ranks = [server.start(str(script), argv, e, str(cwd or procs.REPO), log, teardown) for e in envs]

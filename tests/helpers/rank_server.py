@@ -34,7 +34,7 @@ import traceback
 import types
 import warnings
 from importlib.machinery import SourceFileLoader
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 PRELOAD = [
     "numpy",
@@ -134,9 +134,15 @@ def become(request: Dict[str, Any]) -> None:
     if request.get("teardown"):
         exec(code, main.__dict__)  # an uncaught exception: the interpreter prints it and exits 1
         return  # then the interpreter's own exit
+    exit_after(lambda: exec(code, main.__dict__))
+
+
+def exit_after(run: Callable[[], Any]) -> None:
+    """``run()``, then the end of a forked child as Python ends a script: the ``sys.exit`` code (a message:
+    printed, 1), an uncaught exception's traceback and 1; never returns. Also the docs runner's children."""
     status: Any = 0
     try:
-        exec(code, main.__dict__)
+        run()
     except SystemExit as stop:
         status = stop.code
     except BaseException:
