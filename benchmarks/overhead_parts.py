@@ -30,7 +30,7 @@ import overhead  # noqa: E402  (the sibling benchmark: same data and loops)
 from trainforge import Accelerator  # noqa: E402
 from trainforge.callbacks import ProgressBar  # noqa: E402
 from trainforge.strategies.data.loader import prepare_dataloader  # noqa: E402
-from trainforge.trainer.metrics import MetricStore  # noqa: E402
+from trainforge.trainer.loop.metrics import MetricStore  # noqa: E402
 
 
 def best_us(fn: Callable[[], object], number: int, repeat: int) -> float:
@@ -76,7 +76,7 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
     )
 
     store = MetricStore()
-    out["self.log('train/loss', loss): MetricStore.log  [trainer/metrics.py]"] = best_us(
+    out["self.log('train/loss', loss): MetricStore.log  [trainer/loop/metrics.py]"] = best_us(
         lambda: store.log(
             "train/loss", loss, on_step=True, on_epoch=False, prog_bar=False, sync_dist=False, batch_size=1
         ),
@@ -104,7 +104,7 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
         prepared_opt.step()
         prepared_opt.zero_grad()
 
-    out["optimizer.step()+zero_grad() via PreparedOptimizer, delta  [trainer/wrappers.py]"] = delta_us(
+    out["optimizer.step()+zero_grad() via PreparedOptimizer, delta  [trainer/accelerator/wrappers.py]"] = delta_us(
         prepared_step, raw_step, number, repeat
     )
 
@@ -128,7 +128,7 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
     )
     prepared = per_batch_us(lambda: acc.prepare_data_loader(overhead.make_loader(data, args)), 500, repeat)
     out["next(batch): ResumableDataLoader, delta  [strategies/data/loader.py, data_sampler.py]"] = resumable - plain
-    out["next(batch): PreparedDataLoader on top, delta  [trainer/wrappers.py, move_to_device]"] = prepared - resumable
+    out["next(batch): PreparedDataLoader on top, delta  [trainer/accelerator/wrappers.py, move_to_device]"] = prepared - resumable
 
     bar = ProgressBar(stream=overhead._TerminalSink())
     fake = SimpleNamespace(

@@ -1,4 +1,4 @@
-"""What catching stop signals costs per step (trainer/preemption.py): the Trainer with
+"""What catching stop signals costs per step (trainer/cluster/stop_signals.py): the Trainer with
 ``stop_signals=()`` (nothing caught, no exchange) against its default (SIGTERM, SIGINT, SIGUSR1: one
 4-byte MAX all-reduce per optimizer step, started with ``async_op=True`` and read a step later).
 

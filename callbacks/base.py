@@ -1,8 +1,8 @@
-"""The Callback base class: one no-op method per ``trainer.events.Event``.
+"""The Callback base class: one no-op method per ``Event`` (``callbacks/events.py``, beside it).
 
 A callback talks only to the objects it is handed (``trainer`` and ``module``); this package never
 imports ``trainer`` at run time. The ``TrainingModule`` receives every event first, through the
-same dispatcher, with Lightning's module signatures (``trainer/hooks.py``): one hook mechanism.
+same dispatcher, with Lightning's module signatures (``trainer/loop/module_hooks.py``): one hook mechanism.
 """
 
 from __future__ import annotations

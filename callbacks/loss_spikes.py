@@ -2,7 +2,7 @@
 
 Design. The policy is a callback (``Trainer(callbacks=[LossSpikes(threshold=10.0, window=50)])``) so
 that its state rides in every checkpoint as a callback state; the decision itself is taken by the
-loop (``trainer/fit_loop.py``), which finds the policy among the callbacks at fit start:
+loop (``trainer/loop/fit_loop.py``), which finds the policy among the callbacks at fit start:
 
 - every training loss of an optimizer step's accumulation window is added, detached, to a sum kept
   on the device (``record``: no device sync per micro-batch);
@@ -28,7 +28,7 @@ policy decides non-finite losses itself: ``nonfinite_loss="skip"`` (which skips 
 per batch) cannot be combined with it. Manual optimization is refused (the user's code steps).
 
 Rollback (``rollback_after=N``): after N consecutive skipped steps the loop restores the newest
-checkpoint this run committed (``trainer/fit_checkpoints.py`` ``_roll_back``, through the resume path
+checkpoint this run committed (``trainer/loop/fit_checkpoints.py`` ``_roll_back``, through the resume path
 ``load_state``): the weights, optimizers, schedulers, grad scaler, ``global_step``, every rank's RNG and
 the states of the callbacks that follow the weights (``Callback.restore_on_rollback``: weight
 averaging). The data position is *not* restored: the loop goes on with the batch after the last

@@ -7,7 +7,7 @@ symlinks (build/docs_view/, git-ignored), as scripts/typecheck.sh does for mypy.
 mkdocstrings loads anything; mkdocs.yml points the handler's ``paths`` at it.
 
 A page line ``<!-- trainforge --help -->`` becomes the ``--help`` of the command and of every
-subcommand, read from the parser itself (``trainforge.trainer.cli.build_parser``), so the page cannot
+subcommand, read from the parser itself (``trainforge.trainer.cli.main.build_parser``), so the page cannot
 drift from the CLI.
 """
 
@@ -46,7 +46,7 @@ CLI_HELP_MARKER = "<!-- trainforge --help -->"
 
 
 def cli_help_markdown() -> str:
-    from trainforge.trainer.cli import build_parser
+    from trainforge.trainer.cli.main import build_parser
 
     os.environ.setdefault("COLUMNS", "100")  # argparse wraps to the terminal's width: the same on every machine
     parser = build_parser()

@@ -84,11 +84,11 @@ class Strategy:
     input_dtype: Optional[torch.dtype] = None
     #: How gradients are combined over the data-parallel ranks at a sync step: "mean" (one device, DDP,
     #: FSDP2), or None where trainforge cannot rescale them afterwards (DeepSpeed's engine scales them
-    #: itself, pipeline schedules, XLA). A loss summed over items (``trainer/token_loss.py``) needs "mean".
+    #: itself, pipeline schedules, XLA). A loss summed over items (``trainer/accelerator/token_loss.py``) needs "mean".
     grad_reduction: Optional[str] = None
     #: Inside an accumulation window (no sync yet) each rank's ``param.grad`` holds all of its partial
     #: gradient as a plain tensor, so a checkpoint written there can save and restore it
-    #: (``trainer/partial_grads.py``): one device, DDP. False where the backend keeps it elsewhere
+    #: (``trainer/checkpoint/partial_grads.py``): one device, DDP. False where the backend keeps it elsewhere
     #: (FSDP2's unsharded accumulated gradients, DeepSpeed's engine, pipeline stages, XLA).
     window_grads_in_params = False
     #: ``save_trainable``/``load_trainable`` write and read checkpoints without the frozen parameters

@@ -81,7 +81,7 @@ def test_the_public_names_live_under_trainforge():
     from trainforge.callbacks import Callback, ModelCheckpoint
     from trainforge.strategies import FSDPStrategy, Strategy
 
-    assert trainforge.Trainer.__module__ == "trainforge.trainer.trainer"
+    assert trainforge.Trainer.__module__ == "trainforge.trainer.loop.trainer"
     assert ModelCheckpoint.__module__ == "trainforge.callbacks.checkpoint"
     assert issubclass(ModelCheckpoint, Callback) and issubclass(FSDPStrategy, Strategy)
     loaded = [name for name in sys.modules if name.split(".")[0] in ("trainer", "callbacks", "strategies")]

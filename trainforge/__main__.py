@@ -2,7 +2,7 @@
 
 import sys
 
-from trainforge.trainer.cli import main
+from trainforge.trainer.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

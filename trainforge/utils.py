@@ -4,8 +4,8 @@ same meaning. Names trainforge does differently (``DeepSpeedPlugin``, ``Autocast
 too and refuse to be built, saying what to use instead. See docs/guides/accelerate.md, "Coming from Accelerate".
 """
 
-from trainforge.trainer.accelerate_compat import release_memory
-from trainforge.trainer.accelerate_config import (
+from trainforge.trainer.compat.accelerate.accelerator_args import release_memory
+from trainforge.trainer.compat.accelerate.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -22,8 +22,8 @@ from trainforge.trainer.accelerate_config import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
-from trainforge.trainer.accelerate_state import DistributedType, PartialState
-from trainforge.trainer.accelerate_utils import (
+from trainforge.trainer.compat.accelerate.state import DistributedType, PartialState
+from trainforge.trainer.compat.accelerate.utils import (
     LocalSGD,
     MultiProcessAdapter,
     find_executable_batch_size,

@@ -16,7 +16,7 @@ from tests.scripts.cb_launch import multirank
 from trainforge import Accelerator, Trainer
 from trainforge.callbacks import Callback, PyTorchProfiler, SimpleProfiler
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.trainer.profiling import instrument
+from trainforge.trainer.loop.profiling import instrument
 from trainforge.utils import ProfileKwargs
 
 

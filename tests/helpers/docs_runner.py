@@ -196,7 +196,7 @@ def _command(argv: List[str], cwd: str, env: Dict[str, str], fds: List[int]) -> 
     os.environ.clear()
     os.environ.update(env)
     sys.argv = ["trainforge", *argv]
-    from trainforge.trainer.cli import main as cli
+    from trainforge.trainer.cli.main import main as cli
 
     exit_after(lambda: sys.exit(cli()))
 

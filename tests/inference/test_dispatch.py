@@ -192,7 +192,7 @@ def test_materialize_restores_ties():
 
 
 def test_accelerator_exposes_big_model_inference(tmp_path):
-    from trainforge.trainer.accelerator import Accelerator
+    from trainforge.trainer.accelerator.accelerator import Accelerator
 
     ref_model = _trained_plain()
     ref = ref_model(X)

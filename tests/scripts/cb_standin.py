@@ -1,7 +1,7 @@
 """A small stand-in for the Trainer contract (trainer_contract.md), to test callbacks in isolation.
 
 Collectives are real ``torch.distributed`` calls when a process group is up (gloo in the tests),
-identities otherwise. ``fit`` fires the events in the order of ``trainer/events.py``.
+identities otherwise. ``fit`` fires the events in the order of ``callbacks/events.py``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from trainforge.strategies.environment import default_backend, detect_environment
-from trainforge.trainer.launch_config import launch_defaults
+from trainforge.trainer.cli.launch_settings import launch_defaults
 
 
 def main(out_dir: str) -> None:

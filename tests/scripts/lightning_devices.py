@@ -1,5 +1,5 @@
 """A Lightning-style program run as `python lightning_devices.py OUT [fail]`: Trainer(devices=2) makes
-this process rank 0 and starts rank 1 (trainer/script_launcher.py); each rank writes what it saw."""
+this process rank 0 and starts rank 1 (trainer/cluster/script_launcher.py); each rank writes what it saw."""
 
 import json
 import os

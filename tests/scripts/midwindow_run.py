@@ -1,4 +1,4 @@
-"""Resume from a checkpoint written inside an accumulation window (trainer/partial_grads.py), shared by
+"""Resume from a checkpoint written inside an accumulation window (trainer/checkpoint/partial_grads.py), shared by
 tests/trainer/test_midwindow_resume.py (in process) and run by it on 2 processes:
 
     trainforge launch --nproc-per-node 2 tests/scripts/midwindow_run.py OUT_DIR

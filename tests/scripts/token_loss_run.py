@@ -1,4 +1,4 @@
-"""Token-weighted loss (trainer/token_loss.py): a tiny language model on variable-length padded
+"""Token-weighted loss (trainer/accelerator/token_loss.py): a tiny language model on variable-length padded
 sequences, shared by tests/trainer/test_token_loss.py (in process) and run by it on 2 processes:
 
     trainforge launch --nproc-per-node 2 tests/scripts/token_loss_run.py OUT.pt [STRATEGY]

@@ -302,7 +302,7 @@ def test_a_second_setup_leaves_the_wrapped_model_alone():
 # ---- the launch config (trainforge config / launch --activation-checkpointing): every strategy ------------
 def test_launch_config_passes_the_value_to_every_strategy(tmp_path, monkeypatch):
     from trainforge import Accelerator
-    from trainforge.trainer.launch_config import LAUNCH_CONFIG_ENV, load_config, strategy_kwargs
+    from trainforge.trainer.cli.launch_settings import LAUNCH_CONFIG_ENV, load_config, strategy_kwargs
 
     config = tmp_path / "launch.yaml"
     config.write_text("strategy: auto\nactivation_checkpointing: selective:2\n")

@@ -26,7 +26,7 @@ from trainforge.strategies import FSDPStrategy
 from trainforge.strategies.checkpoint.dcp_safe import load_metadata
 from trainforge.strategies.checkpoint.io import CheckpointWriter, verify_checkpoint
 from trainforge.strategies.errors import CheckpointError
-from trainforge.trainer.cli import main as cli_main
+from trainforge.trainer.cli.main import main as cli_main
 
 
 class Payload:

@@ -27,7 +27,7 @@ from tests.helpers import forklaunch, procs
 from trainforge.strategies import FSDPStrategy
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.strategies.fsdp_wrap import repeated_blocks, select_modules
-from trainforge.trainer.cli import main as cli_main
+from trainforge.trainer.cli.main import main as cli_main
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -210,6 +210,6 @@ def test_merge_weights_refuses_what_is_not_a_sharded_checkpoint(tmp_path, capsys
     err = capsys.readouterr().err
     assert "is not a directory" in err and "no sharded checkpoint here" in err and "--max-shard-size='x'" in err
     with pytest.raises(CheckpointError):
-        from trainforge.trainer.merge_weights import find_dcp_dir
+        from trainforge.trainer.cli.merge_weights import find_dcp_dir
 
         find_dcp_dir(tmp_path / "empty")

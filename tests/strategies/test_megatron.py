@@ -23,7 +23,7 @@ from trainforge.strategies import resolve_strategy
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.megatron import MegatronStrategy
 from trainforge.strategies.parallel import ParallelDims, resolve_plan
-from trainforge.trainer.cli import main as cli_main
+from trainforge.trainer.cli.main import main as cli_main
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -291,7 +291,7 @@ def test_plan_globs_are_one_path_component():
 
 
 def test_megatron_section_of_the_launch_config():
-    from trainforge.trainer.launch_config import strategy_kwargs
+    from trainforge.trainer.cli.launch_settings import strategy_kwargs
 
     kwargs = strategy_kwargs("megatron", {"megatron": {"tensor_parallel_size": 2, "schedule": "gpipe"}})
     assert kwargs == {"tensor_parallel_size": 2, "schedule": "gpipe"}

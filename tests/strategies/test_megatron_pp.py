@@ -27,7 +27,7 @@ from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.megatron import MegatronStrategy
 from trainforge.strategies.parallel import ParallelDims
 from trainforge.strategies.parallel.pp import check_tied_placement, plan_split, prune, stage_ids, stage_module
-from trainforge.trainer.cli import main as cli_main
+from trainforge.trainer.cli.main import main as cli_main
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -273,7 +273,7 @@ class NoLoss(TrainingModule):
 
 
 def test_pipeline_settings_from_the_launch_config():
-    from trainforge.trainer.launch_config import strategy_kwargs
+    from trainforge.trainer.cli.launch_settings import strategy_kwargs
 
     kwargs = strategy_kwargs(
         "megatron",

@@ -13,7 +13,7 @@ from tests.helpers import procs
 from trainforge import Accelerator, ConfigurationError
 from trainforge.strategies import STRATEGY_NAMES, XLAStrategy, resolve_strategy
 from trainforge.strategies.xla import check_torch_xla_versions, check_xla_cpu_devices
-from trainforge.trainer.cli import main as cli_main
+from trainforge.trainer.cli.main import main as cli_main
 
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 TORCH_IS_29 = torch.__version__.startswith("2.9.")
@@ -23,7 +23,7 @@ import json, sys
 import trainforge, trainforge.trainer, trainforge.strategies, trainforge.callbacks
 from trainforge.strategies import XLAStrategy, resolve_strategy, strategy_class
 from trainforge import Accelerator, Trainer
-from trainforge.trainer.cli import build_parser
+from trainforge.trainer.cli.main import build_parser
 import trainforge.strategies.xla
 build_parser()
 picked = [type(resolve_strategy(n)).__name__ for n in ("auto", "single", "ddp")]

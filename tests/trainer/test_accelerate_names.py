@@ -26,9 +26,9 @@ from trainforge import Accelerator, ConfigurationError
 from trainforge.callbacks import CSVLogger
 from trainforge.strategies.base import Strategy
 from trainforge.strategies.precision import Precision
-from trainforge.trainer.accelerate_compat import AccelerateOptions
-from trainforge.trainer.accelerate_state import distributed_type_of, mixed_precision_name
-from trainforge.trainer.accelerate_trackers import parse_log_with
+from trainforge.trainer.compat.accelerate.accelerator_args import AccelerateOptions
+from trainforge.trainer.compat.accelerate.state import distributed_type_of, mixed_precision_name
+from trainforge.trainer.compat.accelerate.trackers import parse_log_with
 from trainforge.utils import (
     AutocastKwargs,
     DataLoaderConfiguration,

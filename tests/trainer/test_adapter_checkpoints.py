@@ -1,4 +1,4 @@
-"""Adapter-only checkpoints (trainer/adapters.py, strategies/checkpoint/frozen.py) of a LoRA tiny Llama
+"""Adapter-only checkpoints (trainer/checkpoint/adapters.py, strategies/checkpoint/frozen.py) of a LoRA tiny Llama
 (transformers + peft, ~107K parameters, 1.8K trainable).
 
 The 2-rank runs happen once per module (``runs``: tests/scripts/adapter_run.py under DDP and FSDP2);
@@ -217,7 +217,7 @@ def test_bad_arguments_name_the_value(tmp_path):
 
 def test_strategies_that_write_the_whole_model_say_so(lora_ckpt):
     from trainforge.strategies.base import Strategy  # declares no trainable-only checkpoints, as DeepSpeed, XLA
-    from trainforge.trainer.adapters import load_model_state, trainable_only_for
+    from trainforge.trainer.checkpoint.adapters import load_model_state, trainable_only_for
 
     model = lora_model()
     with pytest.raises(ConfigurationError, match=r"trainable_only=True: strategy 'base' writes the whole model"):
@@ -229,7 +229,7 @@ def test_strategies_that_write_the_whole_model_say_so(lora_ckpt):
 
 def test_peft_is_not_imported_by_trainforge():
     code = (
-        "import sys, trainforge, trainforge.trainer.checkpointing, trainforge.strategies.fsdp; "
+        "import sys, trainforge, trainforge.trainer.checkpoint.contents, trainforge.strategies.fsdp; "
         "assert 'peft' not in sys.modules, 'peft imported'; print('lazy ok')"
     )
     assert "lazy ok" in procs.run([sys.executable, "-c", code], timeout=120).stdout

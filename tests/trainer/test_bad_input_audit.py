@@ -19,7 +19,7 @@ from trainforge import CheckpointError, ConfigurationError, Trainer
 from trainforge.callbacks import EarlyStopping, ModelCheckpoint
 from trainforge.strategies import DDPStrategy, FSDPStrategy
 from trainforge.strategies.checkpoint.io import CheckpointWriter
-from trainforge.trainer.launch_config import validate
+from trainforge.trainer.cli.launch_settings import validate
 
 
 def loader():

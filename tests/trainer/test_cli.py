@@ -18,9 +18,9 @@ import yaml
 
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer import cli
-from trainforge.trainer.config_command import resolve_answers
-from trainforge.trainer.launch import resolve_settings, torchrun_argv
-from trainforge.trainer.launch_config import LAUNCH_CONFIG_ENV, launch_defaults, save_config
+from trainforge.trainer.cli.config import resolve_answers
+from trainforge.trainer.cli.launch import resolve_settings, torchrun_argv
+from trainforge.trainer.cli.launch_settings import LAUNCH_CONFIG_ENV, launch_defaults, save_config
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -289,7 +289,7 @@ def test_torchrun_arguments_are_torchruns_own(tmp_path, monkeypatch):
     assert (parsed.nproc_per_node, parsed.max_restarts, parsed.monitor_interval) == ("2", 3, 0.5)
     assert parsed.standalone and parsed.module  # free port on one node; script under the bootstrap
     assert (parsed.training_script, parsed.training_script_args) == (
-        "trainforge.trainer._bootstrap",
+        "trainforge.trainer.cli.bootstrap",
         ["train.py", "--lr", "1"],
     )
     args = parser.parse_args(
@@ -311,7 +311,7 @@ def test_launch_defaults_empty_outside_launch_and_read_inside(tmp_path):
 
 
 def test_waiting_message_names_what_where_and_how_long():
-    from trainforge.trainer.launch import waiting_message
+    from trainforge.trainer.cli.launch import waiting_message
 
     assert waiting_message({"nnodes": 1}, environ={}) is None
     text = waiting_message({"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.1", "master_port": 29999}, environ={})

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, get_worker_info
 from trainforge import Accelerator, Trainer, TrainingModule, seed_everything
 from trainforge.strategies.data.loader import prepare_dataloader
 from trainforge.strategies.precision import Precision
-from trainforge.trainer.wrappers import GradientState, PreparedDataLoader
+from trainforge.trainer.accelerator.wrappers import GradientState, PreparedDataLoader
 
 DATA = TensorDataset(torch.arange(40))
 

@@ -1,4 +1,4 @@
-"""The order of events in a fit with validation is the order trainer/events.py documents."""
+"""The order of events in a fit with validation is the order callbacks/events.py documents."""
 
 from __future__ import annotations
 

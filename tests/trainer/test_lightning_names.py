@@ -18,7 +18,7 @@ from trainforge.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint, Mode
 from trainforge.callbacks.model_summary import summarize
 from trainforge.strategies import resolve_strategy
 from trainforge.strategies.environment import ClusterEnvironment
-from trainforge.trainer.lightning_args import DevicePlan, check_launched, parse_devices, strategy_with_device
+from trainforge.trainer.compat.lightning.trainer_args import DevicePlan, check_launched, parse_devices, strategy_with_device
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -288,7 +288,7 @@ def test_devices_n_needs_a_script_to_run_again(monkeypatch):
 
 # `python lightning_devices.py` is forked from the rank server (tests/helpers/forklaunch.py): rank 0 is that
 # process; rank 1 is what is tested, the real copy of the script that Trainer(devices=2) starts (a fresh
-# `python lightning_devices.py`, trainer/script_launcher.py).
+# `python lightning_devices.py`, trainer/cluster/script_launcher.py).
 @pytest.mark.slow
 def test_devices_2_from_python_script_runs_two_ranks(tmp_path):
     import json
@@ -410,7 +410,7 @@ def test_eval_arguments_refused(tmp_path):
 
 def test_a_child_that_saved_on_a_stop_signal_is_not_a_failure_of_the_script_launch():
     """Trainer(devices=N) from a plain script: a rank that exits 128 + a stop signal (it saved its step,
-    trainer/preemption.py) did not fail, so rank 0 neither raises nor exits 1; any other code does.
+    trainer/cluster/stop_signals.py) did not fail, so rank 0 neither raises nor exits 1; any other code does.
     Rank 0's own failure signal is a real-time one, leaving SIGUSR1 (a default stop signal) free."""
     import signal
 

@@ -74,7 +74,7 @@ def test_precision_modes_train_on_cpu(tmp_path, precision, param_dtype, compute_
     assert last < first, f"{precision}: loss did not go down ({first} -> {last})"
 
 
-# ---- Lightning's logging rules (trainer/metric_logging.py) ----------------------------------------
+# ---- Lightning's logging rules (trainer/loop/metric_logging.py) ----------------------------------------
 class Probe(Regressor):
     """Records what a callback would see in callback_metrics after each step; logs with the options."""
 

@@ -1,4 +1,4 @@
-"""LossSpikes(rollback_after=N) (callbacks/loss_spikes.py, trainer/fit_checkpoints.py): after N consecutive
+"""LossSpikes(rollback_after=N) (callbacks/loss_spikes.py, trainer/loop/fit_checkpoints.py): after N consecutive
 skipped steps the newest checkpoint's weights, optimizer, schedulers and RNG come back, the data goes on
 past the bad batches, and a resumed run stays exact."""
 

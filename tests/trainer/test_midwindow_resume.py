@@ -1,4 +1,4 @@
-"""A checkpoint written inside an accumulation window (trainer/partial_grads.py) resumes bit for bit:
+"""A checkpoint written inside an accumulation window (trainer/checkpoint/partial_grads.py) resumes bit for bit:
 Accelerator on one process and on 2 DDP processes, Trainer with a mid-window validation save, in both
 loss modes (mean of means; summed with num_items); bad grads files and another world size are refused."""
 

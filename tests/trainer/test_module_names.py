@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from tests.helpers.models import regression_data
 from trainforge import CheckpointError, ConfigurationError, DataModule, Trainer, TrainingModule
-from trainforge.trainer.hooks import takes_batch_idx
+from trainforge.trainer.loop.module_hooks import takes_batch_idx
 
 
 def _trainer(tmp_path, **kwargs):

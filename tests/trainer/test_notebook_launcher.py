@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from trainforge.strategies.errors import ConfigurationError, LaunchError
-from trainforge.trainer.notebook import notebook_launcher
+from trainforge.trainer.cluster.notebook import notebook_launcher
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""One checkpoint format for the Trainer and the Accelerator (trainer/checkpointing.py): a checkpoint
+"""One checkpoint format for the Trainer and the Accelerator (trainer/checkpoint/contents.py): a checkpoint
 written by either API resumes with the other, exactly, and a part one side needs that the
 checkpoint lacks is an error naming it."""
 

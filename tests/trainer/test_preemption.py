@@ -1,4 +1,4 @@
-"""A stop request saves and exits cleanly (trainer/preemption.py): a signal sent with os.kill to a real
+"""A stop request saves and exits cleanly (trainer/cluster/stop_signals.py): a signal sent with os.kill to a real
 process between two periodic checkpoints makes every rank stop at one step, save it, and exit with
 128 + the signal number; resume="auto" then ends with the weights of a run never stopped, bit for bit.
 1 process through `trainforge launch` (SIGTERM to the launcher, which forwards it; DataLoader workers
@@ -20,7 +20,7 @@ import torch
 from tests.helpers import forklaunch, procs
 from tests.trainer.test_resume import assert_same_weights, steps
 from trainforge import Accelerator, ConfigurationError, Trainer
-from trainforge.trainer.preemption import StopSignals, TrainingStopped
+from trainforge.trainer.cluster.stop_signals import StopSignals, TrainingStopped
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "resume_run.py"
@@ -238,7 +238,7 @@ def test_launcher_forwards_slurm_signals_and_passes_the_grace_period(monkeypatch
     import torch.distributed.run as torchrun
 
     from trainforge.trainer import launch
-    from trainforge.trainer.launch_config import flags_given
+    from trainforge.trainer.cli.launch_settings import flags_given
 
     parsed = torchrun.parse_args(launch.torchrun_argv({"shutdown_timeout": 90}, "train.py", []))
     assert {"SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"} <= set(parsed.signals_to_handle.split(","))
@@ -275,7 +275,7 @@ def test_a_save_longer_than_the_launchers_stop_grace_is_said_once(tmp_path, monk
 
 
 def test_the_launcher_exports_the_stop_grace_to_its_workers(tmp_path):
-    from trainforge.trainer.launch import torchrun_accepts
+    from trainforge.trainer.cli.launch import torchrun_accepts
 
     if not torchrun_accepts("shutdown_timeout"):
         pytest.skip("this torch's torchrun has no --shutdown-timeout (torch >= 2.12)")

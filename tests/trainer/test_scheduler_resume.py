@@ -1,5 +1,5 @@
 """An Accelerator run resumed on another number of processes (or batch size) continues its
-learning-rate schedule where it stopped, or the resume is refused (trainer/scheduler_clock.py)."""
+learning-rate schedule where it stopped, or the resume is refused (trainer/checkpoint/scheduler_clock.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import forklaunch, procs
 from trainforge import Accelerator, CheckpointError
-from trainforge.trainer.scheduler_clock import convert_scheduler_states
+from trainforge.trainer.checkpoint.scheduler_clock import convert_scheduler_states
 
 SCRIPT = procs.REPO / "tests" / "scripts" / "sched_resume.py"
 

@@ -1,4 +1,4 @@
-"""SLURM auto-requeue (trainer/slurm_requeue.py) against a real single-node SLURM started by the test
+"""SLURM auto-requeue (trainer/cluster/slurm_requeue.py) against a real single-node SLURM started by the test
 (tests/helpers/slurm.py: munged, slurmctld, slurmd; skipped with the reason where they cannot start).
 
 A batch job submitted with ``sbatch --requeue`` trains (tests/scripts/resume_run.py through ``srun``, as a
@@ -20,7 +20,7 @@ from tests.helpers import forklaunch
 from tests.helpers.slurm import Slurm, SlurmUnavailable
 from tests.trainer.test_resume import assert_same_weights, steps
 from trainforge import ConfigurationError, Trainer
-from trainforge.trainer.slurm_requeue import SlurmRequeue, requeue_slurm_job
+from trainforge.trainer.cluster.slurm_requeue import SlurmRequeue, requeue_slurm_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "resume_run.py"

@@ -2,7 +2,7 @@
 runs if this epoch validates and it did not run at this batch, then the epoch ends (epoch-end hooks,
 epoch metrics, ``current_epoch + 1``) and fit stops. The expected hook lists and counters are Lightning
 2.6's for the same program (measured; Lightning is not a dependency) except that trainforge validates
-before ``on_train_batch_end`` on a batch where validation is due anyway (trainer/events.py)."""
+before ``on_train_batch_end`` on a batch where validation is due anyway (callbacks/events.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Token-weighted loss (trainer/token_loss.py): a loss summed over tokens with ``num_items`` gives,
+"""Token-weighted loss (trainer/accelerator/token_loss.py): a loss summed over tokens with ``num_items`` gives,
 over 4 accumulation steps and over 2 processes, the gradients of one step on the concatenated
 batch with a token-mean loss; the default (mean of micro-batch means) does not."""
 

@@ -1,5 +1,5 @@
 """A process forked while stop signals are caught (a DataLoader worker during fit) is in a process group of
-its own (trainer/preemption.py), so a signal to the rank's group does not reach it; when the rank is
+its own (trainer/cluster/stop_signals.py), so a signal to the rank's group does not reach it; when the rank is
 SIGKILLed, the kernel ends it at once (Linux ``PR_SET_PDEATHSIG``), instead of it holding the rank's
 sockets, which the other ranks' collectives wait on, until torch's DataLoader watchdog notices (up to 5 s).
 """
@@ -19,7 +19,7 @@ from tests.helpers import procs
 # the children sleep far longer than the test waits: only the parent-death signal can end them in time
 SCRIPT = r"""
 import os, sys, threading, time
-from trainforge.trainer.preemption import StopSignals
+from trainforge.trainer.cluster.stop_signals import StopSignals
 
 def child():
     time.sleep(120)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from trainforge import Accelerator, Trainer, TrainingModule, seed_everything
 from trainforge.callbacks import Callback
-from trainforge.trainer.seed import worker_init_fn
+from trainforge.trainer.accelerator.seed import worker_init_fn
 
 N, BATCH = 24, 4  # 6 batches an epoch, 3 per worker
 

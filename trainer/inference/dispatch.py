@@ -18,7 +18,7 @@ from trainforge.strategies.checkpoint.safetensors_mmap import MappedFile, mmap_s
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.strategies.meta import retie, set_tensor, tie_groups
 from trainforge.trainer.inference.device_map import MODES, Device, infer_auto_device_map, normalize_device
-from trainforge.trainer.inference.hooks import Runner, first_device, send_to
+from trainforge.trainer.inference.offload_hooks import Runner, first_device, send_to
 from trainforge.trainer.inference.sources import Source, check_writable, open_source, write_offload
 
 

@@ -1,0 +1,1 @@
+"""The Accelerator (``prepare`` / ``backward`` / ``accumulate``) and the objects it hands back."""

@@ -1,0 +1,1 @@
+"""What a checkpoint holds, on top of ``trainforge.strategies.checkpoint``'s directory format."""

@@ -1,0 +1,1 @@
+"""The ``trainforge`` command line: ``main.py`` and one module per subcommand."""

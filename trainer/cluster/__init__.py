@@ -1,0 +1,1 @@
+"""Running inside schedulers and launchers: stop signals, SLURM requeue, self-launching, notebooks."""

@@ -1,0 +1,1 @@
+"""HF Accelerate's names: configuration objects, state, trackers, helper functions, Accelerator arguments."""

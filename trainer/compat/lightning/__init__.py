@@ -1,0 +1,1 @@
+"""Lightning's Trainer arguments and attributes, mapped onto trainforge's."""

@@ -1,0 +1,1 @@
+"""``TrainingModule``, ``DataModule`` and their hyperparameters."""
