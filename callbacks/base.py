@@ -1,19 +1,33 @@
 """The Callback base class: one no-op method per ``Event`` (``callbacks/events.py``, beside it).
 
 A callback talks only to the objects it is handed (``trainer`` and ``module``); this package never
-imports ``trainer`` at run time. The ``TrainingModule`` receives every event first, through the
+imports ``trainer`` at run time.
+
+Two seams let a callback take part in the loop's own decisions without the loop naming it
+(as Composer's ``Algorithm.match/apply`` gives algorithms a seam into the step):
+
+- ``StepGuard``: asked at every optimizer step whether to step, skip it or roll back to the newest
+  checkpoint (``LossSpikes`` is one);
+- ``Checkpointer``: a callback that writes the run's checkpoints; the loop asks it where they go
+  (``ckpt_path="last"``, ``resume="auto"``), which step it saved last (a stop signal's checkpoint),
+  and runs it after every other callback at each event (``ModelCheckpoint`` is one). The ``TrainingModule`` receives every event first, through the
 same dispatcher, with Lightning's module signatures (``trainer/loop/module_hooks.py``): one hook mechanism.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Literal, Optional
 
 if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.md "Floors"
     import torch
 
     from trainforge import TrainingModule
     from trainforge.callbacks.view import TrainerView
+    from trainforge.strategies.base import Strategy
+    from trainforge.strategies.checkpoint.remote import Location
+
+#: What a ``StepGuard`` tells the loop at an optimizer step.
+StepDecision = Literal["step", "skip", "rollback"]
 
 
 class Callback:
@@ -119,3 +133,64 @@ class Callback:
     def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None: ...
     def on_exception(self, trainer: "TrainerView", module: "TrainingModule", exception: BaseException) -> None: ...
     def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None: ...
+
+
+class StepGuard(Callback):
+    """A callback the loop asks, at every optimizer step, whether to take it.
+
+    The loop hands it every micro-batch loss (``record``), then, after the window's last backward and
+    before unscaling, clipping and stepping, asks ``decide``: ``"step"`` (go on), ``"skip"`` (zero the
+    gradients; no optimizer or scheduler step; the batches still count) or ``"rollback"`` (skip, then
+    restore the newest checkpoint of the fit through the resume path, and call ``rolled_back``). Every
+    rank must get the same answer (all-reduce what the decision reads). ``metrics`` are logged after a
+    skip or a rollback. At most one guard per fit; ``check`` refuses a fit it cannot guard, before any
+    work. ``LossSpikes`` (callbacks/loss_spikes.py) is the built-in one."""
+
+    def check(self, trainer: "TrainerView", automatic_optimization: bool, nonfinite_loss: str) -> None:
+        """Refuse, with a ``ConfigurationError``, a fit this guard cannot decide for (at fit start)."""
+
+    def record(self, loss: "torch.Tensor") -> None:
+        """One micro-batch's loss (before accumulation scaling); must not synchronise the device."""
+
+    def decide(self, strategy: "Strategy", step: int, is_global_zero: bool) -> StepDecision:
+        """At an optimizer step, on every rank: the same decision on every rank."""
+        return "step"
+
+    def metrics(self) -> Dict[str, float]:
+        """What the loop logs after a skip or a rollback (e.g. the run's count of skipped steps)."""
+        return {}
+
+    def rolled_back(self, path: str, from_step: int, to_step: int, is_global_zero: bool) -> None:
+        """Told after the loop restored ``path`` (``global_step`` went from ``from_step`` to ``to_step``)."""
+
+
+class Checkpointer(Callback):
+    """A callback that writes the run's checkpoints: the seam through which the loop finds them.
+
+    The loop runs every ``Checkpointer`` after the other callbacks at each event (so a checkpoint
+    holds every other callback's state of its step) and asks it ``directory`` (where ``ckpt_path="last"``
+    and ``resume="auto"`` look: the first checkpointer's), ``last_saved_step``/``last_path`` (the
+    checkpoint of a stop signal's step) and ``writes_full_checkpoints`` (whether a rollback could
+    restore one). ``ModelCheckpoint`` (callbacks/checkpoint.py) is the built-in one; by default it
+    writes under ``trainer.default_checkpoint_dir``, the Trainer's setting."""
+
+    #: The global step of the newest checkpoint this callback wrote (-1: none yet) and its path.
+    last_saved_step: int = -1
+    last_path: Optional[str] = None
+    #: The monitored metric (None: none) and the best checkpoint by it, for ``ckpt_path="best"``.
+    monitor: Optional[str] = None
+
+    @property
+    def best_model_path(self) -> Optional[str]:
+        return None
+
+    @property
+    def writes_full_checkpoints(self) -> bool:
+        """Whether its checkpoints resume a run (False for weights-only exports)."""
+        return True
+
+    def directory(self, trainer: "TrainerView") -> "Location":
+        """Where this callback writes (a local path or an fsspec URL)."""
+        from trainforge.strategies.checkpoint.remote import location
+
+        return location(trainer.default_checkpoint_dir)

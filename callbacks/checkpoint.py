@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from trainforge.callbacks.base import Callback
+from trainforge.callbacks.base import Checkpointer
 from trainforge.strategies.checkpoint.async_save import check_async_save, resolve_async_save
 from trainforge.strategies.checkpoint.io import read_metadata
 from trainforge.strategies.checkpoint.remote import RemotePath, check_not_mangled, check_protocol, is_remote, location
@@ -74,7 +74,7 @@ def _check_template(filename: Any, within_epoch: bool) -> None:
         )
 
 
-class ModelCheckpoint(Callback):
+class ModelCheckpoint(Checkpointer):
     """
     Args:
         dirpath: where checkpoints go (default ``<default_root_dir>/checkpoints``; ``fit(ckpt_path="last")``
@@ -253,6 +253,11 @@ class ModelCheckpoint(Callback):
             return None
         pick = max if self.mode == "min" else min
         return pick(self.best_k, key=self.best_k.__getitem__)
+
+    @property
+    def writes_full_checkpoints(self) -> bool:
+        """``Checkpointer``: resumable checkpoints unless ``save_weights_only``."""
+        return not self.save_weights_only
 
     def directory(self, trainer: "TrainerView") -> Location:
         """A ``Path``, or a ``RemotePath`` for a URL (object storage: strategies/checkpoint/remote.py)."""

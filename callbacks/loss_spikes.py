@@ -1,8 +1,9 @@
 """``LossSpikes``: skip the optimizer step of a non-finite loss or of a loss far above its running median.
 
 Design. The policy is a callback (``Trainer(callbacks=[LossSpikes(threshold=10.0, window=50)])``) so
-that its state rides in every checkpoint as a callback state; the decision itself is taken by the
-loop (``trainer/loop/fit_loop.py``), which finds the policy among the callbacks at fit start:
+that its state rides in every checkpoint as a callback state; it is a ``StepGuard``
+(callbacks/base.py), the seam through which the loop (``trainer/loop/fit_loop.py``) asks, at every optimizer step,
+whether to step, skip or roll back, without naming this class:
 
 - every training loss of an optimizer step's accumulation window is added, detached, to a sum kept
   on the device (``record``: no device sync per micro-batch);
@@ -59,8 +60,7 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, Optional
 
 import torch
 
-from trainforge.callbacks.base import Callback
-from trainforge.callbacks.checkpoint import ModelCheckpoint
+from trainforge.callbacks.base import Checkpointer, StepDecision, StepGuard
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,7 +72,7 @@ METRIC = "train/skipped_steps"
 ROLLBACK_METRIC = "train/rollbacks"
 
 
-class LossSpikes(Callback):
+class LossSpikes(StepGuard):
     """Skip optimizer steps whose loss is non-finite or above ``threshold`` x the median of the
     last ``window`` accepted step losses; with ``rollback_after=N``, restore the newest checkpoint
     after N consecutive skips, at most ``max_rollbacks`` times (see the module docstring)."""
@@ -114,12 +114,32 @@ class LossSpikes(Callback):
         self.consecutive_skips = 0
         self._sum: Optional[torch.Tensor] = None  # this rank's losses of the current window
         self._count = 0
+        self._just_rolled_back = False
 
     def record(self, loss: torch.Tensor) -> None:
         """One micro-batch's loss (a one-value tensor); no device sync."""
         value = loss.detach().float().reshape(())
         self._sum = value if self._sum is None else self._sum + value
         self._count += 1
+
+    def decide(self, strategy: "Strategy", step: int, is_global_zero: bool) -> StepDecision:
+        """``StepGuard``: skip a spike; roll back after ``rollback_after`` consecutive skips."""
+        if not self.should_skip(strategy, step, is_global_zero):
+            return "step"
+        return "rollback" if self.rollback_due else "skip"
+
+    def metrics(self) -> Dict[str, float]:
+        """After a skip: the run's skipped steps; after a rollback, the run's rollbacks too."""
+        out = {METRIC: float(self.skipped_steps)}
+        if self._just_rolled_back:
+            out[ROLLBACK_METRIC] = float(self.rollbacks)
+            self._just_rolled_back = False
+        return out
+
+    def check(self, trainer: Any, automatic_optimization: bool, nonfinite_loss: str) -> None:
+        """Refused where it cannot decide: manual optimization, ``nonfinite_loss='skip'``, a rollback
+        without checkpoints."""
+        check_loss_spikes(self, trainer.callbacks, automatic_optimization, nonfinite_loss)
 
     def should_skip(self, strategy: "Strategy", step: int, is_global_zero: bool) -> bool:
         """At an optimizer step, on every rank: whether to skip it (the same answer on every rank)."""
@@ -172,6 +192,7 @@ class LossSpikes(Callback):
         """Called by the loop once the checkpoint at ``path`` is restored."""
         self.rollbacks += 1
         self.consecutive_skips = 0
+        self._just_rolled_back = True
         if is_global_zero:
             log.warning(
                 "trainforge: LossSpikes rolled back to %s after %d consecutive skipped steps: global step %d -> "
@@ -205,13 +226,8 @@ class LossSpikes(Callback):
         self._count = int(state_dict.get("window_count", 0))
 
 
-def find_loss_spikes(callbacks: Any, automatic_optimization: bool, nonfinite_loss: str) -> Optional[LossSpikes]:
-    """The fit's ``LossSpikes`` among ``callbacks`` (at most one), or None; refused where it cannot decide."""
-    found = [cb for cb in callbacks if isinstance(cb, LossSpikes)]
-    if not found:
-        return None
-    if len(found) > 1:
-        raise ConfigurationError(f"{len(found)} LossSpikes callbacks were passed; pass one")
+def check_loss_spikes(spikes: LossSpikes, callbacks: Any, automatic_optimization: bool, nonfinite_loss: str) -> None:
+    """Refuse a fit ``spikes`` cannot decide for, before any work."""
     if not automatic_optimization:
         raise ConfigurationError(
             "LossSpikes needs automatic optimization: the loop skips the optimizer step, but with "
@@ -223,15 +239,11 @@ def find_loss_spikes(callbacks: Any, automatic_optimization: bool, nonfinite_los
             "nonfinite_loss='skip' and LossSpikes both skip non-finite losses (the first per rank and batch, "
             "LossSpikes per optimizer step on every rank together); remove nonfinite_loss='skip'"
         )
-    if found[0].rollback_after is not None and not any(_writes_checkpoints(cb) for cb in callbacks):
+    writes = any(isinstance(cb, Checkpointer) and cb.writes_full_checkpoints for cb in callbacks)
+    if spikes.rollback_after is not None and not writes:
         raise ConfigurationError(
-            f"LossSpikes(rollback_after={found[0].rollback_after}) restores the newest checkpoint of the run, "
+            f"LossSpikes(rollback_after={spikes.rollback_after}) restores the newest checkpoint of the run, "
             "and this fit writes none (no ModelCheckpoint, enable_checkpointing=False, or only "
             "save_weights_only=True ones); add ModelCheckpoint(every_n_steps=...) to the callbacks, or leave "
             "rollback_after out"
         )
-    return found[0]
-
-
-def _writes_checkpoints(callback: Any) -> bool:
-    return isinstance(callback, ModelCheckpoint) and not callback.save_weights_only

@@ -367,11 +367,11 @@ def _install_fork_hook() -> None:
 
 
 def checkpoint_of_step(callbacks: Sequence[Any], step: int) -> Optional[str]:
-    """The checkpoint a ``ModelCheckpoint`` wrote of ``step``, if one did."""
-    from trainforge.callbacks.checkpoint import ModelCheckpoint
+    """The checkpoint a ``Checkpointer`` (``ModelCheckpoint``) wrote of ``step``, if one did."""
+    from trainforge.callbacks.base import Checkpointer
 
     for cb in callbacks:
-        if isinstance(cb, ModelCheckpoint) and cb.last_saved_step == step and cb.last_path:
+        if isinstance(cb, Checkpointer) and cb.last_saved_step == step and cb.last_path:
             return cb.last_path
     return None
 

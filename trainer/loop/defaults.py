@@ -1,10 +1,20 @@
-"""The callbacks a Trainer installs unless the user gave their own of the same kind."""
+"""The callbacks a Trainer installs: those its settings ask for, and the defaults unless the user gave their own
+of the same kind. With profiling.py, the only modules of the loop that name concrete callbacks: the loop reaches
+callbacks through the seams of callbacks/base.py (``tests/callbacks/test_events.py`` checks it)."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, List, Optional
 
-from trainforge.callbacks.base import Callback
+from trainforge.callbacks.base import Callback, Checkpointer
+from trainforge.callbacks.hang_watchdog import hang_callbacks
+from trainforge.trainer.loop.profiling import with_profiler
+
+
+def setting_callbacks(callbacks: List[Callback], profiler: Any, hang_timeout: Optional[float]) -> List[Callback]:
+    """The callbacks of ``Trainer(profiler=...)`` (None, "simple", "pytorch", an instance) and
+    ``Trainer(hang_timeout=...)`` (None: off), added to the user's."""
+    return hang_callbacks(hang_timeout, with_profiler(profiler, callbacks))
 
 
 def default_callbacks(
@@ -23,8 +33,8 @@ def default_callbacks(
         out.append(ModelSummary())  # Lightning's: the layer table at fit start (enable_model_summary=False: none)
     if tracker and not any(isinstance(c, TrackerCallback) for c in out):
         out.append(CSVLogger())  # always available; the default when no tracker is given
-    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in out):
+    if checkpointing and not any(isinstance(c, Checkpointer) for c in out):
         out.append(ModelCheckpoint())  # Lightning's default: every epoch end (and the end of fit), the newest kept
     # Checkpointing callbacks run last, whatever the list order (Lightning does the same): a checkpoint
     # written at an event holds every other callback's state of that event (EarlyStopping's count).
-    return [c for c in out if not isinstance(c, ModelCheckpoint)] + [c for c in out if isinstance(c, ModelCheckpoint)]
+    return [c for c in out if not isinstance(c, Checkpointer)] + [c for c in out if isinstance(c, Checkpointer)]

@@ -18,7 +18,7 @@ from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.module.datamodule import DataModule
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge.callbacks.checkpoint import ModelCheckpoint
+    from trainforge.callbacks.base import Checkpointer
     from trainforge.strategies.base import Strategy
     from trainforge.trainer.module.training_module import TrainingModule
 
@@ -36,7 +36,7 @@ class EvaluationInputs:
         is_global_zero: bool
 
         @property
-        def checkpoint_callback(self) -> Optional[ModelCheckpoint]: ...
+        def checkpoint_callback(self) -> Optional[Checkpointer]: ...
         def _checkpoint_root(self) -> Path: ...
 
     def _eval_inputs(

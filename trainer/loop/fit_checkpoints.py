@@ -1,6 +1,6 @@
 """The Trainer's side of the one checkpoint path (``trainer/checkpoint/contents.py``): which parts it
 saves, resuming at fit start, the RNG restored last, just before the loop continues, and rolling back
-to the newest checkpoint in the middle of a fit (``LossSpikes(rollback_after=N)``)."""
+to the newest checkpoint in the middle of a fit (a ``StepGuard`` such as ``LossSpikes(rollback_after=N)``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
-from trainforge.callbacks.loss_spikes import LossSpikes
+from trainforge.callbacks.base import Checkpointer, StepGuard
 from trainforge.strategies.checkpoint.io import read_metadata, resolve_checkpoint
 from trainforge.strategies.checkpoint.remote import RemotePath, location
 from trainforge.strategies.checkpoint.remote_read import Location, list_checkpoints_at, resolve_on_ranks
@@ -65,11 +65,9 @@ class FitCheckpoints:
         )
 
     def _checkpoint_root(self) -> Location:
-        """Where ``ckpt_path="last"`` and ``resume="auto"`` look: the first ModelCheckpoint's directory."""
-        from trainforge.callbacks.checkpoint import ModelCheckpoint
-
+        """Where ``ckpt_path="last"`` and ``resume="auto"`` look: the first ``Checkpointer``'s directory."""
         for cb in self.callbacks:
-            if isinstance(cb, ModelCheckpoint):
+            if isinstance(cb, Checkpointer):
                 return cb.directory(cast("Trainer", self))
         return location(self.default_checkpoint_dir)
 
@@ -80,7 +78,7 @@ class FitCheckpoints:
         names collide; nothing of another run is replaced) and says so once, with how to resume."""
         self.run_id = self.strategy.broadcast(uuid.uuid4().hex, 0)
         path = self._load_checkpoint(ckpt_path, required=required) if ckpt_path is not None else None
-        self._newest_checkpoint = path  # what LossSpikes(rollback_after=N) restores, until this fit saves
+        self._newest_checkpoint = path  # what a StepGuard's rollback restores, until this fit saves
         if path is not None:
             self.run_id = read_metadata(path).get("run_id") or self.run_id
         elif self.is_global_zero:
@@ -171,8 +169,8 @@ class FitCheckpoints:
             set_rng_state(self._pending_rng)
             self._pending_rng = None
 
-    def _roll_back(self, spikes: LossSpikes) -> None:
-        """``LossSpikes(rollback_after=N)``, on every rank at the same optimizer step (a skipped one, its
+    def _roll_back(self, guard: StepGuard) -> None:
+        """A ``StepGuard``'s rollback (``LossSpikes(rollback_after=N)``), on every rank at the same optimizer step (a skipped one, its
         gradients zeroed): restore the newest checkpoint this fit committed (or resumed from) through
         ``load_state``, all but the data position (callbacks/loss_spikes.py says why). An asynchronous save
         in flight is committed first, so the checkpoint chosen never depends on timing. Not the newest in
@@ -186,8 +184,8 @@ class FitCheckpoints:
             chosen, why = self.strategy.broadcast(found, 0)  # rank 0 names it: every rank restores the same one
         if not chosen:
             raise CheckpointError(
-                f"LossSpikes(rollback_after={spikes.rollback_after}): {spikes.consecutive_skips} consecutive "
-                f"steps were skipped at global step {self.progress.global_step} and there is no checkpoint to "
+                f"{type(guard).__name__} asked to roll back after consecutive skipped steps "
+                f"at global step {self.progress.global_step} and there is no checkpoint to "
                 f"roll back to: {why}. Save earlier (ModelCheckpoint(every_n_steps=...) with a smaller n), or "
                 "raise rollback_after"
             )
@@ -208,7 +206,7 @@ class FitCheckpoints:
             opt.optimizer.zero_grad()
         self._fire(Event.LOAD_CHECKPOINT, state)
         set_rng_state(rng)
-        spikes.rolled_back(str(path), before, self.progress.global_step, self.is_global_zero)
+        guard.rolled_back(str(path), before, self.progress.global_step, self.is_global_zero)
 
     def _verified_newest(self) -> "tuple[str, str]":
         """The newest checkpoint of this fit if it verifies, else ``""`` and why (said on every rank)."""

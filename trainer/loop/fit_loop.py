@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-from trainforge.callbacks.loss_spikes import METRIC as SKIPPED_METRIC
-from trainforge.callbacks.loss_spikes import ROLLBACK_METRIC, LossSpikes, find_loss_spikes
+from trainforge.callbacks.base import StepGuard
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.loop.evaluation import module_modes, restore_modes
 from trainforge.callbacks.events import Event
@@ -72,7 +71,7 @@ class FitLoop:
         def _emit(self, metrics: Dict[str, float]) -> None: ...
         def _run_manual_step(self, batch: Any, batch_idx: int) -> None: ...
         def _fire_epoch_end(self, event: Event) -> None: ...
-        def _roll_back(self, spikes: LossSpikes) -> None: ...
+        def _roll_back(self, guard: StepGuard) -> None: ...
         def _run_validation(self, loaders: List[Any], step_name: str, max_batches: Optional[int] = None) -> None: ...
 
     @property
@@ -83,13 +82,13 @@ class FitLoop:
             raise ConfigurationError("no module is attached: the loop runs inside fit(module, ...)")
         return module
 
-    _loss_spikes: Optional[LossSpikes] = None  # callbacks/loss_spikes.py: set at the loop's start
+    _step_guard: Optional[StepGuard] = None  # callbacks/base.py: set at the loop's start
     _custom_clipping = False  # the module overrides configure_gradient_clipping: set at the loop's start
 
     def _fit_loop(self) -> None:
         cfg, p, loader = self.config, self.progress, self.train_dataloader
         automatic = self._fit_module.automatic_optimization
-        self._loss_spikes = find_loss_spikes(self.callbacks, automatic, cfg.nonfinite_loss)
+        self._step_guard = find_step_guard(self, automatic, cfg.nonfinite_loss)
         # the module's own configure_gradient_clipping (the default only applies the Trainer's settings)
         self._custom_clipping = (
             type(self._fit_module).configure_gradient_clipping is not TrainingModule.configure_gradient_clipping
@@ -241,9 +240,9 @@ class FitLoop:
         """After the forward of an ordinary strategy: the loss in ``output``, BEFORE_BACKWARD, backward."""
         loss = self._loss_of(output, batch_idx)
         self._last_output = output
-        if loss is not None and self._loss_spikes is not None:
-            self._loss_spikes.record(loss)  # decided for every rank at the optimizer step
-        if loss is not None and (self._loss_spikes is not None or self._check_loss(loss, batch_idx)):
+        if loss is not None and self._step_guard is not None:
+            self._step_guard.record(loss)  # decided for every rank at the optimizer step
+        if loss is not None and (self._step_guard is not None or self._check_loss(loss, batch_idx)):
             self._fire(Event.BEFORE_BACKWARD, loss)
             items = output.get(ITEMS_KEY) if isinstance(output, dict) else None  # a summed loss's count
             self.accelerator.backward(loss, self.model, num_items=items)
@@ -255,9 +254,9 @@ class FitLoop:
         is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
         self._last_output = loss
         self._fit_module.log("train/loss", loss)
-        if self._loss_spikes is not None:
-            self._loss_spikes.record(loss)
-        if self._loss_spikes is not None or self._check_loss(loss, batch_idx):
+        if self._step_guard is not None:
+            self._step_guard.record(loss)
+        if self._step_guard is not None or self._check_loss(loss, batch_idx):
             self._fire(Event.AFTER_BACKWARD)
         else:
             for opt in self.optimizers:
@@ -324,13 +323,13 @@ class FitLoop:
     def _optimizer_step(self) -> None:
         acc, cfg, optimizer = self.accelerator, self.config, self.optimizer.optimizer
         acc.end_item_window(self.model)  # summed losses: the window's count (if its last backward was skipped)
-        spikes = self._loss_spikes
-        if spikes is not None and spikes.should_skip(self.strategy, self.global_step, self.is_global_zero):
+        guard = self._step_guard
+        decision = "step" if guard is None else guard.decide(self.strategy, self.global_step, self.is_global_zero)
+        if guard is not None and decision != "step":
             optimizer.zero_grad()  # every rank together: no optimizer or scheduler step, the batches count
-            self._emit({SKIPPED_METRIC: float(spikes.skipped_steps)})
-            if spikes.rollback_due:  # the newest checkpoint's weights; the data goes on (callbacks/loss_spikes.py)
-                self._roll_back(spikes)
-                self._emit({ROLLBACK_METRIC: float(spikes.rollbacks)})
+            if decision == "rollback":  # the newest checkpoint's weights; the data goes on
+                self._roll_back(guard)
+            self._emit(guard.metrics())
             return
         if acc.precision.scaler is not None:
             acc.precision.unscale_(optimizer)
@@ -441,3 +440,18 @@ class FitLoop:
             log.warning("trainforge: the fp16 grad scaler skipped %d optimizer step(s) on inf/nan gradients", skipped)
         if self.progress.skipped_nonfinite and self.is_global_zero:
             log.warning("trainforge: %d batch(es) with a non-finite loss were skipped", self.progress.skipped_nonfinite)
+
+
+def find_step_guard(trainer: Any, automatic_optimization: bool, nonfinite_loss: str) -> Optional[StepGuard]:
+    """The fit's ``StepGuard`` among the callbacks (at most one), checked before any work."""
+    guards = [cb for cb in trainer.callbacks if isinstance(cb, StepGuard)]
+    if len(guards) > 1:
+        names = ", ".join(type(g).__name__ for g in guards)
+        raise ConfigurationError(
+            f"{len(guards)} step guards were passed ({names}); the loop asks one whether to take each "
+            "optimizer step: pass one"
+        )
+    if not guards:
+        return None
+    guards[0].check(trainer, automatic_optimization, nonfinite_loss)
+    return guards[0]

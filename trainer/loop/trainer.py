@@ -11,7 +11,6 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Union
 import torch
 
 from trainforge.callbacks.base import Callback
-from trainforge.callbacks.hang_watchdog import hang_callbacks
 from trainforge.strategies import Strategy
 from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.errors import ConfigurationError
@@ -27,6 +26,7 @@ from trainforge.trainer.loop.settings import (
     resolve_root_dirs,
 )
 from trainforge.trainer.loop.eval_results import fit_datamodule
+from trainforge.trainer.loop.defaults import default_callbacks, setting_callbacks
 from trainforge.trainer.loop.evaluation import Evaluation
 from trainforge.callbacks.events import Event
 from trainforge.trainer.loop.fit_checkpoints import FitCheckpoints
@@ -51,7 +51,7 @@ from trainforge.trainer.loop.metric_logging import MetricLogging
 from trainforge.trainer.loop.metrics import MetricStore
 from trainforge.trainer.module.training_module import TrainingModule
 from trainforge.trainer.cluster.stop_signals import DEFAULT_STOP_SIGNALS, SignalsArg, StopSignals, stopped
-from trainforge.trainer.loop.profiling import instrument, reset_profilers, with_profiler
+from trainforge.trainer.loop.profiling import instrument, reset_profilers
 from trainforge.trainer.accelerator.seed import seed_everything
 from trainforge.trainer.cluster.slurm_requeue import SlurmRequeue
 from trainforge.trainer.loop.stage_loaders import StageLoaders, as_list
@@ -105,8 +105,7 @@ class Trainer(
     ) -> None:
         callbacks = check_callbacks(callback_list(callbacks, Callback), Callback)  # before anything is built
         callbacks, default_tracker = tracker_callbacks(logger, callbacks)
-        callbacks = with_profiler(profiler, callbacks)  # None, "simple", "pytorch" (trainer/loop/profiling.py)
-        callbacks = hang_callbacks(hang_timeout, callbacks)  # callbacks/hang_watchdog.py; None: off
+        callbacks = setting_callbacks(callbacks, profiler, hang_timeout)  # profiler=, hang_timeout= (defaults.py)
         self.config = LoopConfig(
             max_epochs=max_epochs,
             min_epochs=min_epochs,
@@ -164,8 +163,6 @@ class Trainer(
             )
         self.num_sanity_val_steps = num_sanity_val_steps
         self.datamodule: Any = None
-        from trainforge.trainer.loop.defaults import default_callbacks
-
         self.callbacks: List[Callback] = default_callbacks(
             callbacks, enable_progress_bar, enable_checkpointing, default_tracker, enable_model_summary
         )

@@ -35,7 +35,7 @@ from trainforge.strategies.environment import ClusterEnvironment
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge.callbacks.checkpoint import ModelCheckpoint
+    from trainforge.callbacks.base import Checkpointer
     from trainforge.callbacks.early_stopping import EarlyStopping
     from trainforge.callbacks.trackers.base import TrackerCallback
 
@@ -287,13 +287,14 @@ class LightningAttributes:
         return found[0] if found else None
 
     @property
-    def checkpoint_callbacks(self) -> List["ModelCheckpoint"]:
-        from trainforge.callbacks.checkpoint import ModelCheckpoint
+    def checkpoint_callbacks(self) -> List["Checkpointer"]:
+        """Lightning's: the checkpointing callbacks (its ``Checkpoint`` base class is our ``Checkpointer``)."""
+        from trainforge.callbacks.base import Checkpointer
 
-        return [c for c in self.callbacks if isinstance(c, ModelCheckpoint)]
+        return [c for c in self.callbacks if isinstance(c, Checkpointer)]
 
     @property
-    def checkpoint_callback(self) -> Optional["ModelCheckpoint"]:
+    def checkpoint_callback(self) -> Optional["Checkpointer"]:
         found = self.checkpoint_callbacks
         return found[0] if found else None
 
