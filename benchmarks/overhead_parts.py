@@ -128,7 +128,9 @@ def pieces(number: int, repeat: int) -> Dict[str, float]:
     )
     prepared = per_batch_us(lambda: acc.prepare_data_loader(overhead.make_loader(data, args)), 500, repeat)
     out["next(batch): ResumableDataLoader, delta  [strategies/data/loader.py, data_sampler.py]"] = resumable - plain
-    out["next(batch): PreparedDataLoader on top, delta  [trainer/accelerator/wrappers.py, move_to_device]"] = prepared - resumable
+    out["next(batch): PreparedDataLoader on top, delta  [trainer/accelerator/wrappers.py, move_to_device]"] = (
+        prepared - resumable
+    )
 
     bar = ProgressBar(stream=overhead._TerminalSink())
     fake = SimpleNamespace(

@@ -19,7 +19,12 @@ from trainforge.callbacks.events import Event
 
 REPO = Path(__file__).resolve().parents[2]
 # What every part of trainer/ may import of trainforge.callbacks: the contract, not a callback.
-CONTRACT = {"trainforge.callbacks", "trainforge.callbacks.base", "trainforge.callbacks.events", "trainforge.callbacks.view"}
+CONTRACT = {
+    "trainforge.callbacks",
+    "trainforge.callbacks.base",
+    "trainforge.callbacks.events",
+    "trainforge.callbacks.view",
+}
 # Modules that install callbacks from Trainer settings (defaults, profiler=, hang_timeout=) and the
 # compatibility layers (Lightning's and Accelerate's attribute names for trackers, early stopping).
 INSTALLERS = {"trainer/loop/defaults.py", "trainer/loop/profiling.py"}

@@ -17,8 +17,8 @@ from tests.helpers import forklaunch
 from trainforge import Accelerator, ConfigurationError
 from trainforge.strategies.data.iterable import fingerprint
 from trainforge.strategies.data.loader import prepare_dataloader
-from trainforge.trainer.loop.settings import limited
 from trainforge.trainer.accelerator.batch_dispatch import BatchDispatcher
+from trainforge.trainer.loop.settings import limited
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "iterable_split.py"
 

@@ -18,7 +18,12 @@ from trainforge.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint, Mode
 from trainforge.callbacks.model_summary import summarize
 from trainforge.strategies import resolve_strategy
 from trainforge.strategies.environment import ClusterEnvironment
-from trainforge.trainer.compat.lightning.trainer_args import DevicePlan, check_launched, parse_devices, strategy_with_device
+from trainforge.trainer.compat.lightning.trainer_args import (
+    DevicePlan,
+    check_launched,
+    parse_devices,
+    strategy_with_device,
+)
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 

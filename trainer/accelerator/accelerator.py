@@ -33,15 +33,20 @@ from trainforge.strategies.devices import check_device_matches, normalize_accele
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.materialize import init_module_context
 from trainforge.strategies.precision import Precision
-from trainforge.trainer.compat.accelerate.accelerator_args import AccelerateCompat, AccelerateOptions, release_memory
-from trainforge.trainer.accelerator.data import DataPreparation, data_options
 from trainforge.trainer.accelerator.collectives import Collectives
-from trainforge.trainer.loop.module_hooks import STEP_NAMES, step_arguments
-from trainforge.trainer.inference.api import BigModelInference
-from trainforge.trainer.cluster.stop_signals import SignalsArg, StopSignals
+from trainforge.trainer.accelerator.data import DataPreparation, data_options
 from trainforge.trainer.accelerator.process_control import ProcessControl
 from trainforge.trainer.accelerator.token_loss import ItemWeightedLoss
-from trainforge.trainer.accelerator.wrappers import GradientState, PreparedDataLoader, PreparedOptimizer, PreparedScheduler
+from trainforge.trainer.accelerator.wrappers import (
+    GradientState,
+    PreparedDataLoader,
+    PreparedOptimizer,
+    PreparedScheduler,
+)
+from trainforge.trainer.cluster.stop_signals import SignalsArg, StopSignals
+from trainforge.trainer.compat.accelerate.accelerator_args import AccelerateCompat, AccelerateOptions, release_memory
+from trainforge.trainer.inference.api import BigModelInference
+from trainforge.trainer.loop.module_hooks import STEP_NAMES, step_arguments
 
 
 class Accelerator(DataPreparation, Collectives, BigModelInference, ProcessControl, ItemWeightedLoss, AccelerateCompat):

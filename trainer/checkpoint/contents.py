@@ -42,6 +42,7 @@ from trainforge.strategies.checkpoint.remote import location
 from trainforge.strategies.checkpoint.remote_read import resolve_on_ranks
 from trainforge.strategies.checkpoint.remote_write import open_writer
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
+from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
 from trainforge.trainer.checkpoint.adapters import (
     load_model_state,
     save_adapter,
@@ -56,7 +57,6 @@ from trainforge.trainer.checkpoint.partial_grads import (
     save_partial_gradients,
 )
 from trainforge.trainer.checkpoint.scheduler_clock import convert_scheduler_states, scheduler_clock
-from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.accelerator.accelerator import Accelerator

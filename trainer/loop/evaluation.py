@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from trainforge.strategies.errors import ConfigurationError
-from trainforge.trainer.loop.settings import limited, loader_length
-from trainforge.trainer.loop.eval_results import EvaluationInputs, print_results
 from trainforge.callbacks.events import EVAL_EVENTS, Event
-from trainforge.trainer.loop.module_hooks import check_dataloader_idx
+from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
+from trainforge.trainer.loop.eval_results import EvaluationInputs, print_results
+from trainforge.trainer.loop.module_hooks import check_dataloader_idx
+from trainforge.trainer.loop.settings import limited, loader_length
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
     from trainforge.trainer.accelerator.accelerator import Accelerator
-    from trainforge.trainer.loop.settings import LoopConfig
     from trainforge.trainer.loop.metrics import MetricStore
+    from trainforge.trainer.loop.settings import LoopConfig
     from trainforge.trainer.module.training_module import TrainingModule
 
 

@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, cast
 
 from trainforge.callbacks.base import Checkpointer, StepGuard
+from trainforge.callbacks.events import Event
 from trainforge.strategies.checkpoint.io import read_metadata, resolve_checkpoint
 from trainforge.strategies.checkpoint.remote import RemotePath, location
 from trainforge.strategies.checkpoint.remote_read import Location, list_checkpoints_at, resolve_on_ranks
 from trainforge.strategies.errors import CheckpointError
+from trainforge.trainer.accelerator.seed import set_rng_state
 from trainforge.trainer.checkpoint.contents import CheckpointParts, load_state, save_state
 from trainforge.trainer.loop.settings import Progress
-from trainforge.callbacks.events import Event
 from trainforge.trainer.module.hparams import DATAMODULE_PREFIX, checkpoint_hparams
-from trainforge.trainer.accelerator.seed import set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     import os

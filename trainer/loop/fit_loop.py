@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 from trainforge.callbacks.base import StepGuard
-from trainforge.strategies.errors import ConfigurationError, TrainforgeError
-from trainforge.trainer.loop.evaluation import module_modes, restore_modes
 from trainforge.callbacks.events import Event
-from trainforge.trainer.module.training_module import TrainingModule
+from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.accelerator.token_loss import ITEMS_KEY
+from trainforge.trainer.loop.evaluation import module_modes, restore_modes
+from trainforge.trainer.module.training_module import TrainingModule
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
     from trainforge.trainer.accelerator.accelerator import Accelerator
-    from trainforge.trainer.loop.settings import LoopConfig, Progress
-    from trainforge.trainer.loop.metrics import MetricStore
     from trainforge.trainer.cluster.stop_signals import StopSignals
+    from trainforge.trainer.loop.metrics import MetricStore
+    from trainforge.trainer.loop.settings import LoopConfig, Progress
 
 log = logging.getLogger("trainforge")
 
@@ -185,7 +185,9 @@ class FitLoop:
             )
 
     def _finished(self) -> bool:
-        if self.stop_signals.agreed is not None:  # a stop signal, whatever min_steps says (trainer/cluster/stop_signals.py)
+        if (
+            self.stop_signals.agreed is not None
+        ):  # a stop signal, whatever min_steps says (trainer/cluster/stop_signals.py)
             return True
         max_steps = self.config.max_steps
         if max_steps >= 0 and self.progress.global_step >= max_steps:

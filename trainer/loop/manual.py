@@ -16,14 +16,14 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional, Set
 
-from trainforge.strategies.errors import ConfigurationError
 from trainforge.callbacks.events import Event
+from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
     from trainforge.trainer.accelerator.accelerator import Accelerator
-    from trainforge.trainer.loop.settings import LoopConfig, Progress
     from trainforge.trainer.loop.metrics import MetricStore
+    from trainforge.trainer.loop.settings import LoopConfig, Progress
     from trainforge.trainer.module.training_module import TrainingModule
 
 

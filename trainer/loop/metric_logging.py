@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 import torch
 
+from trainforge.callbacks.events import Event
 from trainforge.strategies.data.utils import batch_size_of
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
-from trainforge.callbacks.events import Event
 from trainforge.trainer.loop.metrics import REDUCE_FX, metric_scalar, torchmetrics_type
 
 if TYPE_CHECKING:  # pragma: no cover

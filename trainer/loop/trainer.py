@@ -11,11 +11,39 @@ from typing import Any, ContextManager, Dict, List, Optional, Sequence, Union
 import torch
 
 from trainforge.callbacks.base import Callback
+from trainforge.callbacks.events import Event
 from trainforge.strategies import Strategy
 from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.materialize import init_module_context
 from trainforge.trainer.accelerator.accelerator import Accelerator
+from trainforge.trainer.accelerator.seed import seed_everything
+from trainforge.trainer.accelerator.wrappers import PreparedDataLoader
+from trainforge.trainer.cluster.slurm_requeue import SlurmRequeue
+from trainforge.trainer.cluster.stop_signals import DEFAULT_STOP_SIGNALS, SignalsArg, StopSignals, stopped
+from trainforge.trainer.compat.lightning.trainer_args import (
+    LightningAttributes,
+    apply_deterministic,
+    callback_list,
+    check_summary_setting,
+    setup_processes,
+    tracker_callbacks,
+)
+from trainforge.trainer.loop.defaults import default_callbacks, setting_callbacks
+from trainforge.trainer.loop.eval_results import fit_datamodule
+from trainforge.trainer.loop.evaluation import Evaluation
+from trainforge.trainer.loop.fit_checkpoints import FitCheckpoints
+from trainforge.trainer.loop.fit_loop import FitLoop
+from trainforge.trainer.loop.manual import ManualOptimization
+from trainforge.trainer.loop.metric_logging import MetricLogging
+from trainforge.trainer.loop.metrics import MetricStore
+from trainforge.trainer.loop.module_hooks import (
+    bind_module_hook,
+    validation_loaders,
+    warn_unknown_callback_hooks,
+    warn_unknown_hooks,
+)
+from trainforge.trainer.loop.profiling import instrument, reset_profilers
 from trainforge.trainer.loop.settings import (
     LoopConfig,
     Progress,
@@ -25,37 +53,9 @@ from trainforge.trainer.loop.settings import (
     parse_optimizers,
     resolve_root_dirs,
 )
-from trainforge.trainer.loop.eval_results import fit_datamodule
-from trainforge.trainer.loop.defaults import default_callbacks, setting_callbacks
-from trainforge.trainer.loop.evaluation import Evaluation
-from trainforge.callbacks.events import Event
-from trainforge.trainer.loop.fit_checkpoints import FitCheckpoints
-from trainforge.trainer.loop.fit_loop import FitLoop
-from trainforge.trainer.loop.module_hooks import (
-    bind_module_hook,
-    validation_loaders,
-    warn_unknown_callback_hooks,
-    warn_unknown_hooks,
-)
-from trainforge.trainer.module.hparams import logged_hparams
-from trainforge.trainer.compat.lightning.trainer_args import (
-    LightningAttributes,
-    apply_deterministic,
-    callback_list,
-    check_summary_setting,
-    setup_processes,
-    tracker_callbacks,
-)
-from trainforge.trainer.loop.manual import ManualOptimization
-from trainforge.trainer.loop.metric_logging import MetricLogging
-from trainforge.trainer.loop.metrics import MetricStore
-from trainforge.trainer.module.training_module import TrainingModule
-from trainforge.trainer.cluster.stop_signals import DEFAULT_STOP_SIGNALS, SignalsArg, StopSignals, stopped
-from trainforge.trainer.loop.profiling import instrument, reset_profilers
-from trainforge.trainer.accelerator.seed import seed_everything
-from trainforge.trainer.cluster.slurm_requeue import SlurmRequeue
 from trainforge.trainer.loop.stage_loaders import StageLoaders, as_list
-from trainforge.trainer.accelerator.wrappers import PreparedDataLoader
+from trainforge.trainer.module.hparams import logged_hparams
+from trainforge.trainer.module.training_module import TrainingModule
 
 log = logging.getLogger("trainforge")
 
@@ -150,7 +150,9 @@ class Trainer(
         )
         self.strategy = self.accelerator.strategy
         self.default_root_dir, self._remote_root = resolve_root_dirs(default_root_dir)  # a URL: checkpoints only
-        self.requeue = SlurmRequeue(auto_requeue, requeue_signal, self.stop_signals.signals)  # trainer/cluster/slurm_requeue.py
+        self.requeue = SlurmRequeue(
+            auto_requeue, requeue_signal, self.stop_signals.signals
+        )  # trainer/cluster/slurm_requeue.py
         self.compile, self.resume, self.seed = compile, self.requeue.resume(resume, self.is_global_zero), seed
         if (
             not isinstance(num_sanity_val_steps, int)

@@ -23,13 +23,13 @@ import torch
 
 from trainforge.strategies.data.utils import apply_to_tensors
 from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.accelerator.oom_agreement import FAILED, OK, OOM, agree_on_outcome
+from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
 from trainforge.trainer.compat.accelerate.accelerator_args import release_memory
 from trainforge.trainer.compat.accelerate.utils import should_reduce_batch_size
 from trainforge.trainer.loop.settings import parse_optimizers
 from trainforge.trainer.module.datamodule import DataModule
 from trainforge.trainer.module.training_module import TrainingModule
-from trainforge.trainer.accelerator.oom_agreement import FAILED, OK, OOM, agree_on_outcome
-from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.loop.trainer import Trainer

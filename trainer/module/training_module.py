@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError, check_metric_name
+from trainforge.trainer.checkpoint.module_checkpoint import class_only, init_arguments, load_weights, read_checkpoint
+from trainforge.trainer.loop.manual import ManualOptimizer
 from trainforge.trainer.loop.module_hooks import ModuleHooks
 from trainforge.trainer.module.hparams import AttributeDict, HyperparametersMixin
-from trainforge.trainer.loop.manual import ManualOptimizer
-from trainforge.trainer.checkpoint.module_checkpoint import class_only, init_arguments, load_weights, read_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.loop.trainer import Trainer

@@ -31,7 +31,12 @@ from trainforge.trainer.compat.accelerate.dataclasses import (
     check_loader_extras,
     check_project_extras,
 )
-from trainforge.trainer.compat.accelerate.state import DistributedType, PartialState, distributed_type_of, mixed_precision_name
+from trainforge.trainer.compat.accelerate.state import (
+    DistributedType,
+    PartialState,
+    distributed_type_of,
+    mixed_precision_name,
+)
 from trainforge.trainer.compat.accelerate.trackers import Tracking, parse_log_with
 from trainforge.trainer.loop.profiling import ProfileKwargs, Profiling
 

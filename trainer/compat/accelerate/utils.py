@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.trainer.compat.accelerate.accelerator_args import release_memory
-from trainforge.trainer.compat.accelerate.state import DistributedType
 from trainforge.trainer.accelerator.oom_agreement import FAILED, OK, OOM, agree_on_outcome
 from trainforge.trainer.accelerator.seed import seed_everything
 from trainforge.trainer.accelerator.wrappers import PreparedDataLoader
+from trainforge.trainer.compat.accelerate.accelerator_args import release_memory
+from trainforge.trainer.compat.accelerate.state import DistributedType
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.trainer.accelerator.accelerator import Accelerator
