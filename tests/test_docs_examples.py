@@ -201,7 +201,7 @@ def test_the_getting_started_pages_have_runnable_examples():
 
 
 TWO_COMMANDS = """bash scripts/install.sh && python3 -m trainforge launch --nproc-per-node 2 examples/char_gpt.py
-bash scripts/install.sh && python3 -m pytest -q
+bash scripts/install.sh && bash scripts/install-test-tools.sh && python3 -m pytest -q
 """
 
 
