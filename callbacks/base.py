@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.m
     from trainforge import TrainingModule
     from trainforge.callbacks.view import TrainerView
     from trainforge.strategies.base import Strategy
-    from trainforge.strategies.checkpoint.remote import Location
+    from trainforge.strategies.checkpoint.remote_read import Location
 
 #: What a ``StepGuard`` tells the loop at an optimizer step.
 StepDecision = Literal["step", "skip", "rollback"]
