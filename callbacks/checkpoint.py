@@ -75,23 +75,44 @@ def _check_template(filename: Any, within_epoch: bool) -> None:
 
 
 class ModelCheckpoint(Checkpointer):
-    """
+    """Decides when the Trainer saves a checkpoint and which checkpoints are kept (Lightning's behaviour).
+
+    With none of ``monitor``, ``every_n_steps``, ``every_n_epochs`` and ``train_time_interval`` (Lightning's
+    default), a checkpoint is saved at every epoch end and the newest ``save_top_k`` are kept (1; -1 all;
+    0 none). A checkpoint of another run whose name this run would use is never overwritten: this run's
+    gets ``-v1``, ``-v2``... instead.
+
     Args:
-        dirpath: where checkpoints go (default ``<default_root_dir>/checkpoints``; ``fit(ckpt_path="last")``
-            and ``Trainer(resume="auto")`` look there).
+        dirpath: where checkpoints go, a local path or an fsspec URL (default None: the Trainer's
+            ``default_checkpoint_dir``, ``<default_root_dir>/checkpoints``; ``fit(ckpt_path="last")`` and
+            ``Trainer(resume="auto")`` look there).
         filename: a template over ``epoch``, ``step`` and logged metrics, e.g. ``"{epoch}-{val/loss:.3f}"``
-            -> ``epoch=3-val_loss=0.123`` (``auto_insert_metric_name=False``: ``3-0.123``; ``/`` becomes ``_``).
-        monitor, mode, save_top_k: keep the k best checkpoints by a logged metric (-1 keeps all), judged at
-            the end of each validation, or at the end of each training epoch when there is no validation
-            loop (``save_on_train_epoch_end=True`` forces that). Without ``monitor``, ``save_top_k`` may
-            only be -1, 0 or 1.
-        every_n_steps (alias ``every_n_train_steps``), every_n_epochs, train_time_interval: periodic saves;
-            ``keep_last_k`` bounds how many periodic saves are kept (None keeps all). With none of
-            ``monitor``/``every_n_*``/``train_time_interval`` (Lightning's default), a checkpoint is saved at
-            every epoch end and the newest ``save_top_k`` are kept (1; -1 all; 0 none).
+            -> ``epoch=3-val_loss=0.123`` (``/`` becomes ``_``). Default None: ``"{epoch}-{step}"``, plus
+            ``-{<monitor>:.4g}`` with ``monitor``.
+        monitor: a logged metric to rank checkpoints by; the ``save_top_k`` best are kept, judged at the end
+            of each validation, or at the end of each training epoch when there is no validation loop.
+            Default None: no ranking.
+        mode: ``"min"`` (default: lower ``monitor`` is better) or ``"max"``.
+        save_top_k: how many checkpoints to keep: the best by ``monitor``, or without it the newest
+            (default 1; -1 keeps all, 0 none). Without ``monitor`` it may only be -1, 0 or 1.
+        every_n_steps: save every n optimizer steps (default None: not by steps).
+        every_n_epochs: save at the end of every n-th training epoch (default None: not by epochs, unless no
+            trigger is given at all, see above).
         save_last: also keep a checkpoint named ``last`` (``last_model_path``), rewritten at every save,
-            every epoch end and the end of fit, so the newest state is always resumable.
-        save_weights_only: write consolidated safetensors weights only (not resumable).
+            every epoch end and the end of fit, so the newest state is always resumable (default False).
+        keep_last_k: how many periodic saves (``every_n_*``, ``train_time_interval``) are kept, the newest
+            (default None: all of them).
+        every_n_train_steps: Lightning's name of ``every_n_steps`` (default None); pass one of the two.
+            Without ``monitor`` and ``keep_last_k`` every periodic checkpoint is kept, which differs from
+            Lightning (a warning says so).
+        train_time_interval: save when this much wall-clock time (a ``datetime.timedelta``) has passed since
+            the last save, by rank 0's clock (default None: not by time).
+        save_weights_only: write consolidated safetensors weights only, which cannot resume a fit
+            (default False).
+        auto_insert_metric_name: write each template field as ``name=value`` (default True:
+            ``epoch=3-val_loss=0.123``; False: ``3-0.123``).
+        save_on_train_epoch_end: judge ``monitor`` at the end of each training epoch (True) or after each
+            validation (False). Default None: at the training epoch end only when there is no validation loop.
         async_save: None (default) saves asynchronously when training on an accelerator (CUDA) and
             synchronously on CPU; True/False force it. Asynchronous: the loop waits only while the
             state is copied to host memory; writing, fsync, checksums and the commit run in the

@@ -30,8 +30,27 @@ class EarlyStopping(Callback):
 
     Also stops at once when the value is not finite (``check_finite``), reaches
     ``stopping_threshold`` (good enough) or crosses ``divergence_threshold`` (hopeless). The arguments
-    are Lightning's, in its order and with its defaults (``verbose=False``); ``log_rank_zero_only``:
-    the stop is printed by rank 0 only.
+    are Lightning's, in its order and with its defaults, so a ported ``EarlyStopping("val_loss", 0.01, 5)``
+    means the same here. Every rank stops at the same step: the ranks' decisions are reduced (any rank's
+    stop stops all).
+
+    Args:
+        monitor: the logged metric to watch (a name given to ``self.log``, e.g. ``"val/loss"``). Required.
+        min_delta: how much the value must improve to count as an improvement, in the direction of ``mode``
+            (default 0.0: any improvement counts; must be >= 0).
+        patience: how many checks without an improvement are allowed before stopping (default 3; 0 stops at
+            the first check without one).
+        verbose: print the reason when stopping (default False).
+        mode: ``"min"`` (default: lower is better, for losses and errors) or ``"max"`` (accuracies, scores).
+        strict: a missing ``monitor`` metric is a ``ConfigurationError`` naming the available metrics
+            (default True); False only warns and skips that check.
+        check_finite: stop at once when the value is NaN or infinite (default True).
+        stopping_threshold: stop at once when the value reaches this (good enough); default None: never.
+        divergence_threshold: stop at once when the value is worse than this (hopeless); default None: never.
+        check_on_train_epoch_end: check at the end of each training epoch instead of after each validation.
+            Default None: only when there is no validation loop; True or False force it.
+        log_rank_zero_only: with ``verbose``, the stop is printed by rank 0 only (default False: by each rank
+            that asks to stop, and by rank 0).
     """
 
     def __init__(

@@ -67,7 +67,24 @@ class RunSettings:
 
 
 class Strategy:
-    """Base class. Subclasses override what differs; the defaults are a single process."""
+    """Base class of every strategy. Subclasses override what differs; the defaults are a single process.
+
+    A strategy owns placement, wrapping, collectives and sharded checkpoint I/O. It gets the run's settings
+    (precision, accumulation, clipping) as one frozen ``RunSettings`` through ``configure``, and declares
+    what it can do as class attributes (``redirect_forward``, ``handles_accumulation``, ``grad_reduction``,
+    ...), so callers read them instead of probing.
+
+    Args:
+        device: the device this process trains on (a ``torch.device`` or a string such as ``"cuda:1"``).
+            Default None: chosen at ``setup_environment`` from the accelerator asked for and the local rank.
+        activation_checkpointing: trade compute for activation memory, the same values for every strategy
+            (``strategies/activation_memory.py``): None, False or ``"none"`` (default: off), ``"full"`` or True
+            (every repeated block recomputed in backward), ``"selective:<n>"`` (every n-th block), ``"op"``
+            (matmul and attention outputs kept, the rest recomputed), ``"offload"`` (saved activations moved to
+            host memory), a dict ``{"mode": ..., "every": n, "blocks": ...}``, or a set of module classes /
+            class names or a callable ``(module, name) -> bool`` ("full" on those modules). A mode the
+            strategy cannot apply is refused at construction.
+    """
 
     #: Whether ``init_module(empty_init=None)`` builds on the meta device (strategies/materialize.py).
     empty_init_default = False

@@ -170,11 +170,35 @@ class ProcessGroupMixin:
 
 
 class DDPStrategy(ProcessGroupMixin, Strategy):
-    """``DistributedDataParallel``; accumulation skips gradient sync with ``no_sync``.
+    """Data parallelism with ``DistributedDataParallel``: every rank holds the whole model, gradients are
+    averaged over the ranks; accumulation skips the gradient sync with ``no_sync``.
 
-    ``comm_hook``: "fp16" or "bf16" compresses gradients for the all-reduce, or pass a DDP hook
-    callable (``(state, bucket) -> Future``) with ``comm_hook_state``. ``activation_checkpointing``: the
-    values every strategy takes (``strategies/activation_memory.py``), applied before DDP wraps the module."""
+    Args:
+        device: this process's device (a ``torch.device`` or a string such as ``"cuda:1"``). Default None: the
+            device of the process's local rank for the accelerator asked for (the CPU, or ``cuda:<local_rank>``).
+        find_unused_parameters: DDP finds the parameters a forward did not use, so their gradients do not
+            hang the all-reduce (default False: faster; set True for models with branches).
+        static_graph: tell DDP the set of used parameters and the graph do not change between iterations,
+            which allows its optimizations (default False).
+        gradient_as_bucket_view: gradients are views into DDP's communication buckets, saving one copy of
+            the gradients' memory (default False).
+        comm_hook: compress gradients for the all-reduce: ``"fp16"`` or ``"bf16"`` (NCCL only), or a DDP
+            communication hook callable ``(state, bucket) -> Future``. Default None: no hook, full precision.
+        comm_hook_state: the ``state`` handed to a callable ``comm_hook`` (default None).
+        process_group_backend: the ``torch.distributed`` backend of the process group this strategy starts
+            (default None: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU, else the backend registered for the device
+            type). Not used when a process group already exists.
+        timeout: how long a collective may wait for the other ranks before it fails, a ``datetime.timedelta``
+            (default 30 minutes), passed to ``init_process_group``.
+        activation_checkpointing: trade compute for activation memory, the same values for every strategy
+            (``strategies/activation_memory.py``): None, False or ``"none"`` (default: off), ``"full"`` or True
+            (every repeated block recomputed in backward), ``"selective:<n>"`` (every n-th block), ``"op"``
+            (matmul and attention outputs kept, the rest recomputed), ``"offload"`` (saved activations moved to
+            host memory), a dict ``{"mode": ..., "every": n, "blocks": ...}``, or a set of module classes /
+            class names or a callable ``(module, name) -> bool`` ("full" on those modules). Applied before DDP wraps the module.
+        **ddp_kwargs: any other ``DistributedDataParallel`` argument (e.g. ``bucket_cap_mb``), passed on;
+            an unknown name is refused at construction.
+    """
 
     name = "ddp"
     redirect_forward = True

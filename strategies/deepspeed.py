@@ -144,16 +144,41 @@ def _check_activation_mode(spec: Any, stage: Any) -> None:
 
 
 class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
-    """ZeRO data parallelism through DeepSpeed. ``stage``: 0-3 or "auto" (chosen from the memory
-    estimate, see ``trainforge.strategies.memory_estimate``). ``offload_optimizer`` / ``offload_parameters``
-    (stage 3) move state to ``offload_device`` ("cpu" or "nvme" under ``nvme_path``).
-    ``activation_checkpointing``: the values every strategy takes (``strategies/activation_memory.py``:
-    "full" or True = the repeated blocks recomputed, "selective:<n>", "op", "offload", or "full" on a set
-    of module classes / class names or a callable ``(module, name) -> bool``), applied with torch's
-    checkpoint before ``deepspeed.initialize``. ``config``: a DeepSpeed config dict or JSON path whose
-    keys override the generated ones.
-    ``zero_stage`` / ``offload_optimizer_device`` / ``offload_param_device`` ("none", "cpu",
-    "nvme") are the launch-config spellings of the same settings (``trainforge config``)."""
+    """ZeRO data parallelism through DeepSpeed: optimizer state (stage 1), gradients (2) and parameters (3)
+    sharded over the ranks, optionally offloaded to host memory or NVMe. The first arguments are
+    Lightning's, in its order.
+
+    Args:
+        stage: the ZeRO stage, 0-3, or ``"auto"`` (chosen at setup from the memory estimate of the model
+            on these devices, see ``trainforge.strategies.memory_estimate``; the reasoning is logged).
+            Default 2.
+        offload_optimizer: keep the optimizer state in ``offload_device`` memory and step there (default
+            False).
+        offload_parameters: keep the parameters in ``offload_device`` memory; stage 3 only (default False).
+        offload_device: where offloaded state goes: ``"cpu"`` (default) or ``"nvme"`` (under ``nvme_path``).
+        nvme_path: the directory of NVMe offload (default ``"/local_nvme"``).
+        activation_checkpointing: trade compute for activation memory, the same values for every strategy
+            (``strategies/activation_memory.py``): None, False or ``"none"`` (default: off), ``"full"`` or True
+            (every repeated block recomputed in backward), ``"selective:<n>"`` (every n-th block), ``"op"``
+            (matmul and attention outputs kept, the rest recomputed), ``"offload"`` (saved activations moved to
+            host memory), a dict ``{"mode": ..., "every": n, "blocks": ...}``, or a set of module classes /
+            class names or a callable ``(module, name) -> bool`` ("full" on those modules). Applied with torch's checkpoint before ``deepspeed.initialize``. Default False: off.
+        config: a DeepSpeed config, as a dict or the path of a JSON file, whose keys override the generated
+            ones (default None: the generated config only). A bad path or bad JSON fails at construction.
+        logging_level: the level of DeepSpeed's own logger (default ``logging.WARN``).
+        zero_stage: ``trainforge config``'s spelling of ``stage`` (default None: ``stage`` applies).
+        offload_optimizer_device: ``trainforge config``'s spelling of the optimizer offload: ``"none"``,
+            ``"cpu"`` or ``"nvme"`` (default None: from ``offload_optimizer`` and ``offload_device``).
+        offload_param_device: ``trainforge config``'s spelling of the parameter offload: ``"none"``,
+            ``"cpu"`` or ``"nvme"`` (default None: from ``offload_parameters`` and ``offload_device``).
+        device: this process's device (a ``torch.device`` or a string such as ``"cuda:1"``). Default None: the
+            device of the process's local rank for the accelerator asked for (the CPU, or ``cuda:<local_rank>``).
+        process_group_backend: the ``torch.distributed`` backend of the process group this strategy starts
+            (default None: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU, else the backend registered for the device
+            type). Not used when a process group already exists.
+        timeout: how long a collective may wait for the other ranks before it fails, a ``datetime.timedelta``
+            (default 30 minutes), passed to ``init_process_group``.
+    """
 
     name = "deepspeed"
     redirect_forward = True  # the engine's forward runs ZeRO-3's parameter gathering hooks

@@ -49,30 +49,54 @@ Policy = Union[None, bool, Set[Any], Callable[[nn.Module, str], bool]]
 
 
 class FSDPStrategy(ProcessGroupMixin, Strategy):
-    """FSDP2. ``sharding_strategy`` (case-insensitive, so ``trainforge config``'s ``FULL_SHARD`` works):
+    """Fully sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters,
+    gradients and optimizer state are sharded over the ranks and gathered per wrapped unit when needed.
 
-    - ``full_shard``: shard over all ranks, free gathered parameters after forward (ZeRO-3).
-    - ``shard_grad_op``: the same shards, gathered parameters kept from forward to backward
-      (``reshard_after_forward=False``; ZeRO-2-like memory during the step, one all-gather less).
-    - ``hybrid_shard``: 2-D mesh ``(replicate, shard)``: shard within a node (``LOCAL_WORLD_SIZE``
-      ranks), replicate across nodes (HSDP).
-    - ``no_shard``: the same 2-D mesh with shard size 1, i.e. every rank holds everything and
-      gradients are all-reduced (DDP semantics). Done with ``fully_shard`` rather than by delegating
-      to DDP so that one code path serves state dicts, DCP checkpoints (DTensors with
-      ``Replicate`` placement, loadable by the sharded strategies), clipping and no-sync.
-
-    ``auto_wrap_policy``: None (the repeated blocks), a set of classes/class names, or
-    ``(module, name) -> bool``. ``activation_checkpointing``: the values every strategy takes
-    (``strategies/activation_memory.py``: "full", "selective:<n>", "op", "offload", ...; True is "full"),
-    on the wrapped units by default, or "full" on a policy of the same kinds. ``mixed_precision``: a
-    ``MixedPrecisionPolicy``, or None to derive it from the precision (bf16-mixed/fp8 -> bf16 params,
-    16-mixed -> fp16 params, fp32 reduce).
     The Accelerator's autocast stays on: it is redundant for matmuls (the parameters already
     arrive in bf16/fp16) but keeps softmax, norms and losses in fp32, as under the other strategies.
     16-mixed keeps the Precision's ``torch.amp.GradScaler``: its inf check on DTensor gradients is
     reduced over the mesh by DTensor itself, so every rank skips the same steps.
-    ``fp8_all_gather``: under precision="fp8", torchao's Float8Linear weights are all-gathered in
-    float8 (None: on; False: in the parameter dtype, cast to fp8 after the gather)."""
+
+    Args:
+        device: this process's device (a ``torch.device`` or a string such as ``"cuda:1"``). Default None: the
+            device of the process's local rank for the accelerator asked for (the CPU, or ``cuda:<local_rank>``).
+        sharding_strategy: how parameters are sharded, case-insensitive (so ``trainforge config``'s
+            ``FULL_SHARD`` works). ``"full_shard"`` (default): shard over all ranks, free gathered parameters
+            after forward (ZeRO-3). ``"shard_grad_op"``: the same shards, gathered parameters kept from
+            forward to backward (ZeRO-2-like memory during the step, one all-gather less).
+            ``"hybrid_shard"``: a 2-D mesh ``(replicate, shard)``: shard within a node (``LOCAL_WORLD_SIZE``
+            ranks), replicate across nodes (HSDP). ``"no_shard"``: the same 2-D mesh with shard size 1, i.e.
+            every rank holds everything and gradients are all-reduced (DDP semantics), done with
+            ``fully_shard`` so that one code path serves state dicts, DCP checkpoints, clipping and no-sync.
+        auto_wrap_policy: which submodules become their own sharded units. Default None: the model's
+            repeated blocks (e.g. transformer layers); or a set of module classes / class names, or a
+            callable ``(module, name) -> bool``.
+        cpu_offload: keep the sharded parameters, gradients and optimizer step in host memory (torch's
+            ``CPUOffloadPolicy``, pinned on CUDA); default False.
+        activation_checkpointing: trade compute for activation memory, the same values for every strategy
+            (``strategies/activation_memory.py``): None, False or ``"none"`` (default: off), ``"full"`` or True
+            (every repeated block recomputed in backward), ``"selective:<n>"`` (every n-th block), ``"op"``
+            (matmul and attention outputs kept, the rest recomputed), ``"offload"`` (saved activations moved to
+            host memory), a dict ``{"mode": ..., "every": n, "blocks": ...}``, or a set of module classes /
+            class names or a callable ``(module, name) -> bool`` ("full" on those modules). Applied on the wrapped units by default, or "full" on a policy of the same kinds.
+            Default False: off.
+        mixed_precision: a ``torch.distributed.fsdp.MixedPrecisionPolicy``. Default None: derived from the
+            precision (bf16-mixed/fp8: bf16 parameters, 16-mixed: fp16 parameters; gradients reduced in fp32).
+        state_dict_type: how checkpoints are written: ``"sharded"`` (default: each rank writes its shard to
+            ``dcp/``, fast, and loadable on another number of ranks) or ``"full"`` (one consolidated
+            safetensors file from rank 0).
+        reshard_after_forward: free the gathered parameters after forward (True), keep them until backward
+            (False), or reshard to a smaller group of this size (an int dividing the shard size). Default
+            None: from ``sharding_strategy`` (True for full_shard and hybrid_shard).
+        fp8_all_gather: under ``precision="fp8"``, torchao's Float8Linear weights are all-gathered in float8.
+            Default None: on; False: gathered in the parameter dtype, cast to fp8 after the gather; True
+            under another precision is refused.
+        process_group_backend: the ``torch.distributed`` backend of the process group this strategy starts
+            (default None: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU, else the backend registered for the device
+            type). Not used when a process group already exists.
+        timeout: how long a collective may wait for the other ranks before it fails, a ``datetime.timedelta``
+            (default 30 minutes), passed to ``init_process_group``.
+    """
 
     name = "fsdp"
     redirect_forward = True  # FSDP's unshard hooks run in the root's forward

@@ -101,15 +101,52 @@ log = logging.getLogger("trainforge")
 
 
 class MegatronStrategy(PipelineSetup, ProcessGroupMixin, Strategy):
-    """``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan="auto")``;
-    ``data_parallel_size="auto"`` takes the processes tp x pp leave; ``data_parallel``: "fsdp" (FSDP2,
-    sharded) or "ddp" (replicated) on the dp dimension. ``schedule``, ``num_microbatches``
-    and ``pp_split`` (first block of each later stage, e.g. ``["net.blocks.4"]``) apply when pp > 1.
-    ``tp_plan``: None/"auto" (a transformers model's own plan) or
-    ``{module glob: style}`` (see ``strategies/parallel/tp.py``). ``activation_checkpointing``: the
-    values every strategy takes (``strategies/activation_memory.py``), on the repeated blocks by default.
-    ``seq_len``, ``device_memory`` (bytes per device), ``model_shape`` ({layers, hidden, heads} for a
-    model without a transformers config) inform the "auto" sizes."""
+    """Megatron-style tensor and pipeline parallelism composed with FSDP2 (or replication) on one
+    ``DeviceMesh`` over (pp, dp, tp), e.g. ``MegatronStrategy(tensor_parallel_size=2, pipeline_parallel_size=2)``.
+    The module's docstring (``strategies/megatron.py``) gives the pipeline contract for the TrainingModule.
+
+    Args:
+        device: this process's device (a ``torch.device`` or a string such as ``"cuda:1"``). Default None: the
+            device of the process's local rank for the accelerator asked for (the CPU, or ``cuda:<local_rank>``).
+        tensor_parallel_size: processes one layer's weights are split over (Megatron's column/row scheme),
+            or ``"auto"`` (chosen with the layout, see below). Default 1: no tensor parallelism.
+        pipeline_parallel_size: pipeline stages the model's blocks are cut into, or ``"auto"``. Default 1: no
+            pipeline.
+        data_parallel_size: data-parallel replicas; default ``"auto"``: the processes tp x pp leave.
+        data_parallel: how the dp dimension holds the model: ``"fsdp"`` (default: FSDP2, sharded) or
+            ``"ddp"`` (replicated, gradients all-reduced).
+        num_microbatches: micro-batches each loader batch is split into under pipelining (they are the
+            gradient accumulation); default None: the number of stages. Needs pipeline_parallel_size > 1.
+        schedule: the pipeline schedule (pp > 1): ``"1f1b"`` (default), ``"gpipe"``, the looped
+            ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zb"``, or the V-shaped ``"zbv"``,
+            ``"dualpipev"``.
+        sequence_parallel: shard the residual stream between tensor-parallel regions on the sequence
+            dimension (default False; needs tp > 1 and pp = 1).
+        loss_parallel: keep the head's logits sharded on the vocabulary and compute the cross-entropy
+            under torch's ``loss_parallel()`` (default False; needs tp > 1 and pp = 1).
+        tp_plan: which layers tensor parallelism splits, and how. Default ``"auto"`` (or None): the plan a
+            transformers model ships; or ``{module glob: style}``, e.g. ``{"blocks.*.mlp.0": "colwise"}``
+            (``strategies/parallel/tp.py`` lists the styles).
+        pp_split: the first block of each stage after the first, e.g. ``["net.blocks.4"]``. Default None:
+            stages balanced by parameter count. Needs an int pipeline_parallel_size > 1.
+        activation_checkpointing: trade compute for activation memory, the same values for every strategy
+            (``strategies/activation_memory.py``): None, False or ``"none"`` (default: off), ``"full"`` or True
+            (every repeated block recomputed in backward), ``"selective:<n>"`` (every n-th block), ``"op"``
+            (matmul and attention outputs kept, the rest recomputed), ``"offload"`` (saved activations moved to
+            host memory), a dict ``{"mode": ..., "every": n, "blocks": ...}``, or a set of module classes /
+            class names or a callable ``(module, name) -> bool`` ("full" on those modules). On the repeated blocks by default. Default False: off.
+        seq_len: the sequence length the "auto" layout plans for (default None: read from the training
+            loader's batches).
+        device_memory: the bytes per device the "auto" layout must fit in (default None: the CUDA
+            device's memory, or host memory per local process).
+        model_shape: ``{"layers": ..., "hidden": ..., "heads": ...}`` for the "auto" layout of a model
+            without a transformers config (default None: read from the model's config).
+        process_group_backend: the ``torch.distributed`` backend of the process group this strategy starts
+            (default None: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU, else the backend registered for the device
+            type). Not used when a process group already exists.
+        timeout: how long a collective may wait for the other ranks before it fails, a ``datetime.timedelta``
+            (default 30 minutes), passed to ``init_process_group``.
+    """
 
     name = "megatron"
     redirect_forward = True  # training_step through the root's forward, so FSDP's root hooks run

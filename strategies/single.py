@@ -13,8 +13,20 @@ from trainforge.strategies.errors import ConfigurationError
 
 
 class SingleDeviceStrategy(Strategy):
-    """One process. ``activation_checkpointing``: see ``strategies/activation_memory.py`` (the same
-    values for every strategy: None, "full", "selective:<n>", "op", "offload", ...)."""
+    """One process on one device: the CPU, a CUDA GPU, MPS, or any accelerator torch reports.
+
+    Args:
+        device: the device to train on (a ``torch.device`` or a string such as ``"cuda:1"``). Default None:
+            the first device of the accelerator asked for (``Trainer(accelerator=...)``; "auto": a GPU when
+            there is one, else the CPU).
+        activation_checkpointing: trade compute for activation memory, the same values for every strategy
+            (``strategies/activation_memory.py``): None, False or ``"none"`` (default: off), ``"full"`` or True
+            (every repeated block recomputed in backward), ``"selective:<n>"`` (every n-th block), ``"op"``
+            (matmul and attention outputs kept, the rest recomputed), ``"offload"`` (saved activations moved to
+            host memory), a dict ``{"mode": ..., "every": n, "blocks": ...}``, or a set of module classes /
+            class names or a callable ``(module, name) -> bool`` ("full" on those modules). A mode the
+            strategy cannot apply is refused at construction.
+    """
 
     name = "single"
     grad_reduction = "mean"  # of one device's gradients: they are used as they are

@@ -111,10 +111,17 @@ def _reduce_type(xm: Any, op: str) -> str:
 
 
 class XLAStrategy(Strategy):
-    """One process per XLA device (``trainforge launch --xla`` starts them with torch_xla's launcher).
+    """Data parallelism on XLA devices (TPU; XLA:CPU for tests), one process per device
+    (``trainforge launch --xla`` starts them with torch_xla's launcher). torch_xla is imported only when
+    this strategy sets up; ``"auto"`` never picks it.
 
-    ``sync_module_states``: broadcast rank 0's weights at setup (replicas start equal even if the
-    model was built with different seeds)."""
+    Args:
+        sync_module_states: broadcast rank 0's weights at setup, so the replicas start equal even if the
+            model was built with different seeds on each process (default True).
+        activation_checkpointing: only None, False or ``"none"`` (the default, off): XLA's compiler merges
+            torch's recomputation back into the forward, so every other mode is refused at construction;
+            wrap blocks with ``torch_xla.utils.checkpoint.checkpoint`` inside the model instead.
+    """
 
     name = "xla"
     activation_checkpointing_modes = ()

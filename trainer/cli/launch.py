@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--xla",
         action="store_true",
         help="run on XLA devices (TPU; XLA:CPU with PJRT_DEVICE=CPU) with torch_xla's launcher (PJRT), "
-        "one process per local device, strategy 'xla'; needs torch_xla",
+        "one process per local device, strategy 'xla'; needs torch_xla (default: off, torchrun starts the processes)",
     )
     parser.add_argument("script", nargs="?", help="the training script, run as `python script.py args` on every rank")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -384,13 +384,44 @@ def launch_defaults(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
     return defaults
 
 
+# Each flag's --help: what it means and what applies without it. The defaults are launch's: with neither the
+# flag nor the config file, torchrun's own default, or for a training setting the script's own arguments.
+FLAG_HELP = {
+    "compute_environment": "this_machine or multi_node: whether `trainforge config` asks about the other "
+    "machines (default: this_machine)",
+    "nnodes": "number of machines, or MIN:MAX for an elastic job (default: 1)",
+    "node_rank": "this machine's rank, 0 .. nnodes-1; 0 is the one the others connect to (default: 0)",
+    "master_addr": "address of the rank-0 machine (default: 127.0.0.1)",
+    "master_port": "port on the rank-0 machine (default on one machine: a free port; with several: 29500)",
+    "rdzv_backend": "rendezvous backend: static, c10d, etcd or etcd-v2 (default: static)",
+    "rdzv_endpoint": "rendezvous endpoint host:port of a c10d/etcd rendezvous (default: none)",
+    "max_restarts": "how many times the whole group is restarted after a worker fails (default: 0)",
+    "monitor_interval": "seconds between the launcher's checks of its workers (default: torchrun's, 0.1)",
+    "shutdown_timeout": "seconds the workers get to save and exit after a stop signal, before SIGKILL "
+    "(default: 30; needs torch >= 2.12)",
+    "accelerator": "device type: auto, cpu or gpu (default: what the script passes, else auto: a GPU "
+    "when there is one)",
+    "nproc_per_node": "processes (ranks) per machine, usually one per GPU (default: 1)",
+    "strategy": "strategy for the script's Trainer or Accelerator: " + ", ".join(STRATEGY_NAMES) + " (default: "
+    "what the script passes, else auto)",
+    "deepspeed.zero_stage": "DeepSpeed ZeRO stage 0-3, with --strategy deepspeed (default: 2)",
+    "deepspeed.offload_optimizer_device": "DeepSpeed: offload optimizer state to none, cpu or nvme (default: none)",
+    "deepspeed.offload_param_device": "DeepSpeed ZeRO-3: offload parameters to none, cpu or nvme (default: none)",
+    "fsdp.sharding_strategy": "FSDP sharding: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD "
+    "(default: FULL_SHARD)",
+    "precision": "precision: " + ", ".join(PRECISIONS) + " (default: what the script passes, else 32)",
+    "gradient_accumulation_steps": "batches whose gradients are summed before each optimizer step (default: "
+    "what the script passes, else 1)",
+    "activation_checkpointing": "activation memory: none, full, selective:<n>, op or offload, for every "
+    "strategy (default: what the script passes, else none)",
+}
+
+
 def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting (shared by `config` and `launch`); values are checked later, by Setting."""
     group = parser.add_argument_group("settings (override the config file)")
     for setting in SETTINGS:
-        group.add_argument(
-            setting.flag, dest=setting.dest, default=None, metavar="VALUE", help=setting.question.rstrip("?")
-        )
+        group.add_argument(setting.flag, dest=setting.dest, default=None, metavar="VALUE", help=FLAG_HELP[setting.key])
 
 
 def strategy_kwargs(strategy: str, defaults: Mapping[str, Any]) -> Dict[str, Any]:

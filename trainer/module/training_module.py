@@ -25,11 +25,25 @@ M = TypeVar("M", bound="TrainingModule")
 
 
 class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
-    """Subclass it; implement ``training_step`` and ``configure_optimizers`` (the rest is optional).
+    """The model to train, its steps and its optimizers: an ``nn.Module`` that the ``Trainer`` runs.
+
+    Subclass it; implement ``training_step(batch, batch_idx)``, which returns the loss (a tensor, a dict with
+    a ``"loss"`` key, or None to skip the batch), and ``configure_optimizers()``; ``validation_step``, ``test_step``, ``predict_step`` and
+    every lifecycle hook are optional. The constructor takes no arguments: call ``super().__init__()`` first,
+    then build the layers (or build them in ``configure_model`` to create them only when a run starts).
 
     ``configure_optimizers`` returns an optimizer, ``(optimizer, scheduler)``, or
     ``{"optimizer": opt, "lr_scheduler": sched | {"scheduler": sched, "interval": "step"|"epoch",
-    "frequency": 1, "name": ...}}``."""
+    "frequency": 1, "name": ...}}``. It runs after the strategy has placed and wrapped the module, so it sees
+    the final device and parameters.
+
+    The module receives every lifecycle event first, before the callbacks, with Lightning's hook signatures
+    (``on_train_epoch_end(self)``, ...). Inside a step, ``self.log(name, value)`` records a metric,
+    ``self.trainer``, ``self.device``, ``self.global_step`` and ``self.current_epoch`` describe the run, and
+    with ``self.automatic_optimization = False`` the step drives its optimizers itself (``self.optimizers()``,
+    ``self.manual_backward(loss)``). ``save_hyperparameters()`` records the subclass's constructor arguments,
+    so ``load_from_checkpoint`` can build it again from a checkpoint.
+    """
 
     _trainer: Optional["Trainer"]  # set with object.__setattr__: not a submodule
 
@@ -133,12 +147,37 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
         logger: bool = True,
         add_dataloader_idx: bool = True,
     ) -> None:
-        """Record a scalar. In training the default is per step; in validation/test per epoch, where
-        the epoch value is ``reduce_fx`` over batches ("mean": weighted by batch size; "sum", "max",
-        "min"), with ``sync_dist`` over all ranks too. ``rank_zero_only``: logged from rank 0 only, never
-        synced; ``logger=False``: in ``trainer.callback_metrics`` but not sent to the trackers. In an
-        epoch-end hook the value is logged for that epoch (see ``trainer/loop/metric_logging.py``). With several
-        evaluation loaders the name gets Lightning's ``/dataloader_idx_N`` suffix unless ``add_dataloader_idx=False``."""
+        """Record a scalar metric, with Lightning's rules.
+
+        Every logged value is in ``trainer.callback_metrics`` at once (callbacks such as ``ModelCheckpoint``
+        and ``EarlyStopping`` monitor it there) and is sent to the trackers (the LOG event). In training the
+        default is per step; in validation/test per epoch, where the epoch value is ``reduce_fx`` over the
+        batches. In an epoch-end hook the value is logged for that epoch. With ``on_step=True`` and
+        ``on_epoch=True`` the two are ``<name>_step`` and ``<name>_epoch``. A ``torchmetrics.Metric``
+        (an attribute of the module) is logged as Lightning logs it: its ``compute()`` over every rank at
+        the epoch end.
+
+        Args:
+            name: the metric's name, e.g. ``"train/loss"`` (a non-empty string; ``/`` groups it in the
+                trackers).
+            value: a scalar: a 0-d tensor, a Python number, or a ``torchmetrics.Metric``.
+            on_step: record the value of each step. Default None: True in training, False in
+                validation/test.
+            on_epoch: accumulate the value over the epoch and record the epoch's value at its end.
+                Default None: False in training, True in validation/test.
+            prog_bar: also show it in the progress bar (``trainer.progress_bar_metrics``); default False.
+            sync_dist: reduce the value over all ranks with ``reduce_fx`` (default False: each rank keeps its
+                own value). Not applied to a ``torchmetrics.Metric``, which syncs itself.
+            batch_size: the batch's size, for the epoch mean weighted by batch size (default None: read
+                from the batch).
+            reduce_fx: how the epoch value (and ``sync_dist``) combines values: ``"mean"`` (default,
+                weighted by batch size), ``"sum"``, ``"max"`` or ``"min"``.
+            rank_zero_only: the value is logged from rank 0 only and never synced (default False).
+            logger: send it to the trackers (default True); False keeps it in ``trainer.callback_metrics``
+                only.
+            add_dataloader_idx: with several evaluation loaders, add Lightning's ``/dataloader_idx_N``
+                suffix to the name (default True), so each loader's values stay apart.
+        """
         if type(name) is not str or not name.strip():
             check_metric_name(name, "self.log(name)")
         if type(add_dataloader_idx) is not bool:
