@@ -299,7 +299,7 @@ def op_level_contexts() -> Tuple[Any, Any]:
 
 
 @contextlib.contextmanager
-def _counted(forward: Any, meter: "SavedBytes") -> Iterator[None]:
+def _counted(forward: Any, meter: SavedBytes) -> Iterator[None]:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 

@@ -189,7 +189,7 @@ class Strategy:
         """Called with the model and the first loader before any loader is sharded: a strategy whose
         layout depends on the model (MegatronStrategy's "auto" sizes) chooses it here. Default: nothing."""
 
-    def setup(self, module: nn.Module, optimizers: "Optimizers") -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
+    def setup(self, module: nn.Module, optimizers: Optimizers) -> Tuple[nn.Module, List[torch.optim.Optimizer]]:
         """Move (and wrap) the module; return the module to call and the optimizers to step.
 
         ``optimizers``: those the user built beforehand (Accelerate's order), or a callable that

@@ -156,7 +156,8 @@ def _before_fork() -> None:
             time.sleep(_POLL_S)
             if not any(state in "RD" for state in _gloo_worker_states()):
                 return
-    except Exception:  # noqa: BLE001 - never make a fork fail
+    except Exception:
+        # never make a fork fail
         pass
 
 
@@ -187,7 +188,8 @@ def _exit_handler() -> None:
     for stop in reversed(_at_exit):
         try:
             stop()
-        except Exception as exc:  # noqa: BLE001 - at exit, one failing teardown must not skip the drain
+        except Exception as exc:
+            # at exit, one failing teardown must not skip the drain
             print(f"trainforge: process-group teardown at exit failed: {exc!r}", file=sys.stderr)
     drain_gloo_workers()
 

@@ -182,7 +182,7 @@ def explicit_settings(
     return out
 
 
-def load_user_config(config: Union[None, str, "os.PathLike[str]", Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+def load_user_config(config: Union[None, str, os.PathLike[str], Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
     """A deep copy of a dict config, or the parsed JSON file at ``config``; None stays None."""
     if config is None:
         return None

@@ -107,7 +107,7 @@ def detect_environment(environ: Mapping[str, str] = os.environ) -> ClusterEnviro
     return _validated(ClusterEnvironment("single", 0, 1, 0, 1, 0, addr, port), environ)
 
 
-def default_backend(device: "torch.device | str") -> str:
+def default_backend(device: torch.device | str) -> str:
     """The process-group backend for ``device``: nccl for CUDA, gloo for the CPU, and for any other
     device the backend registered for its type (``torch.distributed.Backend.register_backend(...,
     devices=[...])``: xccl for XPU, "tpu" for torch-tpu's PrivateUse1 device), else gloo."""

@@ -330,14 +330,16 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         """``sharded``: ``dcp/`` (strategies/checkpoint/dcp.py), every rank writing its own file, in
         the background for an asynchronous save. ``full``: consolidated files from rank 0 (the base class)."""
         if self.state_dict_type == "full":
-            return super().save_checkpoint(writer, module, optimizers)
-        save_sharded(writer, module, optimizers, flat=False)
+            super().save_checkpoint(writer, module, optimizers)
+        else:
+            save_sharded(writer, module, optimizers, flat=False)
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Whichever format the checkpoint holds; a sharded one may come from another world size."""
-        if not has_sharded(path):
-            return super().load_checkpoint(path, module, optimizers)
-        load_sharded(path, module, optimizers)
+        if has_sharded(path):
+            load_sharded(path, module, optimizers)
+        else:
+            super().load_checkpoint(path, module, optimizers)
 
     def trainable_state_dict(self, module: nn.Module) -> Dict[str, torch.Tensor]:
         """The full state dict less the frozen parameters, which are never gathered."""
@@ -346,13 +348,15 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
 
     def save_trainable(self, writer: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         if self.state_dict_type == "full":
-            return super().save_trainable(writer, module, optimizers)
-        save_sharded(writer, module, optimizers, flat=False, trainable_only=True)
+            super().save_trainable(writer, module, optimizers)
+        else:
+            save_sharded(writer, module, optimizers, flat=False, trainable_only=True)
 
     def load_trainable(self, path: Any, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        if not has_sharded(path):
-            return super().load_trainable(path, module, optimizers)
-        load_sharded(path, module, optimizers, trainable_only=True)
+        if has_sharded(path):
+            load_sharded(path, module, optimizers, trainable_only=True)
+        else:
+            super().load_trainable(path, module, optimizers)
 
     def __repr__(self) -> str:
         return (

@@ -187,11 +187,9 @@ def fits(
 ) -> bool:
     """True when the row's device bytes leave ``headroom`` of ``device_memory`` free and its
     offloaded bytes (times the ranks sharing the host) fit in ``cpu_memory``. None = unknown = fits."""
-    if device_memory is not None and row.device > device_memory * (1.0 - headroom):
-        return False
-    if cpu_memory is not None and row.cpu * ranks_per_node > cpu_memory * (1.0 - headroom):
-        return False
-    return True
+    device_fits = device_memory is None or row.device <= device_memory * (1.0 - headroom)
+    cpu_fits = cpu_memory is None or row.cpu * ranks_per_node <= cpu_memory * (1.0 - headroom)
+    return device_fits and cpu_fits
 
 
 def recommend(

@@ -42,14 +42,14 @@ def init_empty_weights(include_buffers: bool = True) -> Iterator[None]:
         reg_buffer(module, name, tensor, persistent=persistent)
 
     # setattr: patching a method of the class (mypy would check it as a bound method)
-    setattr(nn.Module, "register_parameter", register_parameter)
+    setattr(nn.Module, "register_parameter", register_parameter)  # noqa: B010
     if include_buffers:
-        setattr(nn.Module, "register_buffer", register_buffer)
+        setattr(nn.Module, "register_buffer", register_buffer)  # noqa: B010
     try:
         yield
     finally:
-        setattr(nn.Module, "register_parameter", reg_param)
-        setattr(nn.Module, "register_buffer", reg_buffer)
+        setattr(nn.Module, "register_parameter", reg_param)  # noqa: B010
+        setattr(nn.Module, "register_buffer", reg_buffer)  # noqa: B010
 
 
 def _hf_ties(model: nn.Module) -> Dict[str, str]:

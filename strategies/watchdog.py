@@ -37,6 +37,7 @@ when the collectives' state is needed too.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -136,10 +137,9 @@ class ProgressWatchdog:
             except OSError as exc:
                 message += f" (could not write {path}: {exc})"
         print(message, file=sys.stderr, flush=True)
-        try:
+        # stderr closed, or replaced by an object without a fileno
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        except (OSError, ValueError, AttributeError):  # stderr closed or replaced by an object without fileno
-            pass
         _write_elastic_error_file(message)
         time.sleep(self.grace_s)
         sys.stdout.flush()

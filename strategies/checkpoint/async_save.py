@@ -97,7 +97,7 @@ class AsyncCheckpointer:
         self._owner = os.getpid()  # the process whose writer thread runs the saves
 
     # ---- main thread -------------------------------------------------------------------------
-    def open(self, final_dir: Any, kind: Optional[str] = None) -> "StagingWriter":
+    def open(self, final_dir: Any, kind: Optional[str] = None) -> StagingWriter:
         if self._future is not None and not self._future.done() and not self._logged_wait:
             if self.strategy.is_global_zero:
                 log.info(

@@ -191,8 +191,8 @@ class CheckpointWriter:
         # rel path -> future of {"size", "crc32"}: each file is checksummed and, at the same time,
         # fsynced on background threads while the next file is written (zlib.crc32, fsync and file
         # I/O release the GIL), so a save costs little more than writing its bytes durably.
-        self._files: Dict[str, "Future[Dict[str, Any]]"] = {}
-        self._syncs: List["Future[None]"] = []
+        self._files: Dict[str, Future[Dict[str, Any]]] = {}
+        self._syncs: List[Future[None]] = []
         self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainforge-ckpt")
         self._done = False
         self._previous = last_committed(self.root)  # named by a failed write's error (disk full, ...)
@@ -383,11 +383,13 @@ class CheckpointWriter:
                 f"finalize(metadata=...): not JSON-serializable ({e}); store such state with save_object"
             ) from None
 
-    def _commit(self, meta: Dict[str, Any], update_latest: bool, entries: Dict[str, Dict[str, Any]]) -> None:
+    def _commit(  # noqa: C901 - the commit protocol's steps in their required order, read top to bottom
+        self, meta: Dict[str, Any], update_latest: bool, entries: Dict[str, Dict[str, Any]]
+    ) -> None:
         tmp = self.tmp_dir
         (tmp / _SAVE_ID).unlink()
         meta["save_id"] = self.save_id
-        files, owner = dict(entries), {rel: 0 for rel in entries}
+        files, owner = dict(entries), dict.fromkeys(entries, 0)
         for frag in sorted(tmp.glob(".manifest-rank-*.json")):
             rank = int(frag.stem.rsplit("-", 1)[1])
             for rel, entry in json.loads(frag.read_text(encoding="utf-8")).items():

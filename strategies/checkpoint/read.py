@@ -21,7 +21,8 @@ _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")  # the global a weights_only unpickl
 def _read_safetensors(path: Path, device: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     try:
         with safe_open(str(path), framework="pt", device=device) as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+            # safetensors' safe_open handle has keys() but is not iterable
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})  # noqa: SIM118
     except Exception as e:  # SafetensorError (bad header), OSError, ValueError: all mean "unreadable"
         raise CheckpointError(
             f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupted"

@@ -70,7 +70,7 @@ class RemotePath:
 
     __slots__ = ("url",)
 
-    def __init__(self, url: Union[str, "RemotePath"]) -> None:
+    def __init__(self, url: Union[str, RemotePath]) -> None:
         url = str(url)
         if not is_remote(url):
             raise ConfigurationError(f"{url!r} is not a URL (protocol://...)")
@@ -89,11 +89,11 @@ class RemotePath:
         return self.url.split("://", 1)[1].rsplit("/", 1)[-1]
 
     @property
-    def parent(self) -> "RemotePath":
+    def parent(self) -> RemotePath:
         protocol, rest = self.url.split("://", 1)
         return RemotePath(f"{protocol}://{rest.rsplit('/', 1)[0]}") if "/" in rest else self
 
-    def __truediv__(self, rel: str) -> "RemotePath":
+    def __truediv__(self, rel: str) -> RemotePath:
         return RemotePath(f"{self.url}/{rel}")
 
     def __str__(self) -> str:

@@ -146,7 +146,7 @@ def resolve_remote(
     return None, None
 
 
-def resolve_on_ranks(
+def resolve_on_ranks(  # noqa: C901 - rank 0 chooses, node leaders fetch, all agree: one protocol in one place
     root: Location,
     ckpt_path: Any,
     *,

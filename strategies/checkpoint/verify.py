@@ -283,7 +283,7 @@ def resolve_checkpoint(
 ) -> Optional[Path]: ...
 
 
-def resolve_checkpoint(
+def resolve_checkpoint(  # noqa: C901 - one branch per accepted form of ckpt_path, each with its own error
     root: PathLike, ckpt_path: PathLike = "last", *, missing_ok: bool = False, verify: bool = True
 ) -> Optional[Path]:
     """The directory to resume from.

@@ -35,7 +35,7 @@ from .sampler import (
     as_sampler_state,
     epoch_length,
 )
-from .split import drop_padding, split_between_processes  # noqa: F401  (re-exported)
+from .split import drop_padding, split_between_processes
 from .worker_rng import WorkerStreams
 
 __all__ = [
@@ -326,7 +326,7 @@ def loader_kwargs(dataloader: DataLoader) -> Dict[str, Any]:
     return kwargs
 
 
-def prepare_dataloader(
+def prepare_dataloader(  # noqa: C901 - one branch per kind of loader (resumable, iterable, sampler kinds)
     dataloader: DataLoader,
     *,
     rank: int,

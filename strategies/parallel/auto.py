@@ -45,7 +45,8 @@ def loader_shape(loader: Any) -> Tuple[Optional[int], Optional[int]]:
         return batch, None
     try:
         sample = dataset[0]
-    except Exception:  # noqa: BLE001 - a dataset that cannot be indexed: seq_len= is required
+    except Exception:
+        # a dataset that cannot be indexed: seq_len= is required
         return batch, None
     if isinstance(sample, Mapping):
         sample = [sample["input_ids"]] if "input_ids" in sample else list(sample.values())
@@ -86,17 +87,16 @@ def check_auto_options(seq_len: Any, device_memory: Any, model_shape: Any) -> No
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             unit = "tokens per sequence" if name == "seq_len" else "bytes per device"
             raise ConfigurationError(f"{name}={value!r} must be None or an int >= 1 ({unit})")
-    if model_shape is not None:
-        if (
-            not isinstance(model_shape, Mapping)
-            or sorted(model_shape) != sorted(SHAPE_KEYS)
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in model_shape.values())
-        ):
-            raise ConfigurationError(
-                f"model_shape={model_shape!r} must be a dict of positive ints with keys "
-                f"{', '.join(SHAPE_KEYS)} (transformer layers, hidden size, attention heads), "
-                "e.g. {'layers': 12, 'hidden': 768, 'heads': 12}"
-            )
+    if model_shape is not None and (
+        not isinstance(model_shape, Mapping)
+        or sorted(model_shape) != sorted(SHAPE_KEYS)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in model_shape.values())
+    ):
+        raise ConfigurationError(
+            f"model_shape={model_shape!r} must be a dict of positive ints with keys "
+            f"{', '.join(SHAPE_KEYS)} (transformer layers, hidden size, attention heads), "
+            "e.g. {'layers': 12, 'hidden': 768, 'heads': 12}"
+        )
 
 
 def choose_auto_layout(

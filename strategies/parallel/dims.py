@@ -36,7 +36,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def resolve(cls, *, tp: Size, pp: Size, dp: Size, world_size: int) -> "ParallelDims":
+    def resolve(cls, *, tp: Size, pp: Size, dp: Size, world_size: int) -> ParallelDims:
         """``dp='auto'`` takes what tp x pp leave; every size named in the error when they do not fit."""
         if tp == "auto" or pp == "auto":
             raise ConfigurationError(

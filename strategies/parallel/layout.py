@@ -47,7 +47,7 @@ class ModelShape:
     heads: int
 
     @classmethod
-    def of(cls, model: Any, params: int) -> "ModelShape":
+    def of(cls, model: Any, params: int) -> ModelShape:
         """From a transformers config (``num_hidden_layers``/``n_layer``, ``hidden_size``/``n_embd``,
         ``num_attention_heads``/``n_head``); a plain model needs them given (``ModelShape(...)``)."""
         config = getattr(model, "config", None)

@@ -295,7 +295,7 @@ CAUSAL_LM_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 class PassThrough(nn.Identity):
     """What a module of another stage becomes: its first input, whatever else it is called with."""
 
-    def forward(self, input: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
+    def forward(self, input: Any, *args: Any, **kwargs: Any) -> Any:
         return input
 
 

@@ -38,7 +38,7 @@ class PipelineRunner:
         self.pp, self.pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
         self.num_stages, self.num_microbatches = len(split.stages), num_microbatches
         self.has_first, self.has_last = 0 in stages, self.num_stages - 1 in stages
-        self.rank_of = lambda s: stage_rank(s, self.pp, self.num_stages, schedule)  # noqa: E731
+        self.rank_of = lambda s: stage_rank(s, self.pp, self.num_stages, schedule)
         self.last_rank = self.rank_of(self.num_stages - 1)  # pipeline rank of the last stage
         self.stages = [
             PipelineStage(m, i, self.num_stages, device, group=self.group) for i, m in sorted(stages.items())

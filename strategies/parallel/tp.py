@@ -47,7 +47,7 @@ STYLE_NAMES = (
 EXAMPLE_PLAN = '{"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise", "head": "colwise_rep"}'
 
 
-def _glob(pattern: str) -> "re.Pattern[str]":
+def _glob(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
 
 
