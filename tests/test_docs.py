@@ -1,5 +1,6 @@
 """The documentation site (mkdocs.yml, docs/): it builds with ``mkdocs build --strict``, a reference to a
-name that does not exist fails the build naming it, every public name is in the API reference, and the
+name that does not exist fails the build naming it, every public name is in the API reference, whose pages
+show each argument's meaning and no private base class, no list is rendered as a paragraph, and the
 built index and a guide render in a real headless browser (chromium; skipped where none is installed)."""
 
 from __future__ import annotations
@@ -55,6 +56,55 @@ def test_site_builds_strict(site):
     assert 'id="trainforge.Trainer"' in (site / "api/trainforge/index.html").read_text()
     cli = (site / "guides/cli/index.html").read_text()
     assert "usage: trainforge launch" in cli and "usage: trainforge merge-weights" in cli
+
+
+def test_api_pages_show_arguments_and_no_private_bases(site):
+    page = (site / "api/strategies/index.html").read_text()
+    # mkdocs.yml's show_bases: false; the strategies' mixins (ProcessGroupMixin, PipelineSetup) are not API
+    assert "Bases:" not in page and "ProcessGroupMixin" not in page
+    # docstring_style: google renders an Args: block as a table of the arguments, each with its meaning
+    ddp = page[page.index('id="trainforge.strategies.DDPStrategy"') :]
+    table = ddp[: ddp.index("</table>")]
+    assert "find_unused_parameters" in table and "so their gradients do not" in table, table[:2000]
+
+
+# A markdown list needs a blank line before it; without one Python-Markdown keeps its lines in the
+# paragraph above, where they show as "text: - one - two". Such a paragraph's text still has the list's
+# line breaks: a line that starts with a list marker ("- ", "* ", "+ ", "1. ").
+LIST_LINE = re.compile(r"\n[ \t]*(?:[-*+]|\d+[.)])[ \t]+\S")
+BLOCK = re.compile(r"<(p|li|td)\b[^>]*>(.*?)</\1>", re.S)
+
+
+def lists_in_paragraphs(page_html: str) -> list:
+    """The start of each paragraph (or list item, table cell) of a page whose text holds list lines."""
+    found = []
+    for match in BLOCK.finditer(page_html):
+        text = html.unescape(re.sub(r"<[^>]+>", "", match.group(2)))
+        if LIST_LINE.search(text):
+            found.append(" ".join(text.split())[:100])
+    return found
+
+
+def test_the_list_detector_finds_a_list_without_a_blank_line():
+    assert lists_in_paragraphs("<p>Never deleted:\n- <code>a</code> one;\n- another</p>") == [
+        "Never deleted: - a one; - another"
+    ]
+    assert lists_in_paragraphs("<p>Steps:\n1. build\n2. run</p>")
+    # a list rendered as a list, and dashes inside a sentence, are not
+    assert not lists_in_paragraphs("<p>Never deleted:</p>\n<ul>\n<li>one</li>\n<li>two</li>\n</ul>")
+    assert not lists_in_paragraphs("<p>rank r runs stages r and 2 pp - 1 - r,\nthe rest - as before</p>")
+
+
+def test_no_list_is_rendered_as_a_paragraph(site):
+    found = {}
+    for page in sorted(site.rglob("*.html")):
+        bad = lists_in_paragraphs(page.read_text())
+        if bad:
+            found[page.relative_to(site).as_posix()] = bad
+    assert not found, (
+        f"lists rendered as paragraphs (add a blank line before the list in the page's markdown, or in the "
+        f"docstring mkdocstrings renders): {found}"
+    )
 
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")

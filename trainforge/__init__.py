@@ -2,7 +2,7 @@
 
 The one top-level package of the install. The repository's trainer/, callbacks/ and strategies/
 folders are installed as ``trainforge.trainer``, ``trainforge.callbacks`` and
-``trainforge.strategies`` (setup.cfg ``package_dir``); this module holds the names users import first.
+``trainforge.strategies`` (setup.py ``package_dir``); this module holds the names users import first.
 """
 
 from trainforge import trainer as _trainer
