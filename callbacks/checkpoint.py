@@ -122,7 +122,7 @@ class ModelCheckpoint(Checkpointer):
             holding a ``peft.PeftModel`` only; True: any model with frozen parameters; False: never.
     """
 
-    def __init__(
+    def __init__(  # noqa: C901, PLR0915 - 16 arguments (Lightning's and ours), each checked with its own message
         self,
         dirpath: Optional[str] = None,
         filename: Optional[str] = None,
@@ -280,12 +280,12 @@ class ModelCheckpoint(Checkpointer):
         """``Checkpointer``: resumable checkpoints unless ``save_weights_only``."""
         return not self.save_weights_only
 
-    def directory(self, trainer: "TrainerView") -> Location:
+    def directory(self, trainer: TrainerView) -> Location:
         """A ``Path``, or a ``RemotePath`` for a URL (object storage: strategies/checkpoint/remote.py)."""
         return location(self.dirpath if self.dirpath else trainer.default_checkpoint_dir)
 
     # ---- triggers ------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._last_time = time.monotonic()
         if self._saves_anything():  # every rank writes files of each checkpoint: each checks, before any work
             if self.dirpath:
@@ -302,7 +302,7 @@ class ModelCheckpoint(Checkpointer):
             self._place_restored_paths(self.directory(trainer))
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         n = self.every_n_steps
         if trainer.stop_requested is not None:  # every rank stops after this step on a signal: save it
@@ -315,7 +315,7 @@ class ModelCheckpoint(Checkpointer):
             if trainer.strategy.broadcast(due, 0):  # rank 0's clock decides, so every rank saves together
                 self._save_periodic(trainer)
 
-    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         n = self.every_n_epochs
         if n and (trainer.current_epoch + 1) % n == 0:
             self._save_periodic(trainer)
@@ -323,12 +323,12 @@ class ModelCheckpoint(Checkpointer):
             self._save_top_k(trainer)
         self._save_last(trainer)
 
-    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self._epoch_default and self.save_top_k != 0 and trainer.global_step != self.last_saved_step:
             self._save_periodic(trainer)  # stopped inside an epoch (max_steps): its state is the newest
         self._save_last(trainer)
 
-    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self.monitor is None or trainer.stage != "fit" or self._judge_at_train_epoch_end(trainer):
             return
         self._save_top_k(trainer)
@@ -337,12 +337,12 @@ class ModelCheckpoint(Checkpointer):
         periodic = self.every_n_steps or self.every_n_epochs or self.train_time_interval is not None
         return bool(self.save_last or periodic or (self.monitor is not None and self.save_top_k != 0))
 
-    def _judge_at_train_epoch_end(self, trainer: "TrainerView") -> bool:
+    def _judge_at_train_epoch_end(self, trainer: TrainerView) -> bool:
         if self.save_on_train_epoch_end is not None:
             return self.save_on_train_epoch_end
         return not trainer.val_dataloaders  # no validation loop: judge training metrics
 
-    def _save_top_k(self, trainer: "TrainerView") -> None:
+    def _save_top_k(self, trainer: TrainerView) -> None:
         if self.monitor not in trainer.callback_metrics:
             raise ConfigurationError(
                 f"ModelCheckpoint(monitor={self.monitor!r}): no such logged metric; available: "
@@ -373,7 +373,7 @@ class ModelCheckpoint(Checkpointer):
         return score < worst if self.mode == "min" else score > worst
 
     # ---- saving --------------------------------------------------------------------------------
-    def _save_periodic(self, trainer: "TrainerView") -> None:
+    def _save_periodic(self, trainer: TrainerView) -> None:
         self._last_time = time.monotonic()
         if trainer.global_step == self.last_saved_step and self.last_path:
             return
@@ -388,14 +388,14 @@ class ModelCheckpoint(Checkpointer):
                 self._delete(trainer, old)
         self._save_last(trainer)
 
-    def _save_last(self, trainer: "TrainerView") -> None:
+    def _save_last(self, trainer: TrainerView) -> None:
         if not self.save_last or trainer.global_step == self._last_written_step:
             return
         path = self._path(trainer, "last")
         self.last_model_path, self._last_written_step = path, trainer.global_step
         self._write(trainer, path)
 
-    def _path(self, trainer: "TrainerView", name: Optional[str] = None) -> str:
+    def _path(self, trainer: TrainerView, name: Optional[str] = None) -> str:
         directory, name = self.directory(trainer), name or self._format_name(trainer)
         free, version = name, 0
         if trainer.is_global_zero:  # the first name not held by another run's checkpoint (or anything else)
@@ -412,7 +412,7 @@ class ModelCheckpoint(Checkpointer):
                 )
         return str(directory / trainer.strategy.broadcast(free, 0))
 
-    def _write(self, trainer: "TrainerView", path: str) -> None:
+    def _write(self, trainer: TrainerView, path: str) -> None:
         self.last_saved_step, self.last_path = trainer.global_step, path
         started, asynchronous = time.monotonic(), self._async(trainer)
         if self.save_weights_only:
@@ -428,7 +428,7 @@ class ModelCheckpoint(Checkpointer):
                 f"from it (fit(ckpt_path=...))"
             )
 
-    def _check_stop_grace(self, trainer: "TrainerView", seconds: float) -> None:
+    def _check_stop_grace(self, trainer: TrainerView, seconds: float) -> None:
         """A stop signal's checkpoint is saved like this one; a launcher that kills the workers sooner after
         forwarding the signal (``STOP_GRACE_ENV``) would cut it (the previous checkpoint stays intact,
         the steps since are lost): said once, at the first save that shows it."""
@@ -449,14 +449,14 @@ class ModelCheckpoint(Checkpointer):
                 stacklevel=2,
             )
 
-    def _async(self, trainer: "TrainerView") -> bool:
+    def _async(self, trainer: TrainerView) -> bool:
         return resolve_async_save(self.async_save, trainer.device)
 
-    def _format_name(self, trainer: "TrainerView") -> str:
+    def _format_name(self, trainer: TrainerView) -> str:
         values: Dict[str, Any] = {k: float(v) for k, v in trainer.callback_metrics.items()}
         values.update(epoch=trainer.current_epoch, step=trainer.global_step)
 
-        def fill(match: "re.Match[str]") -> str:
+        def fill(match: re.Match[str]) -> str:
             name, spec = match.group(1), match.group(2) or ""
             text = format(values[name], spec[1:])
             return f"{name}={text}" if self.auto_insert_metric_name else text
@@ -471,7 +471,7 @@ class ModelCheckpoint(Checkpointer):
             name = f"epoch={trainer.current_epoch}-step={trainer.global_step}"
         return name.replace("/", "_").replace(" ", "_")
 
-    def _delete(self, trainer: "TrainerView", path: str) -> None:
+    def _delete(self, trainer: TrainerView, path: str) -> None:
         root = self.directory(trainer)
 
         def prune() -> None:

@@ -127,21 +127,21 @@ class EarlyStopping(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
-    def _on_train_epoch_end_too(self, trainer: "TrainerView") -> bool:
+    def _on_train_epoch_end_too(self, trainer: TrainerView) -> bool:
         if self.check_on_train_epoch_end is not None:
             return self.check_on_train_epoch_end
         return not trainer.val_dataloaders
 
-    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self._on_train_epoch_end_too(trainer):
             self._check(trainer)
 
-    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if trainer.stage != "fit" or self._on_train_epoch_end_too(trainer):
             return  # trainer.validate()/test() never stop anything
         self._check(trainer)
 
-    def _check(self, trainer: "TrainerView") -> None:
+    def _check(self, trainer: TrainerView) -> None:
         metrics = trainer.callback_metrics
         if self.monitor not in metrics:
             available = ", ".join(sorted(metrics)) or "(none: nothing was logged)"

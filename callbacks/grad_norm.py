@@ -58,7 +58,7 @@ class GradientNormMonitor(Callback):
         self.per_layer = per_layer
         self.last_metrics: Dict[str, float] = {}
 
-    def on_before_optimizer_step(self, trainer: "TrainerView", module: "TrainingModule", optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView, module: TrainingModule, optimizer: Any) -> None:
         step = trainer.global_step + 1  # the step this optimizer call completes
         if step % max(1, int(trainer.log_every_n_steps)) != 0:
             return

@@ -80,7 +80,7 @@ class HangWatchdog(Callback):
         self._batch_idx = 0
 
     # ---- hang ------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         assert self.timeout is not None
         dump_dir = os.path.join(trainer.default_root_dir, "hang")
         self._dog = ProgressWatchdog(self.timeout, dump_dir, rank=trainer.global_rank)
@@ -96,32 +96,30 @@ class HangWatchdog(Callback):
         if dog is not None:
             dog.stop()
 
-    def on_train_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._disarm()
 
-    def on_exception(self, trainer: "TrainerView", module: "TrainingModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, module: TrainingModule, exception: BaseException) -> None:
         self._disarm()
 
-    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
+    def on_teardown(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
         self._disarm()
 
-    def on_train_batch_start(
-        self, trainer: "TrainerView", module: "TrainingModule", batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: TrainerView, module: TrainingModule, batch: Any, batch_idx: int) -> None:
         now = time.monotonic()
         self._beat(f"training batch {batch_idx} started (global step {trainer.global_step})")
         if self._batch_end_t is not None:  # waiting for this batch counts as busy
             self._busy += now - self._batch_end_t
         self._batch_start_t, self._batch_idx = now, batch_idx
 
-    def on_before_backward(self, trainer: "TrainerView", module: "TrainingModule", loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: TrainerView, module: TrainingModule, loss: torch.Tensor) -> None:
         self._beat(f"training batch {self._batch_idx}: forward done, in backward (global step {trainer.global_step})")
         if self._batch_start_t is not None:  # the forward; the backward's collectives are left out
             self._busy += time.monotonic() - self._batch_start_t
             self._batch_start_t = None
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         now = time.monotonic()
         self._beat(f"training batch {batch_idx} ended (global step {trainer.global_step})")
@@ -138,15 +136,15 @@ class HangWatchdog(Callback):
                 self._report_stragglers(trainer)
 
     def on_validation_batch_start(
-        self, trainer: "TrainerView", module: "TrainingModule", batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: TrainerView, module: TrainingModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._beat(f"validation batch {batch_idx} of loader {dataloader_idx} started")
         self._batch_end_t = None  # validation time is not a training batch's wait
 
     def on_validation_batch_end(
         self,
-        trainer: "TrainerView",
-        module: "TrainingModule",
+        trainer: TrainerView,
+        module: TrainingModule,
         outputs: Any,
         batch: Any,
         batch_idx: int,
@@ -155,7 +153,7 @@ class HangWatchdog(Callback):
         self._beat(f"validation batch {batch_idx} of loader {dataloader_idx} ended")
 
     # ---- stragglers ------------------------------------------------------------------------------
-    def _report_stragglers(self, trainer: "TrainerView") -> None:
+    def _report_stragglers(self, trainer: TrainerView) -> None:
         mean = self._busy / max(self._batches, 1)
         self._busy, self._batches = 0.0, 0
         if self._hosts is None:  # once per fit

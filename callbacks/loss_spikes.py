@@ -122,7 +122,7 @@ class LossSpikes(StepGuard):
         self._sum = value if self._sum is None else self._sum + value
         self._count += 1
 
-    def decide(self, strategy: "Strategy", step: int, is_global_zero: bool) -> StepDecision:
+    def decide(self, strategy: Strategy, step: int, is_global_zero: bool) -> StepDecision:
         """``StepGuard``: skip a spike; roll back after ``rollback_after`` consecutive skips."""
         if not self.should_skip(strategy, step, is_global_zero):
             return "step"
@@ -141,7 +141,7 @@ class LossSpikes(StepGuard):
         without checkpoints."""
         check_loss_spikes(self, trainer.callbacks, automatic_optimization, nonfinite_loss)
 
-    def should_skip(self, strategy: "Strategy", step: int, is_global_zero: bool) -> bool:
+    def should_skip(self, strategy: Strategy, step: int, is_global_zero: bool) -> bool:
         """At an optimizer step, on every rank: whether to skip it (the same answer on every rank)."""
         device = self._sum.device if self._sum is not None else strategy.root_device
         local = torch.zeros(2, dtype=torch.float64, device=device)

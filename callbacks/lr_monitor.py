@@ -45,18 +45,18 @@ class LearningRateMonitor(Callback):
         self._pending_step = -1
         self._last_step = -1
 
-    def on_train_epoch_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_epoch_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self.logging_interval == "epoch":
             self._log(trainer, self.current_values(trainer), trainer.global_step)
 
-    def on_before_optimizer_step(self, trainer: "TrainerView", module: "TrainingModule", optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView, module: TrainingModule, optimizer: Any) -> None:
         # Fires once per optimizer; the first call of a step reads all of them (none has stepped yet).
         if self.logging_interval == "step" and self._pending_step != trainer.global_step:
             self._pending = self.current_values(trainer)
             self._pending_step = trainer.global_step
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
         if self.logging_interval != "step" or step == 0 or step == self._last_step:
@@ -67,12 +67,12 @@ class LearningRateMonitor(Callback):
             self._log(trainer, self._pending if fresh else self.current_values(trainer), step)
         self._pending = None
 
-    def _log(self, trainer: "TrainerView", metrics: Optional[Dict[str, float]], step: int) -> None:
+    def _log(self, trainer: TrainerView, metrics: Optional[Dict[str, float]], step: int) -> None:
         if metrics:
             self.last_metrics = dict(metrics)
             trainer.log_metrics(metrics, step=step)
 
-    def current_values(self, trainer: "TrainerView") -> Dict[str, float]:
+    def current_values(self, trainer: TrainerView) -> Dict[str, float]:
         """``{name: value}`` for every optimizer and param group right now."""
         scheduler_names = {}
         for config in trainer.lr_scheduler_configs:

@@ -99,7 +99,7 @@ class MemoryMonitor(Callback):
         self._recording = False
 
     # ---- hooks ----------------------------------------------------------------------------
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if not self.record_history:
             return
         if not _is_cuda(trainer):
@@ -114,13 +114,13 @@ class MemoryMonitor(Callback):
         self._recording = True
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
         if step > 0 and step != self._last_step and step % self.every_n_steps == 0:
             self.measure(trainer)
 
-    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if trainer.global_step != self._last_step:
             self.measure(trainer)  # every rank is here, so the collective is safe
         if self._recording:
@@ -130,7 +130,7 @@ class MemoryMonitor(Callback):
         if trainer.is_global_zero:
             print(self.summary())
 
-    def on_exception(self, trainer: "TrainerView", module: "TrainingModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, module: TrainingModule, exception: BaseException) -> None:
         oom_types = tuple(
             t
             for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
@@ -144,7 +144,7 @@ class MemoryMonitor(Callback):
             self._recording = False
 
     # ---- measuring ------------------------------------------------------------------------
-    def measure(self, trainer: "TrainerView") -> Dict[str, float]:
+    def measure(self, trainer: TrainerView) -> Dict[str, float]:
         """Measure on this rank, gather all ranks, log, update peaks and leak windows. Collective."""
         step = trainer.global_step
         self._last_step = step
@@ -170,7 +170,7 @@ class MemoryMonitor(Callback):
         trainer.log_metrics(metrics, step=step)
         return metrics
 
-    def _local_values(self, trainer: "TrainerView") -> Dict[str, float]:
+    def _local_values(self, trainer: TrainerView) -> Dict[str, float]:
         values = {"host_rss_mb": psutil.Process(os.getpid()).memory_info().rss / _MB}
         if _is_cuda(trainer):
             dev = _device(trainer)
@@ -246,7 +246,7 @@ class MemoryMonitor(Callback):
                 window.append(samples[-1])
 
     # ---- snapshots ------------------------------------------------------------------------
-    def _dump_snapshot(self, trainer: "TrainerView", tag: str) -> None:
+    def _dump_snapshot(self, trainer: TrainerView, tag: str) -> None:
         """Pickle the CUDA allocator state and write an HTML view next to it (CUDA-only)."""
         folder = self.snapshot_dir or os.path.join(str(trainer.default_root_dir), "memory")
         base = os.path.join(folder, f"rank{trainer.global_rank}_{tag}")
@@ -298,10 +298,10 @@ class MemoryMonitor(Callback):
         self._last_step = int(state_dict.get("last_step", -1))
 
 
-def _device(trainer: "TrainerView") -> torch.device:
+def _device(trainer: TrainerView) -> torch.device:
     device = trainer.device
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
-def _is_cuda(trainer: "TrainerView") -> bool:
+def _is_cuda(trainer: TrainerView) -> bool:
     return _device(trainer).type == "cuda" and torch.cuda.is_available()

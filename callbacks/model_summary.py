@@ -78,6 +78,6 @@ class ModelSummary(Callback):
             )
         self.max_depth = max_depth
 
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self.max_depth != 0 and trainer.is_global_zero:
             print(summarize(module, self.max_depth), flush=True)

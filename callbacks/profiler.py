@@ -114,10 +114,10 @@ class SimpleProfiler(HookProfiler):
     def totals(self) -> Dict[str, tuple]:
         return {name: (t[0], int(t[1])) for name, t in self._totals.items()}
 
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._first_step = trainer.global_step
 
-    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
+    def on_teardown(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
         """The report, once every other hook but teardown has run (this callback's hooks run first)."""
         if stage != "fit":
             return
@@ -170,7 +170,7 @@ class PyTorchProfiler(HookProfiler):
     ``profile_memory``, ``with_stack``, ``with_flops``, ``with_modules``, ``on_trace_ready``, ``schedule``).
     """
 
-    def __init__(
+    def __init__(  # noqa: C901 - one validation branch per constructor argument
         self,
         dirpath: Optional[str] = None,
         filename: Optional[str] = None,
@@ -254,10 +254,10 @@ class PyTorchProfiler(HookProfiler):
         return recorded
 
     # ---- the profiler's life: the training loop of a fit ----------------------------------------------
-    def _out_dir(self, trainer: "TrainerView") -> str:
+    def _out_dir(self, trainer: TrainerView) -> str:
         return str(self.dirpath) if self.dirpath is not None else os.path.join(trainer.default_root_dir, "profiler")
 
-    def on_train_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         out, rank = self._out_dir(trainer), trainer.global_rank
         os.makedirs(out, exist_ok=True)
         stem = f"{self.filename}-" if self.filename else ""
@@ -308,48 +308,46 @@ class PyTorchProfiler(HookProfiler):
             if ctx is not None:
                 ctx.__exit__(None, None, None)
 
-    def on_train_batch_start(
-        self, trainer: "TrainerView", module: "TrainingModule", batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: TrainerView, module: TrainingModule, batch: Any, batch_idx: int) -> None:
         if self.profiler is not None:
             self._enter(_PHASES["on_train_batch_start"])
 
-    def on_before_backward(self, trainer: "TrainerView", module: "TrainingModule", loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: TrainerView, module: TrainingModule, loss: torch.Tensor) -> None:
         if self.profiler is not None:
             self._exit(_CLOSES["on_before_backward"])
             self._enter(_PHASES["on_before_backward"])
 
-    def on_after_backward(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_after_backward(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._exit(_CLOSES["on_after_backward"])
 
-    def on_before_optimizer_step(self, trainer: "TrainerView", module: "TrainingModule", optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView, module: TrainingModule, optimizer: Any) -> None:
         if self.profiler is not None:
             self._enter(_PHASES["on_before_optimizer_step"])
 
-    def on_before_zero_grad(self, trainer: "TrainerView", module: "TrainingModule", optimizer: Any) -> None:
+    def on_before_zero_grad(self, trainer: TrainerView, module: TrainingModule, optimizer: Any) -> None:
         self._exit(_CLOSES["on_before_zero_grad"])
 
-    def on_validation_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self.profiler is not None:
             self._enter(_PHASES["on_validation_start"])
 
-    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._exit(_CLOSES["on_validation_end"])
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._exit(_CLOSES["on_train_batch_end"])
         if self.profiler is not None:
             self.profiler.step()
 
-    def on_train_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._stop(trainer)
 
-    def on_exception(self, trainer: "TrainerView", module: "TrainingModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, module: TrainingModule, exception: BaseException) -> None:
         self._stop(trainer)
 
-    def _stop(self, trainer: "TrainerView") -> None:
+    def _stop(self, trainer: TrainerView) -> None:
         self._exit(tuple(reversed(self._open)))
         for handle in self._module_hooks:
             handle.remove()

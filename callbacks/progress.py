@@ -30,10 +30,10 @@ class ProgressBar(Callback):
         self._last_step = 0
         self._t0 = 0.0
 
-    def _enabled(self, trainer: "TrainerView") -> bool:
+    def _enabled(self, trainer: TrainerView) -> bool:
         return trainer.is_global_zero
 
-    def on_train_epoch_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_epoch_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if not self._enabled(trainer):
             return
         stream = self.stream if self.stream is not None else sys.stderr
@@ -55,7 +55,7 @@ class ProgressBar(Callback):
             )
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._enabled(trainer):
             return
@@ -82,7 +82,7 @@ class ProgressBar(Callback):
                 flush=True,
             )
 
-    def _postfix(self, trainer: "TrainerView", outputs: Any) -> Dict[str, str]:
+    def _postfix(self, trainer: TrainerView, outputs: Any) -> Dict[str, str]:
         out: Dict[str, str] = {}
         loss = _loss_of(outputs)
         if loss is not None:
@@ -91,10 +91,10 @@ class ProgressBar(Callback):
             out[name] = f"{float(value):.4g}"
         return out
 
-    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._close()
 
-    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
+    def on_teardown(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
         self._close()
 
     def _close(self) -> None:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 EVERY = ("epoch", "step")
 
 
-def _samplers(trainer: "TrainerView") -> List[Any]:
+def _samplers(trainer: TrainerView) -> List[Any]:
     loader = trainer.train_dataloader
     found: List[Any] = []
     for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
@@ -77,17 +77,15 @@ class RNGSync(Callback):
         self.every = every
         self.syncs = 0  # how many times the state was synced (for inspection)
 
-    def on_train_epoch_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_epoch_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self.every == "epoch":
             self.sync(trainer)
 
-    def on_train_batch_start(
-        self, trainer: "TrainerView", module: "TrainingModule", batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: TrainerView, module: TrainingModule, batch: Any, batch_idx: int) -> None:
         if self.every == "step":
             self.sync(trainer)
 
-    def sync(self, trainer: "TrainerView") -> None:
+    def sync(self, trainer: TrainerView) -> None:
         """Collective: every rank must call it at the same point."""
         samplers = _samplers(trainer)
         state: Optional[Dict[str, Any]] = None

@@ -136,23 +136,23 @@ class ThroughputMonitor(Callback):
     def _clock(self) -> float:
         return time.perf_counter() - self._paused
 
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._flops_per_token = 6.0 * parameter_count(module) if is_transformer(module) else None
         device = trainer.device
         self._peak = self.peak_flops or peak_flops_for(device, trainer.precision)
         self._entries.clear()
         self._entries.append((self._clock(), self._samples, self._tokens, self._flops))
 
-    def on_validation_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._pause_start = time.perf_counter()
 
-    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self._pause_start is not None:
             self._paused += time.perf_counter() - self._pause_start
             self._pause_start = None
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         samples = batch_size_of(batch)
         tokens = self._count_tokens(batch)
@@ -192,7 +192,7 @@ class ThroughputMonitor(Callback):
                 return _numel_or_count(batch["input_ids"], is_count=False)
         return None
 
-    def _report(self, trainer: "TrainerView", device: torch.device, step: int) -> None:
+    def _report(self, trainer: TrainerView, device: torch.device, step: int) -> None:
         t0, s0, k0, f0 = self._entries[0]
         t1, s1, k1, f1 = self._entries[-1]
         dt = t1 - t0

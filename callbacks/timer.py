@@ -79,9 +79,9 @@ class Timer(Callback):
             raise ConfigurationError(f"Timer(duration={duration!r}) must be longer than zero")
         self.interval = interval
         self.verbose = verbose
-        self._start: Dict[str, Optional[float]] = {s: None for s in STAGES}
-        self._end: Dict[str, Optional[float]] = {s: None for s in STAGES}
-        self._offset: Dict[str, float] = {s: 0.0 for s in STAGES}  # time of earlier runs / stage loops
+        self._start: Dict[str, Optional[float]] = dict.fromkeys(STAGES)
+        self._end: Dict[str, Optional[float]] = dict.fromkeys(STAGES)
+        self._offset: Dict[str, float] = dict.fromkeys(STAGES, 0.0)  # time of earlier runs / stage loops
 
     # ---- clocks ---------------------------------------------------------------------------
     def _check_stage(self, stage: str) -> None:
@@ -113,39 +113,39 @@ class Timer(Callback):
             self._end[stage] = time.monotonic()
 
     # ---- hooks ----------------------------------------------------------------------------
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._begin("fit")
 
-    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._finish("fit")
 
-    def on_validation_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._begin("test" if trainer.stage == "test" else "validate")
 
-    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._finish("test" if trainer.stage == "test" else "validate")
 
-    def on_test_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_test_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._begin("test")
 
-    def on_test_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_test_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._finish("test")
 
-    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
+    def on_teardown(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
         for name in STAGES:  # an exception skipped the *_end hook: stop the clock anyway
             self._finish(name)
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.interval == "step":
             self._check_time(trainer)
 
-    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self.interval == "epoch":
             self._check_time(trainer)
 
-    def _check_time(self, trainer: "TrainerView") -> None:
+    def _check_time(self, trainer: TrainerView) -> None:
         if self.duration is None:
             return
         expired = self.time_elapsed("fit") >= self.duration.total_seconds()
@@ -170,5 +170,5 @@ class Timer(Callback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         elapsed = state_dict.get("time_elapsed", {})
         self._offset = {s: float(elapsed.get(s, 0.0)) for s in STAGES}
-        self._start = {s: None for s in STAGES}
-        self._end = {s: None for s in STAGES}
+        self._start = dict.fromkeys(STAGES)
+        self._end = dict.fromkeys(STAGES)

@@ -38,7 +38,7 @@ class TrainerView(Protocol):
     def stop_requested(self) -> Optional[str]: ...  # "SIGTERM" etc. once every rank stops after this step
 
     # processes and devices
-    strategy: "Strategy"  # collectives: broadcast, all_reduce, all_gather, barrier
+    strategy: Strategy  # collectives: broadcast, all_reduce, all_gather, barrier
     accelerator: Any  # trainforge.Accelerator (async_checkpointer, save/load)
 
     @property
@@ -48,7 +48,7 @@ class TrainerView(Protocol):
     @property
     def world_size(self) -> int: ...
     @property
-    def device(self) -> "torch.device": ...
+    def device(self) -> torch.device: ...
     @property
     def precision(self) -> str: ...
 
@@ -58,7 +58,7 @@ class TrainerView(Protocol):
     val_dataloaders: List[Any]
 
     @property
-    def optimizers(self) -> List["torch.optim.Optimizer"]: ...
+    def optimizers(self) -> List[torch.optim.Optimizer]: ...
     @property
     def hparams(self) -> Dict[str, Any]: ...
 

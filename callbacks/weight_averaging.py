@@ -223,55 +223,53 @@ class WeightAveraging(Callback):
             self._swap(module)
 
     # ---- events ------------------------------------------------------------------------------------
-    def on_setup(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
+    def on_setup(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
         if stage == "fit":  # a new fit averages from its own start (Lightning builds a new AveragedModel)
             self._averaged = None
 
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self._averaged is None:  # built at LOAD_CHECKPOINT already when resuming
             self._build(module)
 
-    def on_train_batch_start(
-        self, trainer: "TrainerView", module: "TrainingModule", batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: TrainerView, module: TrainingModule, batch: Any, batch_idx: int) -> None:
         self._show_current(module)  # after a checkpoint write, which leaves the average in the module
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._update_after_step(trainer, module)
 
-    def _update_after_step(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def _update_after_step(self, trainer: TrainerView, module: TrainingModule) -> None:
         step = trainer.global_step
         if step > self._latest_update_step and self.should_update(step_idx=step - 1):
             self._update(module)
             self._latest_update_step = step
 
-    def on_train_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         epoch = trainer.current_epoch
         if epoch > self._latest_update_epoch and self.should_update(epoch_idx=epoch):
             self._update(module)
             self._latest_update_epoch = epoch
 
-    def on_train_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_train_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._show_averaged(module)
         self._ended = True
 
-    def on_validation_epoch_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_epoch_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if trainer.stage == "fit" and not self._ended and self._averaged is not None:
             # trainforge validates before BATCH_END, Lightning after: the step just taken is averaged first
             self._update_after_step(trainer, module)
         self._val_swapped = self._show_averaged(module)
 
-    def on_validation_epoch_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_epoch_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self._val_swapped:
             self._val_swapped = False
             self._show_current(module)
 
-    def on_save_checkpoint(self, trainer: "TrainerView", module: "TrainingModule", checkpoint: Dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: TrainerView, module: TrainingModule, checkpoint: Dict[str, Any]) -> None:
         self._show_averaged(module)  # the strategy writes the module next: the average is the checkpoint's model
 
-    def on_load_checkpoint(self, trainer: "TrainerView", module: "TrainingModule", checkpoint: Dict[str, Any]) -> None:
+    def on_load_checkpoint(self, trainer: TrainerView, module: TrainingModule, checkpoint: Dict[str, Any]) -> None:
         """The strategy has loaded the checkpoint's model (the average); the current weights come from
         this callback's state."""
         self._build(module)

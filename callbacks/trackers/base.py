@@ -131,7 +131,7 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") 
 class _Writer:
     """One tracker's backend calls, made in order on a daemon thread under the failure policy."""
 
-    def __init__(self, tracker: "TrackerCallback", policy: FailurePolicy) -> None:
+    def __init__(self, tracker: TrackerCallback, policy: FailurePolicy) -> None:
         self.tracker, self.policy = tracker, policy
         self.cond = threading.Condition()
         self.items: List[Tuple[str, Any, int]] = []
@@ -323,7 +323,7 @@ class TrackerCallback(Callback):
         self._rank_zero: Optional[bool] = None  # set at fit start: where ``experiment`` is the real object
 
     # --- backend interface (``_prepare`` on the training thread, the rest on the writer thread) ---
-    def _prepare(self, trainer: "TrainerView") -> None:
+    def _prepare(self, trainer: TrainerView) -> None:
         """Read what the backend calls need from the trainer (paths, step); no I/O here."""
 
     def _open(self) -> None:
@@ -356,12 +356,12 @@ class TrackerCallback(Callback):
         return text
 
     # --- hooks ---
-    def on_fit_start(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._rank_zero = trainer.is_global_zero
         if trainer.is_global_zero:
             self._start(trainer)
 
-    def on_log(self, trainer: "TrainerView", module: "TrainingModule", metrics: Dict[str, float], step: int) -> None:
+    def on_log(self, trainer: TrainerView, module: TrainingModule, metrics: Dict[str, float], step: int) -> None:
         if not trainer.is_global_zero:
             return
         writer = self._start(trainer)
@@ -376,20 +376,20 @@ class TrackerCallback(Callback):
         self._warn_first_failure()
 
     def on_train_batch_end(
-        self, trainer: "TrainerView", module: "TrainingModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: TrainerView, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._writer is not None:
             self._warn_first_failure()
 
-    def on_fit_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_fit_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         if trainer.is_global_zero:
             self._finish("FINISHED")
 
-    def on_exception(self, trainer: "TrainerView", module: "TrainingModule", exception: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, module: TrainingModule, exception: BaseException) -> None:
         if trainer.is_global_zero:
             self._finish("FAILED")
 
-    def on_teardown(self, trainer: "TrainerView", module: "TrainingModule", stage: str) -> None:
+    def on_teardown(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
         if trainer.is_global_zero:
             self._finish("FINISHED")
 
@@ -414,7 +414,7 @@ class TrackerCallback(Callback):
         return self._writer.dropped if self._writer is not None else 0
 
     # --- lifecycle ---
-    def _start(self, trainer: "TrainerView") -> _Writer:
+    def _start(self, trainer: TrainerView) -> _Writer:
         if self._writer is not None:
             return self._writer
         self._prepare(trainer)

@@ -116,7 +116,7 @@ class CometLogger(TrackerCallback):
         return [self._known_secret] if self._known_secret else []
 
     # --- backend ---
-    def _prepare(self, trainer: "TrainerView") -> None:
+    def _prepare(self, trainer: TrainerView) -> None:
         self._root = os.path.abspath(trainer.default_root_dir)
         saved, self._saved_directory = self._saved_directory, None
         restored = resolve_in_run(saved, self._root) if self.offline_directory is None else None

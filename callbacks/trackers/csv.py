@@ -88,7 +88,7 @@ class CSVLogger(TrackerCallback):
             self._resumed_step = -1  # set to the trainer's step in _prepare
 
     # --- backend ---
-    def _prepare(self, trainer: "TrainerView") -> None:
+    def _prepare(self, trainer: TrainerView) -> None:
         self._hparams = dict(trainer.hparams)
         self._fresh = not self._started_once and self._resumed_step is None
         self._root = os.path.abspath(trainer.default_root_dir)

@@ -22,10 +22,10 @@ class NoExperiment:
     def __getattr__(self, name: str) -> Any:
         return self._nothing
 
-    def _nothing(self, *args: Any, **kwargs: Any) -> "NoExperiment":
+    def _nothing(self, *args: Any, **kwargs: Any) -> NoExperiment:
         return self
 
-    def __getitem__(self, index: Any) -> "NoExperiment":
+    def __getitem__(self, index: Any) -> NoExperiment:
         return self
 
     def __repr__(self) -> str:

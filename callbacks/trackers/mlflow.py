@@ -185,7 +185,7 @@ class MLflowLogger(TrackerCallback):
         if self.log_checkpoints and self._writer is not None:
             self._queue_artifacts(os.path.abspath(path))
 
-    def on_save_checkpoint(self, trainer: "TrainerView", module: "TrainingModule", checkpoint: Dict[str, Any]) -> None:
+    def on_save_checkpoint(self, trainer: TrainerView, module: TrainingModule, checkpoint: Dict[str, Any]) -> None:
         path = checkpoint.get("path") if isinstance(checkpoint, dict) else None
         if self.log_checkpoints and trainer.is_global_zero and isinstance(path, (str, os.PathLike)):
             path = os.path.abspath(path)
@@ -203,7 +203,7 @@ class MLflowLogger(TrackerCallback):
         self._poll_checkpoints()
         super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
 
-    def on_validation_end(self, trainer: "TrainerView", module: "TrainingModule") -> None:
+    def on_validation_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._poll_checkpoints()
 
     def _finish(self, status: str) -> None:
@@ -212,7 +212,7 @@ class MLflowLogger(TrackerCallback):
         super()._finish(status)
 
     # --- backend ---
-    def _prepare(self, trainer: "TrainerView") -> None:
+    def _prepare(self, trainer: TrainerView) -> None:
         root = os.path.abspath(trainer.default_root_dir)
         self._uri = self.tracking_uri or "sqlite:///" + os.path.join(root, "mlflow.db")
         self._continue_saved_run()

@@ -62,7 +62,7 @@ class TensorBoardLogger(TrackerCallback):
             self._resumed = True
 
     # --- backend ---
-    def _prepare(self, trainer: "TrainerView") -> None:
+    def _prepare(self, trainer: TrainerView) -> None:
         self._root = os.path.abspath(trainer.default_root_dir)
         saved, self._saved_dir = self._saved_dir, None
         if self.log_dir is not None:

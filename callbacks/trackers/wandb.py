@@ -239,7 +239,7 @@ class WandbLogger(TrackerCallback):
         return [key] if key else []
 
     # --- backend ---
-    def _prepare(self, trainer: "TrainerView") -> None:
+    def _prepare(self, trainer: TrainerView) -> None:
         root = os.path.abspath(trainer.default_root_dir)
         self._dir = os.path.abspath(os.path.join(root, self.save_dir_setting))
         self._continue_saved_run()
