@@ -43,8 +43,10 @@ log = logging.getLogger("trainforge")
 
 
 def _check_template(filename: Any, within_epoch: bool) -> None:
-    """Audit N-CK2 / N-CK5: a malformed template was used literally, and one without ``{step}`` made the
-    saves of one epoch replace each other."""
+    """Refuses, when the callback is built, a template that would be used literally (a stray brace, a field
+    without a name) and one without ``{step}`` whose saves within an epoch would replace each other
+    (tests/callbacks/test_model_checkpoint.py: ``test_malformed_filename_templates_are_refused_when_built``,
+    ``test_names_that_change_only_with_the_epoch_are_refused_for_saves_within_an_epoch``)."""
     if not isinstance(filename, str):
         raise ConfigurationError(
             f"ModelCheckpoint filename={filename!r} must be a string template, e.g. '{{epoch}}-{{step}}'"

@@ -41,7 +41,9 @@ _SHARDED_READERS = {
 
 def refuse_sharded(ckpt_dir: Path) -> None:
     """A sharded checkpoint given to a reader of whole-model files (single device, DDP, inference): say
-    what it is and who reads it, instead of 'model.safetensors missing' (audit: it hid the cause)."""
+    what it is and who reads it, instead of 'model.safetensors missing', which hid the cause
+    (tests/strategies/test_checkpoint_io.py,
+    ``test_a_sharded_checkpoint_given_to_a_whole_model_reader_says_what_it_is``)."""
     try:
         strategy = read_metadata(ckpt_dir).get("strategy")
     except CheckpointError:

@@ -190,7 +190,7 @@ def test_every_n_train_steps_time_interval_and_weights_only_are_accepted(tmp_pat
 
 @pytest.mark.parametrize("template", ["{epoch-{step}", "model-{}", "{epoch}}", "x{", 3])
 def test_malformed_filename_templates_are_refused_when_built(template):
-    """Audit N-CK2: they were used literally ('{epoch-step=8', 'model-{}' overwritten every epoch)."""
+    """Used literally they would give '{epoch-step=8', or 'model-{}' overwritten every epoch."""
     with pytest.raises(
         ConfigurationError,
         match=r"ModelCheckpoint filename=.* (is not a valid template|must be a "
@@ -200,7 +200,7 @@ def test_malformed_filename_templates_are_refused_when_built(template):
 
 
 def test_names_that_change_only_with_the_epoch_are_refused_for_saves_within_an_epoch():
-    """Audit N-CK5: filename='{epoch}' with every_n_steps=1 kept 2 of 8 saves, each replacing the last."""
+    """filename='{epoch}' with every_n_steps=1 would keep 2 of 8 saves, each replacing the last."""
     with pytest.raises(ConfigurationError, match=r"names change only with the epoch.*add \{step\}"):
         ModelCheckpoint(filename="{epoch}", every_n_steps=1, save_top_k=-1)
     ModelCheckpoint(filename="{epoch}-{step}", every_n_steps=1, save_top_k=-1)  # fine

@@ -1,7 +1,6 @@
 """A checkpoint's tracker state is data, never an instruction (callbacks/trackers/run_paths.py): a
 copied run writes only inside its copy, a checkpoint naming another project's file or another MLflow
-server is not followed, and a tracker never overwrites or moves a file trainforge did not write.
-(The audit's N-TR10, N-TR11, N-TR12, N-TR6, N-TR7.)"""
+server is not followed, and a tracker never overwrites or moves a file trainforge did not write."""
 
 from __future__ import annotations
 

@@ -176,7 +176,8 @@ def test_bad_arguments_are_rejected_with_the_value():
         MLflowLogger(experiment_name="")
     with pytest.raises(ConfigurationError, match=r"tags=\['x'\]"):
         MLflowLogger(tags=["x"])
-    for uri in (5000, "", ["http://127.0.0.1:5000"]):  # audit: an integer URI failed deep inside MLflow
+    # refused at once: an integer URI would fail deep inside MLflow
+    for uri in (5000, "", ["http://127.0.0.1:5000"]):
         with pytest.raises(ConfigurationError, match=r"tracking_uri=.* must be a URI string"):
             MLflowLogger(tracking_uri=uri)
 

@@ -106,7 +106,7 @@ def test_tie_group_split_across_devices_and_other_arguments(ckpt):
 
 
 def test_a_corrupted_trainforge_checkpoint_is_refused_for_inference_too(tmp_path):
-    """Audit N-IN6: a flipped bit in model.safetensors loaded without complaint (a resume refuses it)."""
+    """A flipped bit in model.safetensors must not load without complaint (a resume refuses it too)."""
     from tests.helpers.models import Regressor, make_net, regression_data
     from trainforge import Trainer
     from trainforge.callbacks import ModelCheckpoint

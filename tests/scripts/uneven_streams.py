@@ -1,5 +1,5 @@
-"""2 processes, an IterableDataset whose ranks do not get the same number of batches (audit N-IT1:
-a stream longer on rank 1 with the same first sample; N-IT4: a self-sharded stream empty on rank 1).
+"""2 processes, an IterableDataset whose ranks do not get the same number of batches ("longer": a
+stream longer on rank 1 with the same first sample; "empty": a self-sharded stream empty on rank 1).
 Must stop with trainforge's error on every rank instead of hanging until the process-group timeout.
 
     torchrun --nproc-per-node 2 uneven_streams.py longer|empty ROOT

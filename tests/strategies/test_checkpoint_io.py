@@ -344,7 +344,7 @@ def test_bad_input_is_refused_before_writing(tmp_path):
     ],
 )
 def test_a_sharded_checkpoint_given_to_a_whole_model_reader_says_what_it_is(tmp_path, strategy, reader):
-    """Audit: DDP or single device resuming an FSDP/DeepSpeed checkpoint said only 'model.safetensors missing'."""
+    """DDP or single device resuming an FSDP/DeepSpeed checkpoint must not say only 'model.safetensors missing'."""
     writer = CheckpointWriter(tmp_path / "ckpt")
     writer.save_object("trainer_state", {"progress": {}})
     path = writer.finalize({"strategy": strategy})

@@ -313,8 +313,8 @@ def test_config_never_writes_what_launch_refuses(settings, message):
 
 
 class Plateau(Regressor):
-    """ReduceLROnPlateau configured as in Lightning (audit: the 'monitor' key was refused, so it could
-    not be configured at all)."""
+    """ReduceLROnPlateau configured as in Lightning, with its 'monitor' key (refusing the key would leave
+    no way to configure it at all)."""
 
     def __init__(self, net, entry):
         super().__init__(net)

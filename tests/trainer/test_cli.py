@@ -234,7 +234,8 @@ def test_env_reports_versions_and_config(tmp_path, monkeypatch, capsys):
             "offload_param_device='cpu' needs zero_stage=3",
         ),
         (
-            ["launch", "--strategy", "fsdp", "--zero-stage", "3", "s.py"],  # audit N-LC2: was ignored
+            # a DeepSpeed flag under another strategy would be ignored without a word
+            ["launch", "--strategy", "fsdp", "--zero-stage", "3", "s.py"],
             "--zero-stage is a DeepSpeed setting, but strategy='fsdp'",
         ),
         (["launch", "--zero-stage", "2", "s.py"], "--zero-stage is a DeepSpeed setting, but strategy=None"),
@@ -323,7 +324,7 @@ def test_waiting_message_names_what_where_and_how_long():
 
 @pytest.mark.slow
 def test_launch_of_two_nodes_says_what_it_waits_for_before_waiting(tmp_path):
-    """Audit N-LC3: `launch --nnodes 2` without the other node waited silently."""
+    """`launch --nnodes 2` without the other node must not wait silently."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -368,7 +369,7 @@ def test_launch_of_two_nodes_says_what_it_waits_for_before_waiting(tmp_path):
 
 @pytest.mark.slow
 def test_launch_reads_the_megatron_section_the_readme_documents(tmp_path, cli_here):
-    """Audit: `megatron: {tensor_parallel_size: 2}` in a config file was refused by launch."""
+    """`megatron: {tensor_parallel_size: 2}` in a config file reaches MegatronStrategy (not refused by launch)."""
     config = tmp_path / "mg.yaml"
     config.write_text("strategy: megatron\nnproc_per_node: 2\nmegatron: {tensor_parallel_size: 2}\n")
     (tmp_path / "s.py").write_text(

@@ -269,7 +269,7 @@ def test_a_stream_saved_on_its_last_batch_starts_the_next_epoch_afresh():
 @pytest.mark.slow
 @pytest.mark.parametrize("case,ended", [("longer", "rank 0 after 2 batch(es)"), ("empty", "rank 1 after 0 batch(es)")])
 def test_ranks_with_different_numbers_of_batches_stop_with_an_error_instead_of_hanging(case, ended, tmp_path):
-    """Audit N-IT1 / N-IT4: these hung until the process-group timeout (30 min)."""
+    """Without the check these would hang until the process-group timeout (30 min)."""
     out = forklaunch.launch(SCRIPT.parent / "uneven_streams.py", case, tmp_path, timeout=120, check=False)
     assert out.returncode != 0 and "finished" not in out.stdout
     assert f"ran out of data on {ended} while rank(s)" in out.stdout, out.stdout[-3000:]

@@ -124,8 +124,8 @@ def test_unknown_module_hook_warns_and_callback_style_module_hook_still_runs_lou
 
 
 def test_lightning_1x_epoch_end_hooks_are_refused_with_their_replacement(tmp_path):
-    """Audit N-HK3: validation_epoch_end/training_epoch_end (removed in Lightning 2.0, which refuses
-    them) were never called and nothing said so."""
+    """validation_epoch_end/training_epoch_end (removed in Lightning 2.0, which refuses them) would never
+    be called, and nothing would say so."""
 
     class Old(Regressor):
         def validation_epoch_end(self, outputs):
@@ -143,7 +143,7 @@ def test_lightning_1x_epoch_end_hooks_are_refused_with_their_replacement(tmp_pat
 
 
 def test_a_callback_hook_with_a_typo_gets_a_warning(tmp_path):
-    """Audit N-HK5: a Callback's misspelt hook never ran and, unlike the module's, got no warning."""
+    """A Callback's misspelt hook would never run and, unlike the module's, get no warning."""
 
     class Export(Callback):
         calls = 0

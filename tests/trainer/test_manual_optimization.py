@@ -95,7 +95,7 @@ def test_several_optimizers_need_manual_optimization_and_manual_rejects_accumula
 
 
 class NeverSteps(TrainingModule):
-    """Audit N-MO3: manual optimization that forgets ``opt.step()``."""
+    """Manual optimization that forgets ``opt.step()``."""
 
     def __init__(self):
         super().__init__()
@@ -144,7 +144,8 @@ class StepsInAutomatic(TrainingModule):
 
     def training_step(self, batch, batch_idx):
         loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
-        self.optimizers().step()  # audit N-MO5: the Trainer steps too
+        # a second step of the same gradients: the Trainer steps too under automatic optimization
+        self.optimizers().step()
         return loss
 
     def configure_optimizers(self):
@@ -158,7 +159,8 @@ class StepsTwice(NeverSteps):
         opt.zero_grad()
         self.manual_backward(nn.functional.mse_loss(self.net(batch[0]), batch[1]))
         opt.step()
-        opt.step()  # audit N-MO2: a copy-paste slip
+        # a copy-paste slip: the same gradients applied twice
+        opt.step()
 
 
 def test_optimizer_step_in_training_step_under_automatic_optimization_is_refused(tmp_path):

@@ -1,6 +1,6 @@
-"""A fit that would train nothing says so (audit N-RE7, L5, N-IT3), a module or DataModule that would
-lose part of the run is refused (M18, N-DM3), and notebook_launcher's args must
-be a tuple (N-NB2): silent no-ops turned into a warning or an error before work is lost."""
+"""A fit that would train nothing says so, a module or DataModule that would lose part of the run is
+refused, and notebook_launcher's args must be a tuple: silent no-ops turned into a warning or an error
+before work is lost."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_notebook_launcher_refuses_args_that_are_not_a_tuple():
 
 
 def test_a_module_that_skips_training_module_init_is_refused(tmp_path):
-    """Audit M18: nn.Module.__init__(self) instead of super().__init__() trained with no hyperparameters."""
+    """nn.Module.__init__(self) instead of super().__init__() would train with no hyperparameters."""
     from torch import nn
 
     class Skips(Regressor):
@@ -72,7 +72,7 @@ def test_a_module_that_skips_training_module_init_is_refused(tmp_path):
 
 
 def test_a_datamodule_with_two_training_loaders_is_refused(tmp_path):
-    """Audit N-DM3: the second loader was dropped without a word."""
+    """The second loader would be dropped without a word."""
     from trainforge import DataModule
 
     class Two(DataModule):

@@ -247,7 +247,9 @@ def validate(settings: Mapping[str, Any], source: str = "") -> Dict[str, Any]:
             f"strategy={settings.get('strategy')!r}{where}: set strategy: megatron, or remove it"
         )
     deepspeed = sorted(k for k in settings if k.startswith("deepspeed.") and settings[k] is not None)
-    if deepspeed and settings.get("strategy") != "deepspeed":  # audit N-LC2: ignored without a word
+    # DeepSpeed flags under another strategy would be ignored without a word: refused
+    # (tests/trainer/test_cli.py, test_bad_inputs_are_reported_without_traceback)
+    if deepspeed and settings.get("strategy") != "deepspeed":
         flags = ", ".join("--" + k.split(".", 1)[1].replace("_", "-") for k in deepspeed)
         raise ConfigurationError(
             f"{flags} {'is a DeepSpeed setting' if len(deepspeed) == 1 else 'are DeepSpeed settings'}"

@@ -39,7 +39,9 @@ def notebook_launcher(
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ConfigurationError(f"num_processes={num_processes!r} must be an integer >= 1")
-    if not isinstance(args, (tuple, list)):  # a string would be spread into characters (audit N-NB2)
+    # a string would be spread into characters, one argument each
+    # (tests/trainer/test_nothing_to_train.py, test_notebook_launcher_refuses_args_that_are_not_a_tuple)
+    if not isinstance(args, (tuple, list)):
         raise ConfigurationError(
             f"args={args!r} must be a tuple (or list) of the function's arguments, e.g. "
             f"args=({args!r},) to pass it as one argument"

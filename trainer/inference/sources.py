@@ -94,8 +94,10 @@ def _index_source(index: Path) -> Source:
 
 def _verify_if_ours(path: Path) -> None:
     """A trainforge checkpoint directory (its metadata.json has a manifest): the weight files are checked
-    against it (sizes, crc32) before anything is read, as a resume does (audit N-IN6: a flipped bit
-    loaded silently). Other folders (a Hugging Face model directory) have no manifest to check."""
+    against it (sizes, crc32) before anything is read, as a resume does: otherwise a flipped bit would load
+    without complaint (tests/inference/test_bad_input.py,
+    ``test_a_corrupted_trainforge_checkpoint_is_refused_for_inference_too``). Other folders (a Hugging Face
+    model directory) have no manifest to check."""
     folder = path if path.is_dir() else path.parent
     try:
         meta = json.loads((folder / METADATA_FILE).read_text(encoding="utf-8"))
