@@ -16,6 +16,8 @@ from typing import List
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainforge.trainer.cluster.stop_signals import watch_launcher
+
 
 @record
 def run_script(argv: List[str]) -> None:
@@ -29,4 +31,5 @@ def run_script(argv: List[str]) -> None:
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit("usage: python -m trainforge.trainer.cli.bootstrap SCRIPT [ARGS...]")
+    watch_launcher()  # from the start: a worker stuck before its Trainer exists ends with its launcher too
     run_script(sys.argv[1:])

@@ -18,6 +18,8 @@ we add:
 Stop signals: SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 reaching the launcher are forwarded to
 the workers (torchrun's ``--signals-to-handle``, torch >= 2.9), which get ``--shutdown-timeout`` seconds
 (torch >= 2.12; else 30) to save their stop step (``trainer/cluster/stop_signals.py``) before torchrun SIGKILLs them.
+A worker whose launcher dies (SIGKILLed after the SIGTERM it forwarded) ends too (``watch_launcher``), instead of
+living on as an orphan stuck in a collective.
 
 Exit codes: 0 success, 1 (or the failed rank's code) when a worker failed, 2 bad arguments, 128 + N
 when the launcher got signal N, or when every worker stopped on signal N after its checkpoint, 124 when a
@@ -46,6 +48,7 @@ from trainforge.trainer.cli.launch_settings import (
     validate,
 )
 from trainforge.trainer.cli.launch_xla import run_xla
+from trainforge.trainer.cluster.stop_signals import LAUNCHER_PID_ENV
 
 HELP = "run a training script on N processes per node (torchrun underneath)"
 TORCHRUN_DEFAULT_PORT = 29500
@@ -157,9 +160,8 @@ def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = 
 
 
 def waiting_message(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """What a multi-node launch waits for, where and how long, printed before it waits (a silent wait for a
-    node that never comes looks like a hang: tests/trainer/test_cli.py,
-    ``test_launch_of_two_nodes_says_what_it_waits_for_before_waiting``); None on one node."""
+    """What a multi-node launch waits for, where and how long (audit N-LC3: it waited without a word);
+    None on one node."""
     nnodes = str(_effective(settings, "nnodes", environ) or 1)
     if nnodes in ("1", "1:1"):
         return None
@@ -213,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
     # what a worker has after a forwarded stop signal before torchrun SIGKILLs it (ModelCheckpoint compares
     # its saves against it): --shutdown-timeout, else torchrun's 30 s
     grace = {STOP_GRACE_ENV: str(settings.get("shutdown_timeout") or 30)}
+    # a worker whose launcher died (SIGTERM then SIGKILL, as `timeout` and schedulers stop a job) ends too
+    grace[LAUNCHER_PID_ENV] = str(os.getpid())
     with settings_for_workers(settings), temporary_environ(grace):  # read by every worker torchrun starts
         try:
             torchrun.run(parsed)
