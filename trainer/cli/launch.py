@@ -160,8 +160,9 @@ def check_master_port(settings: Mapping[str, Any], environ: Mapping[str, str] = 
 
 
 def waiting_message(settings: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """What a multi-node launch waits for, where and how long (audit N-LC3: it waited without a word);
-    None on one node."""
+    """What a multi-node launch waits for, where and how long, printed before it waits (a silent wait for a
+    node that never comes looks like a hang: tests/trainer/test_cli.py,
+    ``test_launch_of_two_nodes_says_what_it_waits_for_before_waiting``); None on one node."""
     nnodes = str(_effective(settings, "nnodes", environ) or 1)
     if nnodes in ("1", "1:1"):
         return None
