@@ -1,5 +1,6 @@
 """A Lightning-style program run as `python lightning_devices.py OUT [fail]`: Trainer(devices=2) makes
-this process rank 0 and starts rank 1 (trainer/cluster/script_launcher.py); each rank writes what it saw."""
+this process rank 0 and starts rank 1 (trainer/cluster/script_launcher.py); each rank writes what it saw.
+`fail`: rank 1 raises in its first step; `early`: the copy for rank 1 raises before its Trainer."""
 
 import json
 import os
@@ -10,6 +11,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainforge import Trainer, TrainingModule
+
+if len(sys.argv) > 2 and sys.argv[2] == "early" and os.environ.get("RANK") == "1":
+    # the copy started for rank 1 fails before it reaches Trainer(devices=2): rank 0 waits in native code
+    raise RuntimeError("rank 1 fails before its Trainer")
 
 
 class Boring(TrainingModule):

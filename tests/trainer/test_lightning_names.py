@@ -5,6 +5,7 @@ Expected values are computed here (Lightning is not a dependency)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -316,6 +317,21 @@ def test_a_failing_child_fails_rank_0_with_its_traceback(tmp_path):
     assert out.returncode != 0
     report = out.stdout[out.stdout.index("trainforge: Trainer(devices=2): rank 1") :]
     assert "exited with code 1; its last output:" in report and "ValueError: rank 1 breaks on purpose" in report
+
+
+@pytest.mark.slow
+def test_a_child_failing_before_its_trainer_ends_rank_0_waiting_in_the_rendezvous(tmp_path):
+    # rank 0 waits for rank 1 in the rendezvous (native code, no Python signal handler runs): it used to wait
+    # for the process group's timeout (30 min)
+    start = time.monotonic()
+    out = forklaunch.run_script(
+        SCRIPTS / "lightning_devices.py", tmp_path, "early", timeout=120, check=False, teardown=True
+    )
+    assert out.returncode == 1 and time.monotonic() - start < 100, out.stdout[-2000:]
+    report = out.stdout[out.stdout.index("trainforge: Trainer(devices=2): rank 1") :]
+    assert (
+        "exited with code 1; its last output:" in report and "RuntimeError: rank 1 fails before its Trainer" in report
+    )
 
 
 # ---- strategies ---------------------------------------------------------------------------------

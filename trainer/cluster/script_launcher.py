@@ -8,8 +8,10 @@ process only supervises them, but the process the user started has already run t
 ``Trainer(...)`` and must itself be rank 0 and carry on (as in Lightning): only the others are new.
 What torchrun would give us, we do here: each child is watched, and a child that fails stops the
 others and makes rank 0 fail with a ``LaunchError`` holding the child's last output (its traceback),
-raised in rank 0's main thread at once (a signal), or when rank 0 exits if it had finished. When rank
-0 fails itself, the children are stopped at its exit. ``trainforge launch`` (torchrun) remains the
+raised in rank 0's main thread at once (a signal), or when rank 0 exits if it had finished. A main
+thread waiting in native code (the rendezvous, a collective with the dead child) runs no signal handler:
+then rank 0 prints the child's output and exits with 1 after ``_RAISE_WITHIN_S``. When rank
+0 fails itself, the children are stopped at its exit, and a child ends when rank 0 dies (SIGKILL). ``trainforge launch`` (torchrun) remains the
 way for several nodes, restarts and scripts that must not be re-run.
 """
 
@@ -27,13 +29,15 @@ from typing import Any, Deque, List, Optional
 
 from trainforge.strategies.environment import ClusterEnvironment, detect_environment, find_free_port
 from trainforge.strategies.errors import ConfigurationError, LaunchError
-from trainforge.trainer.cluster.stop_signals import STOPPABLE
+from trainforge.trainer.cluster.stop_signals import LAUNCHER_PID_ENV, STOPPABLE
 
 _TAIL_LINES = 60
 # A real-time signal tells rank 0's main thread that a child failed: SIGUSR1/SIGUSR2 are stop signals a
 # scheduler sends (trainer/cluster/stop_signals.py) and must stay free for them. Absent on Windows and macOS: the
 # failure is raised at exit there.
 _FAILURE_SIGNAL = getattr(signal, "SIGRTMIN", None)
+# Rank 0's main thread raises a child's failure within this long unless it waits in native code.
+_RAISE_WITHIN_S = 5.0
 # A child that saved and exited on a stop signal (128 + its number, trainer/cluster/stop_signals.py) did not fail.
 _STOPPED_CODES = {128 + int(getattr(signal, name)) for name in STOPPABLE if hasattr(signal, name)}
 
@@ -103,10 +107,26 @@ class _Launch:
                     self.stop_children()
                     if _FAILURE_SIGNAL is not None and not self.rank0_failed:
                         os.kill(os.getpid(), _FAILURE_SIGNAL)  # raised in rank 0's main thread
+                    self._exit_unless_raised()
                     return
             if all(c.proc.poll() is not None for c in self.children):
                 return
             time.sleep(0.2)
+
+    def _exit_unless_raised(self) -> None:
+        """Rank 0's main thread runs no Python handler while it waits in native code (the rendezvous
+        for the dead child, a collective with it): then the failure ends rank 0 from here."""
+        deadline = time.monotonic() + _RAISE_WITHIN_S
+        while not (self.raised or self.rank0_failed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not (self.raised or self.rank0_failed):
+            self.raised = True
+            sys.stderr.write(
+                f"trainforge: Trainer(devices={len(self.children) + 1}): {self.failure}\n"
+                f"trainforge: rank 0 waits for the failed rank in native code and cannot raise; it exits with 1\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
 
     def stop_children(self) -> None:
         self.stopping = True
@@ -162,8 +182,10 @@ def launch_script(nprocs: int) -> ClusterEnvironment:
         "NODE_RANK": "0",
     }
     os.environ.update(shared, RANK="0", LOCAL_RANK="0")
+    # a child ends when rank 0 dies (trainer/cluster/stop_signals.py watch_launcher), stuck or not
+    child_env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}
     children = [
-        _Child(rank, command, {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(1, nprocs)
+        _Child(rank, command, {**child_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(1, nprocs)
     ]
     launch = _Launch(children)
     if _FAILURE_SIGNAL is not None and threading.current_thread() is threading.main_thread():
