@@ -125,9 +125,8 @@ def test_without_a_profiler_the_dispatched_hooks_are_the_callbacks_own_methods()
 def test_accelerator_profile_yields_a_profiler_and_writes_a_trace(tmp_path):
     acc = Accelerator(cpu=True)
     handler = ProfileKwargs(output_trace_dir=str(tmp_path / "acc"))
-    with acc.profile(handler) as prof:
-        with torch.profiler.record_function("my_block"):
-            torch.ones(4).sum()
+    with acc.profile(handler) as prof, torch.profiler.record_function("my_block"):
+        torch.ones(4).sum()
     assert isinstance(prof, torch.profiler.profile)
     assert "my_block" in _names(tmp_path / "acc" / "profile_0.json")
     acc = Accelerator(cpu=True, kwargs_handlers=[ProfileKwargs(schedule_option=dict(wait=0, warmup=0, active=1))])

@@ -54,7 +54,7 @@ def test_offline_fit_writes_an_archive_with_the_metrics_and_params(tmp_path, mon
     for name in ("train/loss", "val/loss"):
         assert sorted((s, v) for n, s, v in metrics if n == name) == sorted(recorder.history(name)) != []
     expected = flatten_params(trainer.hparams)
-    assert {k: params[k] for k in expected} == {k: v for k, v in expected.items()}
+    assert {k: params[k] for k in expected} == dict(expected)
 
 
 def test_the_api_key_is_never_shown(tmp_path, monkeypatch, capfd, caplog):

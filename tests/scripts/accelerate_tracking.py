@@ -102,7 +102,7 @@ def accuracy_f1(predictions, references):
     return accuracy, (2 * tp / (2 * tp + fp + fn) if tp else 0.0)
 
 
-def training_function(config, args):
+def training_function(config, args):  # noqa: C901, PLR0915 - Accelerate's example as written upstream
     if args.with_tracking:
         accelerator = Accelerator(
             cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.log_with, project_dir=args.project_dir

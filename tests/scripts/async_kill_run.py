@@ -21,16 +21,18 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch._dynamo  # noqa: F401  (imported by the first optimizer: paid once here, not in every child)
-import torch.distributed.checkpoint.staging  # noqa: F401
+
+# imported by the first optimizer: paid once here, not in every child
+import torch._dynamo
+import torch.distributed.checkpoint.staging
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from trainforge import Trainer, TrainingModule, seed_everything  # noqa: E402
-from trainforge.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from trainforge.strategies.checkpoint.io import read_latest_pointer  # noqa: E402
+from trainforge import Trainer, TrainingModule, seed_everything
+from trainforge.callbacks import Callback, ModelCheckpoint
+from trainforge.strategies.checkpoint.io import read_latest_pointer
 
 DIM = 384
 

@@ -57,7 +57,8 @@ def main() -> None:
         raise AssertionError("two ranks writing one file name must fail")
     except CheckpointError as e:
         expected = "written by rank" if rank == 0 else "rank 0 did not commit"
-        assert expected in str(e), str(e)
+        # a rank script run by torchrun, outside pytest
+        assert expected in str(e), str(e)  # noqa: PT017
     dist.barrier()
     print(f"rank {rank} ok", flush=True)
     dist.destroy_process_group()

@@ -97,9 +97,12 @@ for epoch in range(starting_epoch, args.num_train_epochs):
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             completed_steps += 1
-        if isinstance(checkpointing_steps, int):
-            if completed_steps % checkpointing_steps == 0 and accelerator.sync_gradients:
-                accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
+        if (
+            isinstance(checkpointing_steps, int)
+            and completed_steps % checkpointing_steps == 0
+            and accelerator.sync_gradients
+        ):
+            accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
         if completed_steps >= max_train_steps:
             break
     if checkpointing_steps == "epoch":

@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from trainforge import Accelerator  # noqa: E402
-from trainforge.strategies import ConfigurationError, DDPStrategy  # noqa: E402
+from trainforge import Accelerator
+from trainforge.strategies import ConfigurationError, DDPStrategy
 
 
 class Indices(Dataset):
@@ -83,9 +83,8 @@ def main(out):
     # Accelerate's process control and data options on 2 processes
     result["gather_object"] = acc.gather_object([f"r{rank}"])
     order_file = out + ".order"
-    with acc.main_process_first():
-        with open(order_file, "a") as f:
-            f.write(f"{rank}\n")
+    with acc.main_process_first(), open(order_file, "a") as f:
+        f.write(f"{rank}\n")
     acc.wait_for_everyone()
     result["main_first_order"] = open(order_file).read().split()
     result["on_process_1"] = acc.gather_object([acc.on_process(lambda: rank, process_index=1)()])

@@ -14,10 +14,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tests.helpers.models import make_net, regression_data  # noqa: E402
-from tests.trainer.test_manual_optimization import TwoNets  # noqa: E402
-from trainforge import Trainer, seed_everything  # noqa: E402
-from trainforge.strategies import DDPStrategy  # noqa: E402
+from tests.helpers.models import make_net, regression_data
+from tests.trainer.test_manual_optimization import TwoNets
+from trainforge import Trainer, seed_everything
+from trainforge.strategies import DDPStrategy
 
 
 def main(out):

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tests.helpers.models import Regressor, make_net, regression_data  # noqa: E402
-from trainforge import Accelerator, Trainer, seed_everything  # noqa: E402
+from tests.helpers.models import Regressor, make_net, regression_data
+from trainforge import Accelerator, Trainer, seed_everything
 
 EPOCHS, BATCH = 2, 4
 

@@ -42,7 +42,7 @@ class Recorded(LitLM):
         self.after_step.append(full(self))  # a collective: every rank records
 
 
-def fit(root: Path, max_steps: int, ckpt_path: Any = None, **kwargs: Any) -> "tuple[Recorded, EMAWeightAveraging]":
+def fit(root: Path, max_steps: int, ckpt_path: Any = None, **kwargs: Any) -> tuple[Recorded, EMAWeightAveraging]:
     module, ema = Recorded(), EMAWeightAveraging(decay=DECAY)
     trainer = Trainer(
         strategy=FSDPStrategy(),

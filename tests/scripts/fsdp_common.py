@@ -93,7 +93,7 @@ def make_trainer(strategy: Any, root: Path, max_steps: int, **kwargs: Any) -> Tr
 
 def fit(
     strategy: Any, root: Path, max_steps: int = 20, ckpt_path: Any = None, batch_size: int = 4, **kwargs: Any
-) -> "tuple[Trainer, LitLM]":
+) -> tuple[Trainer, LitLM]:
     module = LitLM()
     trainer = make_trainer(strategy, root, max_steps, **kwargs)
     trainer.fit(module, loader(batch_size), ckpt_path=ckpt_path)

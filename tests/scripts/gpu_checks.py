@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from trainforge import Trainer, TrainingModule, seed_everything  # noqa: E402
-from trainforge.callbacks import Callback, MemoryMonitor  # noqa: E402
+from trainforge import Trainer, TrainingModule, seed_everything
+from trainforge.callbacks import Callback, MemoryMonitor
 
 
 def data(n=512, dim=64, seed=0):
@@ -158,7 +158,7 @@ def check_async_ckpt(out):
     )
     trainer.fit(module, DataLoader(data(), batch_size=32, shuffle=True))
     saver = trainer.accelerator._async_checkpointer
-    staged = [t for t in _tensors(getattr(saver, "_last_staged", None) or [])]
+    staged = list(_tensors(getattr(saver, "_last_staged", None) or []))
     res = summary(trainer, module)
     res["async_used"] = saver is not None
     res["pinned"] = bool(staged) and all(t.is_pinned() for t in staged)

@@ -161,7 +161,7 @@ def trainer_by_rank(root):
     return "trained"
 
 
-def main(out_path):
+def main(out_path):  # noqa: PLR0915 - one rank's scenario, read top to bottom
     rec = {
         "trainer": via_trainer(out_path + ".trainer"),
         "trainer_resume": trainer_resume(out_path + ".resume"),

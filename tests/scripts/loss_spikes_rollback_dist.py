@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tests.helpers.models import Regressor, make_net, regression_data  # noqa: E402
-from trainforge import Trainer, seed_everything  # noqa: E402
-from trainforge.callbacks import Callback, LossSpikes, ModelCheckpoint  # noqa: E402
+from tests.helpers.models import Regressor, make_net, regression_data
+from trainforge import Trainer, seed_everything
+from trainforge.callbacks import Callback, LossSpikes, ModelCheckpoint
 
 
 class Injected(Regressor):

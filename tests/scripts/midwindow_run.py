@@ -60,14 +60,12 @@ def train(ckpt: Path, phase: str, summed: bool) -> Optional[Dict[str, torch.Tens
     model, opt, loader = acc.prepare(model, opt, loader)
     if phase == "resume":
         acc.load_state(str(ckpt))
-    seen = 0
-    for batch in loader:
+    for seen, batch in enumerate(loader, 1):
         with acc.accumulate(model):
             loss, n = loss_of(model, batch, summed)
             acc.backward(loss, num_items=n)
             opt.step()
             opt.zero_grad()
-        seen += 1
         if phase == "cut" and seen == CUT:
             acc.save_state(str(ckpt))
             return None

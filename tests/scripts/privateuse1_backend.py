@@ -20,10 +20,10 @@ def _gloo_for_tpu(store, rank, size, timeout):
 
 dist.Backend.register_backend("tpu", _gloo_for_tpu, devices=["tpu"])
 
-from trainforge.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
-from trainforge.strategies.devices import default_device, normalize_accelerator  # noqa: E402
-from trainforge.strategies.environment import default_backend  # noqa: E402
-from trainforge.strategies.errors import ConfigurationError  # noqa: E402
+from trainforge.strategies import DDPStrategy, SingleDeviceStrategy
+from trainforge.strategies.devices import default_device, normalize_accelerator
+from trainforge.strategies.environment import default_backend
+from trainforge.strategies.errors import ConfigurationError
 
 out = {
     "current": str(torch.accelerator.current_accelerator()),

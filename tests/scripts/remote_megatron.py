@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fsdp_common import LitLM, full_state, loader, make_trainer, write_json  # noqa: E402
-from megatron_train import PLAN, SaveAt  # noqa: E402
+from fsdp_common import LitLM, full_state, loader, make_trainer, write_json
+from megatron_train import PLAN, SaveAt
 
-from trainforge.strategies.megatron import MegatronStrategy  # noqa: E402
+from trainforge.strategies.megatron import MegatronStrategy
 
 
 def main() -> None:

@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tests.helpers.models import make_net  # noqa: E402
-from trainforge import Trainer, TrainingModule, seed_everything  # noqa: E402
-from trainforge.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from tests.helpers.models import make_net
+from trainforge import Trainer, TrainingModule, seed_everything
+from trainforge.callbacks import Callback, ModelCheckpoint
 
 
 class Indexed(Dataset):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from trainforge import Accelerator, seed_everything  # noqa: E402
+from trainforge import Accelerator, seed_everything
 
 p = argparse.ArgumentParser()
 p.add_argument("root")

@@ -8,9 +8,9 @@ import sys
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tests.trainer.test_torchmetrics import Classifier, class_data  # noqa: E402
-from trainforge import Trainer  # noqa: E402
-from trainforge.strategies import DDPStrategy  # noqa: E402
+from tests.trainer.test_torchmetrics import Classifier, class_data
+from trainforge import Trainer
+from trainforge.strategies import DDPStrategy
 
 
 def main(out):

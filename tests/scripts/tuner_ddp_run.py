@@ -8,10 +8,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "trainer"))
 
-from test_tuner import Regression  # noqa: E402
+from test_tuner import Regression
 
-from trainforge import Trainer, Tuner  # noqa: E402
-from trainforge.utils import find_executable_batch_size  # noqa: E402
+from trainforge import Trainer, Tuner
+from trainforge.utils import find_executable_batch_size
 
 rank = int(os.environ["RANK"])
 limit = 8 if rank == 1 else 32

@@ -252,7 +252,7 @@ def test_a_server_dying_mid_upload_leaves_the_previous_checkpoint_the_one_latest
         if len(calls) == 1:
             await original(self, *args, **kwargs)
             s3._server.stop()
-            return
+            return None
         return await original(self, *args, **kwargs)
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", put_then_die)

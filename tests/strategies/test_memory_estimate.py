@@ -100,7 +100,7 @@ def test_choose_deepspeed_for_stage_auto():
     assert row.name == "ZeRO-3" and "nothing fits" in text and "offload opt" not in text
     assert row.optimizer == 12 * 10**9 // 2  # DeepSpeed's fp32 master partition counted on top of Adam's 8 bytes
     assert bytes_per_param("32", "adam", master_weights=True) == (4, 4, 12)
-    assert {r for r in DEEPSPEED_ROWS} <= set(SPEED_ORDER)
+    assert set(DEEPSPEED_ROWS) <= set(SPEED_ORDER)
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ def test_skip_first_batches_and_its_no_op_after_load_state(tmp_path, caplog):
     acc = Accelerator()
     loader = acc.prepare(DataLoader(data, batch_size=4))
     assert [b[0].tolist() for b in acc.skip_first_batches(loader, 6)] == [[24, 25, 26, 27], [28, 29, 30, 31]]
-    assert len([b for b in loader]) == 8  # the next pass is whole again
+    assert len(list(loader)) == 8  # the next pass is whole again
     for i, _ in enumerate(loader):
         if i == 2:
             acc.save_state(str(tmp_path / "mid"))

@@ -87,7 +87,7 @@ def test_staged_state_is_the_state_at_save_time_with_buffers_reused(tmp_path):
     saver.close()
 
 
-def _save_held_in_flight(path: Path) -> "tuple[AsyncCheckpointer, threading.Event]":
+def _save_held_in_flight(path: Path) -> tuple[AsyncCheckpointer, threading.Event]:
     """A saver whose save of ``path`` stays in flight until the returned event is set."""
     saver = AsyncCheckpointer(resolve_strategy("single"))
     writer = saver.open(path)

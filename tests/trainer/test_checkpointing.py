@@ -26,9 +26,7 @@ class Counter:
 
 
 def train(acc, model, opt, sched, loader, counter, steps, start=0):
-    it = 0
-    for x, y in loader:
-        it += 1
+    for it, (x, y) in enumerate(loader, 1):
         with acc.accumulate(model):
             acc.backward(nn.functional.mse_loss(model(x), y))
             opt.step()

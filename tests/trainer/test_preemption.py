@@ -110,13 +110,12 @@ def test_signal_saves_the_step_exits_with_its_code_and_resumes_bit_identically(t
 def test_second_ctrl_c_aborts_at_once_and_handlers_are_given_back():
     before = signal.getsignal(signal.SIGINT)
     stops = StopSignals(("SIGINT", "SIGTERM"), "test")
-    with pytest.raises(KeyboardInterrupt):
-        with stops.catching(0):
-            os.kill(os.getpid(), signal.SIGINT)  # the first: recorded, training goes on
-            time.sleep(0.01)
-            assert stops.received == signal.SIGINT
-            os.kill(os.getpid(), signal.SIGINT)  # the second: now
-            time.sleep(1)
+    with pytest.raises(KeyboardInterrupt), stops.catching(0):
+        os.kill(os.getpid(), signal.SIGINT)  # the first: recorded, training goes on
+        time.sleep(0.01)
+        assert stops.received == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGINT)  # the second: now
+        time.sleep(1)
     assert signal.getsignal(signal.SIGINT) is before
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 

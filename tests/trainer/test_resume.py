@@ -39,7 +39,7 @@ def uninterrupted(tmp_path_factory):
     that compares with it: nproc -> its directory (final.safetensors) and record."""
     cache: dict = {}
 
-    def get(nproc: int) -> "tuple[Path, Path]":
+    def get(nproc: int) -> tuple[Path, Path]:
         if nproc not in cache:
             tmp = tmp_path_factory.mktemp(f"uninterrupted{nproc}")
             cache[nproc] = (tmp / "full", run(tmp, "full", nproc=nproc))
