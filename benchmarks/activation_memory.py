@@ -26,10 +26,10 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plain_gpt import PlainGPT  # noqa: E402
+from plain_gpt import PlainGPT
 
-from trainforge.strategies import SingleDeviceStrategy  # noqa: E402
-from trainforge.strategies.activation_memory import measure_saved_bytes  # noqa: E402
+from trainforge.strategies import SingleDeviceStrategy
+from trainforge.strategies.activation_memory import measure_saved_bytes
 
 MODES = ("none", "full", "selective:2", "op", "offload")
 

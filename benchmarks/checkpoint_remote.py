@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from checkpoint import make_state  # noqa: E402  (beside this script)
+# beside this script
+from checkpoint import make_state
 
-from tests.helpers.s3server import S3Server  # noqa: E402
-from trainforge.strategies.checkpoint.io import CheckpointWriter, load_object, load_tensors, verify_checkpoint  # noqa: E402
-from trainforge.strategies.checkpoint.remote import RemotePath  # noqa: E402
-from trainforge.strategies.checkpoint.remote_read import resolve_remote  # noqa: E402
-from trainforge.strategies.checkpoint.remote_write import RemoteCheckpointWriter  # noqa: E402
+from tests.helpers.s3server import S3Server
+from trainforge.strategies.checkpoint.io import CheckpointWriter, load_object, load_tensors, verify_checkpoint
+from trainforge.strategies.checkpoint.remote import RemotePath
+from trainforge.strategies.checkpoint.remote_read import resolve_remote
+from trainforge.strategies.checkpoint.remote_write import RemoteCheckpointWriter
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -42,7 +43,7 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 - one benchmark run, read top to bottom
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=float, default=200)
     p.add_argument("--repeats", type=int, default=3)

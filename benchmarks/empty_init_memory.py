@@ -72,7 +72,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mode is not None:
-        return rank_main(args)
+        rank_main(args)
+        return
     import torch
     import transformers
 

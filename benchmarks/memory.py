@@ -235,7 +235,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        return worker([int(i) for i in args.worker.split(",")], args.dim, args.layers, args.out)
+        worker([int(i) for i in args.worker.split(",")], args.dim, args.layers, args.out)
+        return
     per_nproc = {n: launch(n, args.dim, args.layers) for n in (int(v) for v in args.nproc.split(","))}
     header = (
         "strategy",

@@ -173,7 +173,8 @@ class _TerminalSink:
     """A stream that says it is a terminal (so the tqdm bar runs, as at a console) and discards."""
 
     def __init__(self) -> None:
-        self._null = open(os.devnull, "w")
+        # open for the sink's life, as a terminal is
+        self._null = open(os.devnull, "w")  # noqa: SIM115
 
     def write(self, text: str) -> int:
         return self._null.write(text)

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import overhead  # noqa: E402  (the sibling benchmark: same data and loops)
+# the sibling benchmark: same data and loops
+import overhead
 
-from trainforge import Accelerator  # noqa: E402
-from trainforge.callbacks import ProgressBar  # noqa: E402
-from trainforge.strategies.data.loader import prepare_dataloader  # noqa: E402
-from trainforge.trainer.loop.metrics import MetricStore  # noqa: E402
+from trainforge import Accelerator
+from trainforge.callbacks import ProgressBar
+from trainforge.strategies.data.loader import prepare_dataloader
+from trainforge.trainer.loop.metrics import MetricStore
 
 
 def best_us(fn: Callable[[], object], number: int, repeat: int) -> float:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 LAYOUTS = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2))  # (tp, pp) of each layout; dp takes the rest of the processes
 

@@ -29,10 +29,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import overhead  # noqa: E402  (the sibling benchmark: same data and loops)
+# the sibling benchmark: same data and loops
+import overhead
 
-from trainforge import Trainer  # noqa: E402
-from trainforge.callbacks import ProgressBar, SimpleProfiler  # noqa: E402
+from trainforge import Trainer
+from trainforge.callbacks import ProgressBar, SimpleProfiler
 
 TARGET = 1.02
 

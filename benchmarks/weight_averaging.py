@@ -73,7 +73,7 @@ VARIANTS = {
 }
 
 
-def one_fit(variant: str, args: argparse.Namespace) -> "tuple[float, float]":
+def one_fit(variant: str, args: argparse.Namespace) -> tuple[float, float]:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64 * 64, 64), torch.randint(0, 10, (64 * 64,)))
     clock = Clock(args.warmup)
