@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, cast
@@ -41,6 +42,7 @@ from trainforge.strategies.checkpoint.io import (
 from trainforge.strategies.checkpoint.remote import location
 from trainforge.strategies.checkpoint.remote_read import resolve_on_ranks
 from trainforge.strategies.checkpoint.remote_write import open_writer
+from trainforge.strategies.checkpoint.run_lock import acquire_on_ranks
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
 from trainforge.trainer.checkpoint.adapters import (
@@ -339,6 +341,7 @@ def save_project_checkpoint(
     from trainforge.strategies.checkpoint.io import delete_checkpoint
 
     root = _project_root(acc)
+    hold_project_lock(acc, root)
     existing = _numbered(root)
     is_async = resolve_async_save(async_save, acc.strategy.root_device)
     name = f"checkpoint_{existing[-1][0] + 1 if existing else 0}"
@@ -354,6 +357,27 @@ def save_project_checkpoint(
     if not is_async:
         acc.wait_for_everyone()
     return path
+
+
+# Per Accelerator: what gives its project's run lock back (None on the ranks that hold none).
+_project_locks: "weakref.WeakKeyDictionary[Any, Optional[weakref.finalize]]" = weakref.WeakKeyDictionary()
+
+
+def hold_project_lock(acc: "Accelerator", root: Path) -> None:
+    """One writer per project directory (``strategies/checkpoint/run_lock.py``): from the first automatically
+    named save until ``end_training`` (or the Accelerator's end), a second process on the same ``project_dir``
+    is refused on every rank before it writes. A collective the first time, on every rank."""
+    if acc in _project_locks:
+        return
+    lock = acquire_on_ranks(root, acc.strategy.global_rank, acc.strategy.broadcast)
+    _project_locks[acc] = weakref.finalize(acc, lock.release) if lock is not None else None
+
+
+def release_project_lock(acc: "Accelerator") -> None:
+    """Give the project's run lock back (``end_training``); the next automatically named save takes it again."""
+    release = _project_locks.pop(acc, None)
+    if release is not None:
+        release()
 
 
 def newest_project_checkpoint(acc: "Accelerator") -> Path:
