@@ -22,8 +22,14 @@ Failure policy (``FailurePolicy``), the same for every tracker:
   capped at 60 s, reset by a success). A failed call is dropped, never retried inline or slept on;
   metric values that arrive during the back-off are dropped too, and all dropped values are counted;
 - hyperparameters are kept and retried with the next attempt (three attempts at most);
-- when the run finishes, pending writes get ``flush_timeout_s`` at most (5 s by default); then one
-  ``TrackerWarning`` reports how many metric values were dropped and whether the tracker recovered;
+- when the run finishes, pending writes get ``flush_timeout_s`` (5 s by default), and more of it as long
+  as they progress: a backend that stores on this machine's disk (a file or SQLite store: CSV, TensorBoard,
+  MLflow's default) is waited for until everything is written (a slow disk is not an outage), another one
+  as long as a backend call completed during the last ``flush_timeout_s``; one that made no progress for
+  that long (an unreachable server) is given up. Then one ``TrackerWarning`` reports how many metric values
+  were dropped and whether the tracker recovered;
+- every dropped metric value is kept in ``<default_root_dir>/<tracker>-unsent-<time>-<pid>.jsonl`` (one
+  JSON object per line: ``step`` and ``metrics``), named by the report, to be logged again later;
 - a checkpoint save never waits for the queue. It waits at most ``open_wait_s`` (2 s; 0: never), once
   per run, for the tracker's run to be opened so the checkpoint can name it for a resumed fit; a run
   that never opened (a dead server) is not "closed" at the end either.
@@ -36,8 +42,9 @@ thread at start to read what they need from the trainer (paths, step), without I
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -45,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 
 from trainforge.callbacks.base import Callback
 from trainforge.callbacks.trackers.experiment import experiment_or_stand_in
+from trainforge.callbacks.trackers.writer import BackendWriter
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.md "Floors"
@@ -52,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.m
     from trainforge.callbacks.view import TrainerView
 
 MetricRecords = List[Tuple[int, Dict[str, float]]]
-_PARAM_ATTEMPTS = 3
+log = logging.getLogger("trainforge")
 
 
 class TrackerWarning(UserWarning):
@@ -128,183 +136,6 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "", sep: str = "/") 
     return flat
 
 
-class _Writer:
-    """One tracker's backend calls, made in order on a daemon thread under the failure policy."""
-
-    def __init__(self, tracker: TrackerCallback, policy: FailurePolicy) -> None:
-        self.tracker, self.policy = tracker, policy
-        self.cond = threading.Condition()
-        self.items: List[Tuple[str, Any, int]] = []
-        self.submitted = self.done = 0
-        self.dropped = self.dropped_other = self.failures = 0
-        self.first_error: Optional[str] = None
-        self.failing = False
-        self.abandoned = False
-        self.retry_at, self.delay = 0.0, policy.initial_backoff_s
-        self.opened = threading.Event()
-        self.attempted = threading.Event()  # the first open was tried (succeeded or not)
-        self.open_wait_spent = False  # a save waited open_wait_s for the first open, in vain
-        self.params: Optional[Dict[str, Any]] = None
-        self.param_attempts = 0
-        self.inflight = 0  # metric values in the batch being written
-        self.urgent = False  # a flush waits: write what is queued now
-        self.next_write = 0.0  # monotonic time before which queued metric records wait (write_interval_s)
-        self.thread = threading.Thread(target=self._run, name=f"trainforge-{tracker.name}", daemon=True)
-        self.thread.start()
-
-    def put(self, kind: str, payload: Any = None, n_values: int = 0) -> None:
-        with self.cond:
-            if kind == "metrics" and self.submitted - self.done >= self.policy.max_pending:
-                reason = f"{self.policy.max_pending} records already pending (the backend is too slow)"
-                self._record_failure(reason, "metrics", n_values, backend=False)
-                return
-            self.items.append((kind, payload, n_values))
-            self.submitted += 1
-            if kind != "metrics" or len(self.items) == 1:  # a metric joining a queued batch wakes nobody
-                self.cond.notify_all()
-
-    def flush(self, timeout: float) -> bool:
-        """Wait until everything queued so far was handled; False on timeout."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            target = self.submitted
-            if self.done < target:
-                self.urgent = True
-                self.cond.notify_all()
-            while self.done < target:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self.thread.is_alive():
-                    return False
-                self.cond.wait(min(left, 0.5))
-            return True
-
-    def abandon(self) -> int:
-        """Stop after the call in flight; count what is still queued (or in flight) as dropped."""
-        with self.cond:
-            self.abandoned = True
-            lost = sum(n for _, _, n in self.items) + self.inflight
-            self.dropped += lost
-            self.items.clear()
-            self.cond.notify_all()
-            return lost
-
-    def count_other(self) -> None:
-        with self.cond:
-            self.dropped_other += 1
-
-    def _run(self) -> None:
-        while True:
-            with self.cond:
-                while not self.abandoned and not self._due():
-                    wait = None if not self.items else self.next_write - time.monotonic()
-                    self.cond.wait(wait)
-                if self.abandoned:
-                    return
-                batch, self.items, self.urgent = self.items, [], False
-                self.next_write = time.monotonic() + self.policy.write_interval_s
-                self.inflight = sum(n for _, _, n in batch)
-            for kind, payload, n_values in _coalesce(batch):
-                if kind == "stop":
-                    self._finished(len(batch))
-                    return
-                self._handle(kind, payload, n_values)
-                with self.cond:
-                    if self.abandoned:
-                        return
-                    self.inflight -= n_values
-            self._finished(len(batch))
-
-    def _due(self) -> bool:
-        """Queued records to write now: a flush waits, a record other than metrics, or the interval passed."""
-        items = self.items
-        if not items:
-            return False
-        return self.urgent or time.monotonic() >= self.next_write or any(k != "metrics" for k, _, _ in items)
-
-    def _finished(self, count: int) -> None:
-        with self.cond:
-            self.done += count
-            self.inflight = 0
-            self.cond.notify_all()
-
-    def _handle(self, kind: str, payload: Any, n_values: int) -> None:
-        if kind == "params":
-            self.params = {**(self.params or {}), **payload}
-        if kind == "close" and self.failing and not self.opened.is_set():
-            return  # never opened (a dead server): nothing to close, and no new connection attempt
-        if kind != "close" and self.failing and self.policy.clock() < self.retry_at:
-            with self.cond:  # backing off: drop without calling the backend (params stay pending)
-                self._record_failure(None, kind, n_values)
-            return
-        tracker = self.tracker
-        try:
-            if not self.opened.is_set():
-                try:
-                    tracker._open()
-                    self.opened.set()
-                finally:
-                    self.attempted.set()
-            if self.params is not None:
-                self._write_params()
-            if kind == "metrics":
-                tracker._write_metrics(payload)
-            elif kind == "artifacts":
-                tracker._write_artifacts(payload)
-            elif kind == "close":
-                tracker._close(payload)
-        except Exception as err:  # any backend failure: counted, warned once, never raised
-            with self.cond:
-                self._record_failure(f"{type(err).__name__}: {err}", kind, n_values)
-        else:
-            self.failing, self.delay = False, self.policy.initial_backoff_s
-
-    def _write_params(self) -> None:
-        params, self.params = self.params, None
-        if params is None:  # the caller checked; nothing to write
-            return
-        self.param_attempts += 1
-        try:
-            self.tracker._write_params(params)
-        except BaseException:
-            if self.param_attempts < _PARAM_ATTEMPTS:
-                self.params = params  # retried with the next attempt
-            else:
-                with self.cond:
-                    self.dropped_other += 1
-            raise
-
-    def _record_failure(self, error: Optional[str], kind: str, n_values: int, backend: bool = True) -> None:
-        """Count a dropped record; with ``error`` remember it and, for a failed backend call, start or
-        extend the back-off. The caller holds ``cond``."""
-        if self.abandoned:  # already counted by abandon()
-            return
-        if kind == "metrics":
-            self.dropped += n_values
-        elif kind == "artifacts":
-            self.dropped_other += 1
-        if error is None:
-            return
-        if self.first_error is None:
-            self.first_error = self.tracker._redact(error)
-        if not backend:
-            return
-        self.failures += 1
-        self.failing = True
-        self.retry_at = self.policy.clock() + self.delay
-        self.delay = min(self.delay * 2, self.policy.max_backoff_s)
-
-
-def _coalesce(batch: List[Tuple[str, Any, int]]) -> List[Tuple[str, Any, int]]:
-    """Merge consecutive metric records into one backend call (order kept)."""
-    out: List[Tuple[str, Any, int]] = []
-    for kind, payload, n in batch:
-        if kind == "metrics" and out and out[-1][0] == "metrics":
-            out[-1] = ("metrics", out[-1][1] + [payload], out[-1][2] + n)
-        else:
-            out.append((kind, [payload] if kind == "metrics" else payload, n))
-    return out
-
-
 class TrackerCallback(Callback):
     """Base of the experiment trackers; see the module docstring for the failure policy."""
 
@@ -317,10 +148,12 @@ class TrackerCallback(Callback):
                 "FailurePolicy(initial_backoff_s=..., max_backoff_s=..., flush_timeout_s=...) or None"
             )
         self.failure_policy = failure_policy or FailurePolicy()
-        self._writer: Optional[_Writer] = None
+        self._writer: Optional[BackendWriter] = None
         self._warned_first = False
         self.last_report: Optional[str] = None  # the end-of-run failure summary, if there was one
         self._rank_zero: Optional[bool] = None  # set at fit start: where ``experiment`` is the real object
+        self._spill_dir: Optional[str] = None
+        self._spill_file: Optional[str] = None  # created at the first dropped metric value of a run
 
     # --- backend interface (``_prepare`` on the training thread, the rest on the writer thread) ---
     def _prepare(self, trainer: TrainerView) -> None:
@@ -344,6 +177,30 @@ class TrackerCallback(Callback):
     def _backend(self) -> Any:
         """The backend's own object once opened, else None (``experiment``; writer thread's object)."""
         return None
+
+    def _store_is_local(self) -> bool:
+        """Whether the backend stores on this machine's disk (a file or SQLite store): the end of the run then
+        waits until every pending write is done, however slow the disk."""
+        return False
+
+    def _resend_hint(self) -> str:
+        """How to log the values of the spill file to the backend later (the report adds it)."""
+        return "log them to the run once the backend is reachable again"
+
+    def _spill(self, records: Any) -> None:
+        """Append dropped metric records to this run's spill file (never one trainforge did not create)."""
+        if not records or self._spill_dir is None:
+            return
+        if self._spill_file is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self._spill_file = os.path.join(self._spill_dir, f"{self.name}-unsent-{stamp}-{os.getpid()}.jsonl")
+        try:
+            os.makedirs(self._spill_dir, exist_ok=True)
+            with open(self._spill_file, "a") as f:
+                for step, values in records:
+                    f.write(json.dumps({"step": int(step), "metrics": values}) + "\n")
+        except OSError as e:
+            log.warning("trainforge: %s could not keep dropped values in %s (%s)", self.name, self._spill_file, e)
 
     def _secrets(self) -> List[str]:
         """Strings that must never appear in a message (API keys)."""
@@ -414,12 +271,13 @@ class TrackerCallback(Callback):
         return self._writer.dropped if self._writer is not None else 0
 
     # --- lifecycle ---
-    def _start(self, trainer: TrainerView) -> _Writer:
+    def _start(self, trainer: TrainerView) -> BackendWriter:
         if self._writer is not None:
             return self._writer
         self._prepare(trainer)
+        self._spill_dir, self._spill_file = os.path.abspath(trainer.default_root_dir), None
         self._warned_first = False
-        self._writer = writer = _Writer(self, self.failure_policy)
+        self._writer = writer = BackendWriter(self, self.failure_policy)
         writer.put("params", flatten_params(dict(trainer.hparams)))
         return writer
 
@@ -446,15 +304,31 @@ class TrackerCallback(Callback):
         self._writer = None
         writer.put("close", status)
         writer.put("stop")
-        timeout = self.failure_policy.flush_timeout_s
-        complete = writer.flush(timeout)
+        complete = self._drain(writer)
         lost = 0 if complete else writer.abandon()
         self._warn_first_failure(writer)
         if writer.failures or writer.dropped or writer.dropped_other:
             self.last_report = self._report(writer, lost, complete)
             warnings.warn(self.last_report, TrackerWarning, stacklevel=2)
 
-    def _report(self, writer: _Writer, lost: int, complete: bool) -> str:
+    def _drain(self, writer: BackendWriter) -> bool:
+        """Wait for the pending writes, ``flush_timeout_s`` at a time: again and again for a store on local
+        disk, again for another backend while a call completed during the last wait (see the module
+        docstring). False when given up."""
+        timeout, local = self.failure_policy.flush_timeout_s, self._store_is_local()
+        while True:
+            before = writer.progress
+            if writer.flush(timeout):
+                return True
+            if not writer.thread.is_alive() or (not local and writer.progress == before):
+                return False
+            log.warning(
+                "trainforge: %s is still writing the run's last values (%s); waiting for it",
+                self.name,
+                "a store on local disk" if local else "the backend is making progress",
+            )
+
+    def _report(self, writer: BackendWriter, lost: int, complete: bool) -> str:
         timeout = self.failure_policy.flush_timeout_s
         parts = [f"{self.name}: {writer.dropped} metric value(s) could not be written and were dropped"]
         if lost:
@@ -465,6 +339,11 @@ class TrackerCallback(Callback):
             )
         if writer.first_error:
             parts.append(f"; {writer.failures} backend call(s) failed; first problem: {writer.first_error}. ")
+        if self._spill_file is not None and writer.dropped:
+            parts.append(
+                f" The dropped values are kept in {self._spill_file} (one JSON line per step: step, metrics); "
+                f"{self._resend_hint()}. "
+            )
         if writer.failures:
             recovered = complete and not writer.failing
             parts.append(
@@ -474,7 +353,7 @@ class TrackerCallback(Callback):
             )
         return "".join(parts)
 
-    def _warn_first_failure(self, writer: Optional[_Writer] = None) -> None:
+    def _warn_first_failure(self, writer: Optional[BackendWriter] = None) -> None:
         writer = writer or self._writer
         if writer is None or self._warned_first or writer.first_error is None:
             return

@@ -22,13 +22,15 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import yaml
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, check_text
 from trainforge.callbacks.trackers.run_paths import claim, foreign_files, run_relative
-from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.checkpoint.run_lock import RunLock, acquire_run_lock
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.callbacks.view import TrainerView
@@ -59,6 +61,7 @@ class CSVLogger(TrackerCallback):
         self._fresh = False
         self._hparams: Dict[str, Any] = {}
         self._columns: List[str] = []
+        self._lock: Optional[RunLock] = None
 
     def __repr__(self) -> str:
         return f"CSVLogger(path={self._file or self.path!r})"
@@ -88,6 +91,9 @@ class CSVLogger(TrackerCallback):
             self._resumed_step = -1  # set to the trainer's step in _prepare
 
     # --- backend ---
+    def _store_is_local(self) -> bool:
+        return True
+
     def _prepare(self, trainer: TrainerView) -> None:
         self._hparams = dict(trainer.hparams)
         self._fresh = not self._started_once and self._resumed_step is None
@@ -104,6 +110,8 @@ class CSVLogger(TrackerCallback):
         return self._file
 
     def _open(self) -> None:
+        if self._lock is None:
+            self._file, self._lock = _unshared(self._run_file)
         os.makedirs(os.path.dirname(self._run_file), exist_ok=True)
         claim(_targets(self._run_file))
         if self._fresh and os.path.exists(self._run_file) and os.path.getsize(self._run_file) > 0:
@@ -136,6 +144,9 @@ class CSVLogger(TrackerCallback):
 
     def _close(self, status: str) -> None:
         _atomic_write(os.path.join(os.path.dirname(self._run_file), "status.txt"), status + "\n")
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # --- file helpers ---
     def _read(self):
@@ -147,7 +158,7 @@ class CSVLogger(TrackerCallback):
             return list(reader.fieldnames or []), rows
 
     def _rewrite(self, header: List[str], rows: List[Dict[str, str]]) -> None:
-        tmp = self._run_file + ".tmp"
+        tmp = _temporary(self._run_file)
         with open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=header or ["step"])
             writer.writeheader()
@@ -188,8 +199,40 @@ def _free_name(path: str) -> str:
     raise FileExistsError(f"no free name left for an old {path}")
 
 
+def _temporary(path: str) -> str:
+    # A name of this write's own: a shared one let two writers truncate each other's rows.
+    return f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+
+
+def _unshared(wanted: str) -> "tuple[str, RunLock]":
+    """``wanted``, held for this run (a lock beside it), unless another process is writing it: then the same
+    name in the first ``csv_logger.<n>`` subfolder without a CSV file and nobody writing there (warned), so
+    that neither run truncates, drops or renames the other's rows."""
+    candidate, n = wanted, 0
+    while True:
+        folder, name = os.path.split(candidate)
+        fresh = candidate == wanted or not os.path.exists(candidate)
+        if fresh and not foreign_files(_targets(candidate)):
+            try:
+                lock = acquire_run_lock(folder, name=f".{name}.lock")
+                break
+            except CheckpointError:
+                pass
+        n += 1
+        candidate = os.path.join(os.path.dirname(wanted), f"csv_logger.{n}", os.path.basename(wanted))
+        if n > 1000:
+            raise FileExistsError(f"no folder of its own left for {wanted}")
+    if candidate != wanted:
+        log.warning(
+            "trainforge: CSVLogger: another process is writing %s; this run writes its metrics to %s instead",
+            wanted,
+            candidate,
+        )
+    return candidate, lock
+
+
 def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
+    tmp = _temporary(path)
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)

@@ -253,6 +253,18 @@ class MLflowLogger(TrackerCallback):
     def _backend(self) -> Any:
         return self._client  # the MlflowClient once opened (Lightning's MLFlowLogger.experiment)
 
+    def _store_is_local(self) -> bool:
+        # sqlite:///..., file:... or a plain folder: the end of the run waits for every value
+        uri = self._uri or ""
+        return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+
+    def _resend_hint(self) -> str:
+        return (
+            f"to log them to MLflow run {self._run_id} once the server is back: "
+            f"MlflowClient(tracking_uri={self._uri!r}).log_batch({self._run_id!r}, metrics=[Metric(key, value, "
+            "timestamp_ms, step) for each line's metrics]) (mlflow.tracking.MlflowClient, mlflow.entities.Metric)"
+        )
+
     def _write_params(self, params: Dict[str, Any]) -> None:
         from mlflow.entities import Param
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH

@@ -83,6 +83,9 @@ class TensorBoardLogger(TrackerCallback):
         self._purge_step = int(trainer.global_step) + 1 if self._resumed else None
         self._resumed = False
 
+    def _store_is_local(self) -> bool:
+        return True
+
     def _open(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
 

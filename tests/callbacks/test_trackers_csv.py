@@ -133,3 +133,49 @@ def test_disk_failure_does_not_stop_training_and_the_logger_recovers(tmp_path):
     assert written == [1, 2, 3] + list(range(7, 17))  # steps 4-6 failed or fell in the back-off
     assert [float(r["train/loss"]) for r in rows] == [v for s, v in recorder.history("train/loss") if s in written]
     assert "CSVLogger: 3 metric value(s)" in messages[1] and "recovered" in messages[1]
+
+
+HOLD_CSV = """
+import sys
+from trainforge.strategies.checkpoint.run_lock import acquire_run_lock
+acquire_run_lock(sys.argv[1], name=".metrics.csv.lock")
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_metrics_file_another_process_is_writing_is_never_moved_or_cut(tmp_path, resumed, caplog):
+    import subprocess
+    import sys
+
+    from tests.helpers import procs
+
+    from trainforge.callbacks.trackers.run_paths import claim
+
+    # the file of another trainforge run, which is still writing it
+    other = "step,train/loss\n" + "".join(f"{s},0.5\n" for s in range(1, 9))
+    claim([str(tmp_path / "metrics.csv")])
+    (tmp_path / "metrics.csv").write_text(other)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_CSV, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=procs.test_env(),
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        logger = CSVLogger()
+        if resumed:
+            # a resume at step 0 would drop every row after it from the file it writes
+            logger.load_state_dict({"resumed": True})
+        fit([logger], tmp_path, max_epochs=1, val=False)
+    finally:
+        holder.communicate("\n", timeout=30)
+    assert (tmp_path / "metrics.csv").read_text() == other
+    assert not (tmp_path / "metrics.1.csv").exists()
+    assert logger.file == str(tmp_path / "csv_logger.1" / "metrics.csv")
+    _, rows = read_csv(logger.file)
+    assert rows and rows[0]["step"] == "1"
+    assert "another process is writing" in caplog.text

@@ -89,3 +89,23 @@ def test_dead_comet_server_is_bounded_by_the_policy(tmp_path, monkeypatch):
 def test_bad_wait_settings_name_the_value(bad):
     with pytest.raises(ConfigurationError, match=repr(list(bad.values())[0])):
         FailurePolicy(**bad)
+
+
+def test_what_a_dead_server_could_not_take_is_kept_in_a_file_the_report_names(tmp_path):
+    pytest.importorskip("mlflow")
+    import json
+
+    from trainforge.callbacks.trackers import MLflowLogger
+
+    tracker = timed(MLflowLogger)(
+        tracking_uri=f"http://127.0.0.1:{closed_port()}", failure_policy=FailurePolicy(flush_timeout_s=1.0)
+    )
+    _fit(tmp_path, tracker)
+    assert tracker.finish_s < 3.0
+    report = tracker.last_report
+    spill = re.search(r"kept in (\S+\.jsonl)", report).group(1)
+    assert spill.startswith(str(tmp_path)) and "log_batch" in report
+    lines = [json.loads(line) for line in open(spill)]
+    dropped = int(re.search(r"(\d+) metric value", report).group(1))
+    assert sum(len(line["metrics"]) for line in lines) == dropped > 0
+    assert all(isinstance(line["step"], int) for line in lines)

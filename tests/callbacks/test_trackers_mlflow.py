@@ -198,3 +198,26 @@ def test_experiment_is_the_mlflow_client_during_fit(tmp_path, store):
     fit([logger, Grab()], tmp_path)
     assert isinstance(seen[0], MlflowClient)
     assert client_for(tmp_path).get_run(logger.run_id).data.tags["from_experiment"] == "yes"
+
+
+class SlowToOpen(MLflowLogger):
+    """The embedded store of a loaded machine: opening it takes longer than the end-of-run flush."""
+
+    def _open(self):
+        import time
+
+        time.sleep(2.5 * self.failure_policy.flush_timeout_s)
+        super()._open()
+
+
+def test_a_slow_local_store_keeps_every_value(tmp_path, store):
+    from trainforge.callbacks.trackers import FailurePolicy
+
+    recorder = Recorder()
+    logger = SlowToOpen(failure_policy=FailurePolicy(flush_timeout_s=0.4, open_wait_s=0))
+    fit([recorder, logger], tmp_path, log_every=1)
+    assert logger.dropped_values == 0 and logger.last_report is None
+    client = client_for(tmp_path)
+    for key in ("train/loss", "val/loss"):
+        assert history(client, logger.run_id, key) == sorted(recorder.history(key)) != []
+    assert client.get_run(logger.run_id).info.status == "FINISHED"
