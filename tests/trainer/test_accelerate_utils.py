@@ -99,6 +99,65 @@ def test_find_executable_batch_size_halves_on_out_of_memory():
         find_executable_batch_size(lambda b: b, starting_batch_size=0)
 
 
+def test_find_executable_batch_size_refuses_a_reduction_that_does_not_lower_the_size():
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=8, reduce_batch_size_fn=lambda b: max(b // 2, 4))
+    def train(batch_size):
+        tried.append(batch_size)
+        if len(tried) > 5:
+            raise ValueError("batch size 4 retried again and again")  # it was retried forever
+        raise torch.OutOfMemoryError("out of memory")
+
+    with pytest.raises(
+        ConfigurationError,
+        match=r"find_executable_batch_size\(train\): reduce_batch_size_fn "
+        r"<lambda> turned batch size 4, which ran out of memory, into 4; it must return a smaller int",
+    ):
+        train()
+    assert tried == [8, 4]
+
+
+def test_find_executable_batch_size_without_a_process_group_or_store_refuses_several_processes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def train(batch_size):
+        return batch_size
+
+    with pytest.raises(ConfigurationError, match=r"rank 1 of WORLD_SIZE=2 before any process group.*Accelerator"):
+        train()
+
+
+# rank 1 runs out of memory above 4, rank 0 never; no Accelerator yet, so no process group
+MP_FINDER = """
+import os, torch
+from trainforge.utils import find_executable_batch_size
+rank = int(os.environ["RANK"])
+
+@find_executable_batch_size(starting_batch_size=16)
+def trial(bs):
+    if rank == 1 and bs > 4:
+        raise torch.OutOfMemoryError("out of memory")
+    return bs
+
+print(f"rank {rank} batch size {trial()}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_find_executable_batch_size_before_the_accelerator_agrees_under_the_launcher(tmp_path):
+    from tests.helpers import procs
+
+    script = tmp_path / "finder.py"
+    script.write_text(MP_FINDER)
+    out = procs.run(procs.trainforge_launch(script, nproc=2), timeout=120, cwd=tmp_path, env=procs.test_env())
+    # each rank decided alone: rank 0 returned 16
+    assert "rank 0 batch size 4" in out.stdout and "rank 1 batch size 4" in out.stdout, out.stdout[-2000:]
+
+
 def test_partial_state_on_one_process(capsys):
     state = PartialState(cpu=True)
     assert (state.num_processes, state.process_index, state.is_main_process, state.is_last_process) == (

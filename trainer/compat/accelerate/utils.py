@@ -117,7 +117,9 @@ def find_executable_batch_size(
     until it runs; a batch size of 0 is a RuntimeError. Call the decorated function without batch_size.
     Under several processes every process calls it: after each attempt they agree (an out-of-memory error
     on any rank lowers the size on every rank; another error on one rank stops all of them), so no rank
-    returns into the collectives that follow while another retries. A collective inside ``function`` (a DDP
+    returns into the collectives that follow while another retries; before any process group exists they agree
+    through the launcher's store (``trainforge launch``), and without one several processes are refused;
+    a ``reduce_batch_size_fn`` that does not return a smaller size is refused. A collective inside ``function`` (a DDP
     backward) can hang: a rank out of memory before it never enters it. Search with local work (the model
     unwrapped, or ``Tuner.scale_batch_size``), then train with the size found."""
     if function is None:
@@ -169,9 +171,22 @@ def find_executable_batch_size(
             if agreed == OK:
                 return result
             release_memory()
-            batch_size = reduce(batch_size)
+            batch_size = _reduced(reduce, batch_size, function)
 
     return decorator
+
+
+def _reduced(reduce: Callable[[int], int], batch_size: int, function: Callable[..., Any]) -> int:
+    """``reduce(batch_size)``, which must be a smaller int: a size that does not go down would be retried forever."""
+    smaller = reduce(batch_size)
+    if isinstance(smaller, bool) or not isinstance(smaller, int) or smaller >= batch_size:
+        name = getattr(reduce, "__name__", repr(reduce))
+        raise ConfigurationError(
+            f"find_executable_batch_size({function.__name__}): reduce_batch_size_fn {name} turned batch size "
+            f"{batch_size}, which ran out of memory, into {smaller!r}; it must return a smaller int, or the same "
+            "size is retried forever. Return a smaller size (e.g. lambda b: b // 2), or raise when there is none"
+        )
+    return smaller
 
 
 # ---- skip_first_batches ------------------------------------------------------------------------
