@@ -63,6 +63,28 @@ def test_scale_batch_size_finds_the_largest_size_that_runs(tmp_path, mode, expec
     assert model.batch_size == expected
 
 
+def test_scale_batch_size_refuses_a_loader_that_ignores_the_size(tmp_path):
+    class Fixed(Regression):
+        def train_dataloader(self):
+            return DataLoader(self.data, batch_size=4)  # not self.batch_size
+
+    class Sampled(Regression):  # no batch_size attribute on the loader: measured from the batches
+        def train_dataloader(self):
+            return DataLoader(self.data, batch_sampler=[list(range(i, i + 4)) for i in range(0, 64, 4)])
+
+    # every trial "succeeded" at 4 and the tuner reported 32
+    with pytest.raises(
+        ConfigurationError,
+        match=r"set batch_size=2, but train_dataloader\(\) built a loader of "
+        r"batch size 4: it does not read `batch_size`",
+    ):
+        Tuner(_trainer(tmp_path)).scale_batch_size(Fixed(), max_trials=5)
+    model = Sampled()
+    with pytest.raises(ConfigurationError, match=r"ran batches of 4 in every trial \(sizes \[2, 4, 8, 16, 32\]\)"):
+        Tuner(_trainer(tmp_path)).scale_batch_size(model, max_trials=5)
+    assert model.batch_size == 2  # put back
+
+
 def test_scale_batch_size_on_hparams_and_datamodule(tmp_path):
     class Plain(Regression):
         def __init__(self, batch_size: int = 2) -> None:

@@ -8,7 +8,9 @@ Trials leave no trace: they run ``training_step`` on the trainer's device with a
 ``configure_optimizers`` (no scheduler, no callbacks, no tracker, no checkpoint: nothing is written to
 disk), then the module's weights and buffers, its train/eval mode and every random generator are put back
 exactly; a fit after tuning is the fit with the found value set by hand. Trials call ``training_step``
-outside ``fit``: a module that calls ``self.log`` or ``self.optimizers()`` there cannot be tuned.
+outside ``fit``: a module that calls ``self.log`` or ``self.optimizers()`` there cannot be tuned. A
+``train_dataloader()`` that does not read the size tried (a loader built with another batch size, or batches
+of one size in every trial) is refused: the size reported would never have been tried.
 Under several processes every process calls the tuner: each trial is one process's own steps (no gradient
 all-reduce), then all of them agree on its outcome (``trainer/accelerator/oom_agreement.py``), so an out-of-memory
 error on any rank lowers the size on every rank; ``lr_find`` uses rank 0's curve on every rank."""
@@ -135,13 +137,16 @@ class Tuner:
         )
         name, holders = _holders(model, datamodule, (batch_arg_name,), *where)
         size, last_ok, lowest_oom = init_val, None, None
+        trials: List[_Trial] = []
         before = [(h, h[name] if isinstance(h, Mapping) else getattr(h, name)) for h in holders]
         with _NoTrace(model), _PutBack(before, name):
             if datamodule is not None:  # once: each trial builds the loader again, not the datasets
                 datamodule.setup("fit")
             for _ in range(max_trials):
                 _set(holders, name, size)
-                outcome = self._agreed(lambda: self._train(model, datamodule, None, steps_per_trial), size)
+                trial = _Trial(size, name)
+                outcome = self._agreed(lambda: self._train(model, datamodule, None, steps_per_trial, trial=trial), size)
+                trials.append(trial)
                 if outcome == OK:
                     last_ok = size
                     if lowest_oom is None:
@@ -160,6 +165,7 @@ class Tuner:
                     break
                 else:
                     size = (last_ok + size) // 2
+        _Trial.check_sizes_changed(trials)
         if last_ok is None:  # the holders have their value of before again
             raise RuntimeError(
                 f"scale_batch_size: no batch size from {init_val} down to 1 trains without running out of memory"
@@ -264,6 +270,7 @@ class Tuner:
         steps: int,
         rate: Optional[Callable[[int], float]] = None,
         record: Optional[Callable[[int, float, float], bool]] = None,
+        trial: Optional["_Trial"] = None,
     ) -> None:
         if not model.automatic_optimization:
             raise ConfigurationError(
@@ -276,6 +283,8 @@ class Tuner:
             else:
                 lightning_hooks: Any = model  # train_dataloader() is the user's (Lightning's hook), undeclared
                 loader = lightning_hooks.train_dataloader()
+        if trial is not None:
+            trial.check_loader(loader)
         device = self.trainer.device
         model.to(device)
         model.train()
@@ -287,6 +296,8 @@ class Tuner:
             except StopIteration:  # fewer batches than steps: start the loader again
                 batches = iter(loader)
                 batch = next(batches)
+            if trial is not None and step == 0:
+                trial.note_batch(batch)
             batch = apply_to_tensors(batch, lambda t: t.to(device))
             lr = rate(step) if rate is not None else 0.0
             if rate is not None:
@@ -300,6 +311,43 @@ class Tuner:
             optimizer.step()
             if record is not None and record(step, lr, float(loss.detach())):
                 break
+
+
+class _Trial:
+    """One batch size tried, and what the loader built for it ran: a loader that does not read the size
+    would make every trial "succeed" at the size it always had, and the tuner report a size never tried."""
+
+    def __init__(self, size: int, holder: str) -> None:
+        self.size, self.holder, self.first_dim = size, holder, None
+
+    def check_loader(self, loader: Any) -> None:
+        built = getattr(loader, "batch_size", None)
+        if built is None:  # a DataLoader given a batch_sampler
+            built = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if isinstance(built, int) and built != self.size:
+            raise ConfigurationError(self._ignored(f"built a loader of batch size {built}"))
+
+    def note_batch(self, batch: Any) -> None:
+        dims: List[int] = []
+        apply_to_tensors(batch, lambda t: dims.append(t.shape[0]) if t.dim() else None)
+        self.first_dim = dims[0] if dims else None
+
+    @staticmethod
+    def check_sizes_changed(trials: List["_Trial"]) -> None:
+        """Trials of different sizes whose batches all had the same first dimension: the size was ignored."""
+        dims = {t.first_dim for t in trials}
+        sizes = {t.size for t in trials}
+        if len(sizes) > 1 and len(dims) == 1 and None not in dims:
+            raise ConfigurationError(
+                trials[-1]._ignored(f"ran batches of {dims.pop()} in every trial (sizes {sorted(sizes)})")
+            )
+
+    def _ignored(self, what: str) -> str:
+        return (
+            f"scale_batch_size set {self.holder}={self.size}, but train_dataloader() {what}: it does not read "
+            f"`{self.holder}`, so no trial ran the size it tried. Build the loader with "
+            f"batch_size=self.{self.holder} (or self.hparams.{self.holder}) in train_dataloader()"
+        )
 
 
 class _NoTrace:
