@@ -16,7 +16,8 @@ from trainforge.trainer.module.datamodule import DataModule
 from trainforge.trainer.module.training_module import TrainingModule
 
 
-def notebook_launcher(*args, **kwargs):  # noqa: D103 - documented in trainforge.trainer.cluster.notebook
+# documented in trainforge.trainer.cluster.notebook
+def notebook_launcher(*args, **kwargs):
     from trainforge.trainer.cluster.notebook import notebook_launcher as launch
 
     return launch(*args, **kwargs)

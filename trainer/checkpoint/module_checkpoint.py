@@ -66,7 +66,7 @@ class _PlainDict:
     """Lightning's ``AttributeDict`` while unpickling: builds a plain dict (which the weights-only
     unpickler fills), so Lightning need not be installed and no Lightning code runs."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG003
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         return {}
 
 
@@ -297,7 +297,8 @@ def load_weights(module: nn.Module, loaded: LoadedCheckpoint, strict: Any) -> No
         module.to(first.device)
 
 
-class class_only:  # noqa: N801  (used as a decorator, as classmethod is)
+# lower case: used as a decorator, as classmethod is
+class class_only:
     """A classmethod that refuses to be called on an instance (Lightning's): ``model.load_from_checkpoint(p)``
     without using its return value would leave ``model`` unchanged."""
 

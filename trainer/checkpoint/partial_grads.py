@@ -54,7 +54,7 @@ def grads_file(rank: int) -> str:
     return f"grads_rank{rank}"
 
 
-def check_mid_window_save(acc: "Accelerator") -> None:
+def check_mid_window_save(acc: Accelerator) -> None:
     """Before anything is written: a save inside a window where the partial gradients cannot be saved
     is refused (every rank is at the same micro-batch, so every rank refuses together)."""
     if acc.step == 0 or acc.strategy.window_grads_in_params:
@@ -68,7 +68,7 @@ def check_mid_window_save(acc: "Accelerator") -> None:
     )
 
 
-def save_partial_gradients(acc: "Accelerator", writer: Any, model: Optional[nn.Module], state: Dict[str, Any]) -> None:
+def save_partial_gradients(acc: Accelerator, writer: Any, model: Optional[nn.Module], state: Dict[str, Any]) -> None:
     """Inside a window: write this rank's gradients and item count, and record them in ``state``
     (rank 0's ``trainer_state``). At a window boundary: nothing."""
     if acc.step == 0 or model is None:
@@ -82,7 +82,7 @@ PendingGrads = Tuple[List[Tuple[nn.Parameter, Optional[torch.Tensor]]], Dict[str
 
 
 def read_partial_gradients(
-    acc: "Accelerator", path: Path, state: Dict[str, Any], model: Optional[nn.Module]
+    acc: Accelerator, path: Path, state: Dict[str, Any], model: Optional[nn.Module]
 ) -> Optional[PendingGrads]:
     """Read and check this rank's partial gradients before anything is restored; None when the
     checkpoint was written at a window boundary. ``restore_partial_gradients`` applies them."""
@@ -140,7 +140,7 @@ def read_partial_gradients(
     return pending, saved_rank["items"]
 
 
-def restore_partial_gradients(acc: "Accelerator", pending: Optional[PendingGrads]) -> None:
+def restore_partial_gradients(acc: Accelerator, pending: Optional[PendingGrads]) -> None:
     """Each parameter's gradient as it was saved (None where it had none), and the window's item count."""
     if pending is None:
         return

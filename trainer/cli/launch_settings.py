@@ -286,7 +286,7 @@ def flags_given(args: argparse.Namespace) -> Dict[str, Any]:
     return {s.key: s.parse(s.flag, getattr(args, s.dest)) for s in SETTINGS if getattr(args, s.dest, None) is not None}
 
 
-def load_config(path: "str | os.PathLike[str]") -> Dict[str, Any]:
+def load_config(path: str | os.PathLike[str]) -> Dict[str, Any]:
     """Reads and validates a config file into flat settings ("deepspeed.zero_stage": 3, ...)."""
     path = Path(path)
     if not path.is_file():
@@ -348,7 +348,7 @@ def settings_for_workers(settings: Mapping[str, Any]) -> Iterator[str]:
             os.environ[LAUNCH_CONFIG_ENV] = previous
 
 
-def save_config(settings: Mapping[str, Any], path: "str | os.PathLike[str]") -> Path:
+def save_config(settings: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Writes flat settings as nested YAML, atomically (temporary file renamed into place)."""
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)

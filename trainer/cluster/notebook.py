@@ -48,7 +48,7 @@ def notebook_launcher(
         )
     if num_processes == 1:
         function(*args)
-        return None
+        return
     if torch.cuda.is_initialized():
         raise LaunchError(
             "CUDA was already initialised in this process, so forked processes cannot "
@@ -76,7 +76,7 @@ def notebook_launcher(
             _run_rank, args=(function, tuple(args)), nprocs=num_processes, join=False, start_method="fork"
         )
         _join(context, num_processes, timeout)
-    return None
+    return
 
 
 def _run_rank(index: int, function: Callable[..., Any], args: tuple) -> None:
@@ -89,7 +89,7 @@ def _run_rank(index: int, function: Callable[..., Any], args: tuple) -> None:
     function(*args)
 
 
-def _join(context: "mp.ProcessContext", num_processes: int, timeout: Optional[float]) -> None:
+def _join(context: mp.ProcessContext, num_processes: int, timeout: Optional[float]) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while not context.join(timeout=0.5):
@@ -112,7 +112,7 @@ def _join(context: "mp.ProcessContext", num_processes: int, timeout: Optional[fl
         ) from None
 
 
-def _stop(context: "mp.ProcessContext") -> None:
+def _stop(context: mp.ProcessContext) -> None:
     for process in context.processes:
         if process.is_alive():
             process.terminate()

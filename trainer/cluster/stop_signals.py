@@ -83,7 +83,7 @@ _installed = 0  # StopSignals objects with handlers installed in this process
 _fork_hook = False
 _forked_from_main, _forking_pid = True, 0  # set by the fork hook in the parent just before each fork
 _prctl: Any = None  # libc's prctl, looked up when the fork hook is installed (Linux)
-_handling: "List[StopSignals]" = []  # the StopSignals whose handlers are installed in this process
+_handling: List[StopSignals] = []  # the StopSignals whose handlers are installed in this process
 _launcher_watch: Optional[threading.Thread] = None
 
 
@@ -227,7 +227,7 @@ class StopSignals:
             signal.raise_signal(pending)
 
     @contextlib.contextmanager
-    def catching(self, step: int) -> Iterator["StopSignals"]:
+    def catching(self, step: int) -> Iterator[StopSignals]:
         """The handlers installed for the block; polls count optimizer steps after ``step``."""
         self.received = self.agreed = self.stopped_at = self._exchange = self._per_poll = self._last_proposal = None
         self._polled_step, self._polls, self._next_exchange = step, 0, 1
@@ -263,7 +263,7 @@ class StopSignals:
         signal.raise_signal(sig)
 
     # ---- agreement ----------------------------------------------------------------------------------
-    def poll(self, strategy: "Strategy", step: Optional[int] = None) -> Optional[str]:
+    def poll(self, strategy: Strategy, step: Optional[int] = None) -> Optional[str]:
         """Whether every rank stops now; call on every rank at the same point, after an optimizer step
         (``step``: global step; a repeated step, a micro-batch of the same window, is not polled)."""
         if self.agreed is not None or not self.signals or (step is not None and step == self._polled_step):
@@ -274,7 +274,7 @@ class StopSignals:
             self.agreed, self.stopped_at, self._exchange = signal.Signals(decided), step, None
         return self.stop_requested
 
-    def _agree(self, strategy: "Strategy") -> int:
+    def _agree(self, strategy: Strategy) -> int:
         """Read the exchange started at the poll before, if any; start one when it is due. The interval
         (in polls) comes from rank 0 inside each exchange, so every rank keeps the same schedule."""
         self._polls += 1
@@ -304,7 +304,7 @@ class _Exchange:
     gloo on a CPU tensor; NCCL on a device tensor copied to pinned memory behind an event; another
     kind of process group (XLA) through the strategy's blocking all_reduce."""
 
-    def __init__(self, strategy: "Strategy") -> None:
+    def __init__(self, strategy: Strategy) -> None:
         device = strategy.root_device
         usable = dist.is_available() and dist.is_initialized() and dist.get_world_size() == strategy.world_size
         self.mode = "blocking" if not usable or device.type not in ("cpu", "cuda") else "async"

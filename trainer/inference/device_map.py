@@ -110,7 +110,7 @@ def _balanced(model_size: int, unit_max: int, budgets: Dict[Device, int], low_0:
     return out
 
 
-def infer_auto_device_map(
+def infer_auto_device_map(  # noqa: C901, PLR0915 - one greedy placement pass, Accelerate's algorithm
     model: nn.Module,
     max_memory: Optional[Dict[Device, Union[int, str]]] = None,
     no_split_module_classes: Optional[Sequence[str]] = None,
@@ -149,7 +149,7 @@ def infer_auto_device_map(
     units = [f"{n}" for n in root_direct] + units  # direct tensors of the root are units of their own
     placed: Dict[str, Device] = {}
     placed_ids: Dict[Device, Set[int]] = {d: set() for d in devices}
-    used = {d: 0 for d in devices}
+    used = dict.fromkeys(devices, 0)
     d_i = 0
 
     def unit_tensors(u: str) -> List[Tuple[str, torch.Tensor]]:

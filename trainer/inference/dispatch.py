@@ -99,7 +99,7 @@ def remove_dispatch(model: nn.Module) -> nn.Module:
     return model
 
 
-def attach(
+def attach(  # noqa: C901 - the hooks of one dispatched model, installed together
     model: nn.Module,
     device_map: Dict[str, Device],
     per_tensor: Dict[str, Device],
@@ -164,9 +164,9 @@ def attach(
 
         handles.append(model.register_forward_pre_hook(check_files, with_kwargs=True, prepend=True))
     # plain attributes (nn.Module's __setattr__ is typed for tensors and modules only)
-    setattr(model, "_trainforge_runner", runner)
-    setattr(model, "_trainforge_handles", handles)
-    setattr(model, "hf_device_map", dict(device_map))
+    setattr(model, "_trainforge_runner", runner)  # noqa: B010
+    setattr(model, "_trainforge_handles", handles)  # noqa: B010
+    setattr(model, "hf_device_map", dict(device_map))  # noqa: B010
     _refuse_to(model)
     return model
 
@@ -209,7 +209,7 @@ def dispatch_model(
         if (id(t), dev) not in done:  # tied names share one copy per device
             done[(id(t), dev)] = t.detach().to(_torch_device(dev))
         set_tensor(model, n, done[(id(t), dev)])
-    retie(model, [g for g in groups])
+    retie(model, list(groups))
     return attach(model, device_map, per_tensor, execution_device, prefetch, files)
 
 
@@ -252,7 +252,7 @@ def _check_keys(model: nn.Module, source: Source, groups: List[List[str]], check
     return take
 
 
-def load_checkpoint_and_dispatch(
+def load_checkpoint_and_dispatch(  # noqa: C901 - one branch per checkpoint form and offload target
     model: nn.Module,
     checkpoint: Union[str, os.PathLike],
     device_map: Union[str, Dict[str, Device], None] = "auto",

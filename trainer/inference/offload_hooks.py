@@ -43,7 +43,7 @@ class Block:
 
     handles: List[RemovableHandle]  # the forward (pre-)hooks, set by ``Runner.add``
 
-    def __init__(self, runner: "Runner", module: nn.Module, slots: List[Tuple[nn.Module, str, torch.Tensor]]) -> None:
+    def __init__(self, runner: Runner, module: nn.Module, slots: List[Tuple[nn.Module, str, torch.Tensor]]) -> None:
         self.runner, self.module, self.slots = runner, module, slots
         uniq: Dict[int, torch.Tensor] = {}
         for _, _, t in slots:
@@ -58,7 +58,7 @@ class Block:
         self.nbytes = max(end, 1)
         self.ready: Optional[Tuple[Dict[int, torch.Tensor], Any]] = None  # (on-device tensors, cuda event)
 
-    def fetch(self, stream: Optional["torch.cuda.Stream"]) -> Tuple[Dict[int, torch.Tensor], Any]:
+    def fetch(self, stream: Optional[torch.cuda.Stream]) -> Tuple[Dict[int, torch.Tensor], Any]:
         r, dev = self.runner, self.runner.device
         if dev.type != "cuda":
             return {id(t): t.to(dev) for t in self.uniq}, None

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class DataModule(HyperparametersMixin):
-    trainer: Optional["Trainer"] = None  # set by the Trainer that uses it (Lightning's)
+    trainer: Optional[Trainer] = None  # set by the Trainer that uses it (Lightning's)
 
     @property
     def hparams(self) -> Any:

@@ -57,7 +57,7 @@ class HyperparametersMixin:
 
     hparams: Any
 
-    def save_hyperparameters(
+    def save_hyperparameters(  # noqa: C901 - Lightning's accepted call forms, one branch each
         self,
         *args: Any,
         ignore: Optional[Any] = None,
@@ -69,9 +69,12 @@ class HyperparametersMixin:
         if not isinstance(logger, bool):
             raise ConfigurationError(f"save_hyperparameters(logger={logger!r}): give True or False")
         ignored = _ignore_list(ignore)
-        if len(args) == 1 and not isinstance(args[0], str) and isinstance(args[0], (Mapping, list, tuple, Namespace)):
-            if not (vars(args[0]) if isinstance(args[0], Namespace) else args[0]) and not values:
-                return  # an empty container: nothing to record (Lightning)
+        one_container = (
+            len(args) == 1 and not isinstance(args[0], str) and isinstance(args[0], (Mapping, list, tuple, Namespace))
+        )
+        if one_container and not (vars(args[0]) if isinstance(args[0], Namespace) else args[0]) and not values:
+            # an empty container: nothing to record (Lightning)
+            return
         if frame is None:
             caller = inspect.currentframe()
             frame = caller.f_back if caller is not None else None

@@ -45,7 +45,7 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
     so ``load_from_checkpoint`` can build it again from a checkpoint.
     """
 
-    _trainer: Optional["Trainer"]  # set with object.__setattr__: not a submodule
+    _trainer: Optional[Trainer]  # set with object.__setattr__: not a submodule
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,7 +99,7 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
 
     # ---- what users call -----------------------------------------------------------------------
     @property
-    def trainer(self) -> "Trainer":
+    def trainer(self) -> Trainer:
         if self._trainer is None:
             raise TrainforgeError(
                 f"{type(self).__name__} is not attached to a Trainer; "
