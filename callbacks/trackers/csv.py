@@ -204,7 +204,7 @@ def _temporary(path: str) -> str:
     return f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
 
 
-def _unshared(wanted: str) -> "tuple[str, RunLock]":
+def _unshared(wanted: str) -> tuple[str, RunLock]:
     """``wanted``, held for this run (a lock beside it), unless another process is writing it: then the same
     name in the first ``csv_logger.<n>`` subfolder without a CSV file and nobody writing there (warned), so
     that neither run truncates, drops or renames the other's rows."""

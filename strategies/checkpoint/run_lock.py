@@ -44,7 +44,7 @@ SETTLE_SECONDS = 0.5
 
 log = logging.getLogger("trainforge")
 # directory -> (its lock, how many holders in this process)
-_held: Dict[str, Tuple["RunLock", int]] = {}
+_held: Dict[str, Tuple[RunLock, int]] = {}
 _held_guard = threading.Lock()
 
 
@@ -149,9 +149,8 @@ class _Lease(RunLock):
     def _write(self) -> None:
         fs, inner = RemotePath(self._url).fs()
         lease = {**self._note, "expires": time.time() + LEASE_SECONDS, "lease_seconds": LEASE_SECONDS}
-        with access_errors(self._url, "write the run's lease"):
-            with fs.open(inner, "wb") as f:
-                f.write(json.dumps(lease).encode())
+        with access_errors(self._url, "write the run's lease"), fs.open(inner, "wb") as f:
+            f.write(json.dumps(lease).encode())
 
     def _live_other(self, lease: Optional[Dict[str, Any]]) -> bool:
         if not lease or lease.get("owner") == self._note["owner"]:

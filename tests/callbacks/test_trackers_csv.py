@@ -37,7 +37,7 @@ def test_fit_writes_every_logged_value_with_a_header_that_grows(tmp_path):
     header, rows = read_csv(logger.file)
     # val/loss first appears after train/loss had rows: the header was extended, old rows kept.
     assert header == ["step", "train/loss", "val/loss"]
-    expected = [{**{h: "" for h in header}, **r} for r in logged_rows(recorder)]
+    expected = [{**dict.fromkeys(header, ""), **r} for r in logged_rows(recorder)]
     assert rows == expected and len(rows) == len(recorder.logged) > 4
     assert [float(r["val/loss"]) for r in rows if r["val/loss"]] == [v for _, v in recorder.history("val/loss")]
     assert yaml.safe_load((tmp_path / "hparams.yaml").read_text()) == yaml.safe_load(yaml.safe_dump(trainer.hparams))
@@ -150,7 +150,6 @@ def test_a_metrics_file_another_process_is_writing_is_never_moved_or_cut(tmp_pat
     import sys
 
     from tests.helpers import procs
-
     from trainforge.callbacks.trackers.run_paths import claim
 
     # the file of another trainforge run, which is still writing it

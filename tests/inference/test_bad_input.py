@@ -98,9 +98,9 @@ def test_tie_group_split_across_devices_and_other_arguments(ckpt):
         dispatch_model(plain(), {"": "cpu"}, execution_device="gpu")
     with pytest.raises(ConfigurationError, match=r"prefetch=1 must be True or False"):
         dispatch_model(plain(), {"": "cpu"}, prefetch=1)
-    with pytest.raises(ConfigurationError, match=r"include_buffers='yes' must be True or False"):
-        with init_empty_weights(include_buffers="yes"):
-            pass
+    bad_buffers = r"include_buffers='yes' must be True or False"
+    with pytest.raises(ConfigurationError, match=bad_buffers), init_empty_weights(include_buffers="yes"):
+        pass
     with pytest.raises(ConfigurationError, match=r"weights still on meta"):
         dispatch_model(_meta(), {"": "cpu"})
 
@@ -174,9 +174,9 @@ def test_a_pickle_with_code_in_a_bin_checkpoint_is_refused_without_unsafe_advice
     """Issue 25: a hostile .bin got torch's advice to retry with weights_only=False (which runs it)."""
     evil = _Evil()
     evil.marker = str(tmp_path / "PWNED")
-    sd = {k: v for k, v in plain().state_dict().items()}
+    sd = dict(plain().state_dict())
     torch.save({**sd, "extra": evil}, tmp_path / "pytorch_model-00001.bin")
-    weight_map = {k: "pytorch_model-00001.bin" for k in sd}
+    weight_map = dict.fromkeys(sd, "pytorch_model-00001.bin")
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError) as err:
         load_checkpoint_and_dispatch(_meta(), tmp_path, device_map={"": "cpu"})
@@ -206,7 +206,7 @@ def test_a_path_that_does_not_exist_a_sharded_checkpoint_and_a_wrong_index_say_s
     with pytest.raises(CheckpointError, match=r"sharded checkpoint written by strategy='fsdp' .* `trainforge merge-w"):
         load_checkpoint_and_dispatch(_meta(), sharded, device_map={"": "cpu"})
     index = tmp_path / "model.safetensors.index.json"
-    weight_map = {k: "model.safetensors" for k in plain().state_dict()}
+    weight_map = dict.fromkeys(plain().state_dict(), "model.safetensors")
     index.write_text(json.dumps({"weight_map": {**weight_map, "lm_head.weight": "model.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"puts 'lm_head.weight' in shard 'model.safetensors', but no shard h"):
         load_checkpoint_and_dispatch(_meta(), index, device_map={"": "cpu"})

@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from trainforge import Trainer, TrainingModule  # noqa: E402
-from trainforge.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from trainforge.strategies.errors import CheckpointError  # noqa: E402
+from trainforge import Trainer, TrainingModule
+from trainforge.callbacks import Callback, ModelCheckpoint
+from trainforge.strategies.errors import CheckpointError
 
 
 class Tiny(TrainingModule):

@@ -272,13 +272,10 @@ def test_fsdp_load_failure_is_a_checkpoint_error_not_a_base_exception(tmp_path):
         )
     path = writer.finalize({"step": 1, "strategy": "fsdp"})
     model = torch.nn.Linear(3, 2)
-    with pytest.raises(
-        CheckpointError,
-        match=r"step-1/dcp: cannot load the sharded checkpoint into Linear \(rank 0: RuntimeError: Missing key",
-    ):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            FSDPStrategy().load_checkpoint(path, model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    missing = r"step-1/dcp: cannot load the sharded checkpoint into Linear \(rank 0: RuntimeError: Missing key"
+    with pytest.raises(CheckpointError, match=missing), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        FSDPStrategy().load_checkpoint(path, model, [torch.optim.SGD(model.parameters(), lr=0.1)])
 
 
 # ---- processes and launch settings -----------------------------------------------------------------

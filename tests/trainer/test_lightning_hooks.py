@@ -117,9 +117,10 @@ def test_unknown_module_hook_warns_and_callback_style_module_hook_still_runs_lou
         def on_fit_start(self, trainer, module):  # the pre-Lightning (callback) signature
             type(self).ran += 1
 
-    with pytest.warns(UserWarning, match="on_train_epoch_ends, which the Trainer never calls"):
-        with pytest.warns(FutureWarning, match=r"on_fit_start\(trainer, module, ...\) uses the callback signature"):
-            _trainer(tmp_path).fit(Typo(make_net()), _loader())
+    typo = "on_train_epoch_ends, which the Trainer never calls"
+    old_signature = r"on_fit_start\(trainer, module, ...\) uses the callback signature"
+    with pytest.warns(UserWarning, match=typo), pytest.warns(FutureWarning, match=old_signature):
+        _trainer(tmp_path).fit(Typo(make_net()), _loader())
     assert Typo.ran == 1
 
 

@@ -154,7 +154,7 @@ class PreparedDataLoader:
         if epoch != self.epoch or not self._resumed:
             self.epoch, self._resumed, self.batch_in_epoch = epoch, False, 0
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # noqa: PLR0915 - a generator: its loader state lives in one frame
         from trainforge.strategies.data.loader import num_padding_samples, samples_in_last_batch, set_loader_epoch
 
         if not self._resumed or self.batch_in_epoch == 0:  # a new epoch (also one resumed at its start)
@@ -334,7 +334,7 @@ class PreparedDataLoader:
         if self.dispatcher is None:
             self.loader.release_workers()
 
-    def skip_first_batches(self, num_batches: int) -> "PreparedDataLoader":
+    def skip_first_batches(self, num_batches: int) -> PreparedDataLoader:
         """Start the next pass ``num_batches`` into the epoch. After ``load_state`` (which restored the
         position already) the count a ported Accelerate script computes is checked against the restored
         position instead: the same batch of the epoch, or ``0`` when the checkpoint was saved on the

@@ -98,7 +98,7 @@ def _progress_of(parts: CheckpointParts) -> Dict[str, int]:
 
 
 def save_state(
-    acc: "Accelerator",
+    acc: Accelerator,
     path: os.PathLike | str,
     parts: CheckpointParts,
     async_save: bool = False,
@@ -152,7 +152,7 @@ def save_state(
     )
 
 
-def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple[Dict[str, Any], Dict[str, Any]]":
+def load_state(acc: Accelerator, path: Path, parts: CheckpointParts) -> tuple[Dict[str, Any], Dict[str, Any]]:
     """Restore every part ``parts`` has from ``path`` (written by either side) except RNG, which is
     returned with the state: the caller restores it last, just before the next batch."""
     meta = read_metadata(path)
@@ -209,7 +209,7 @@ def load_state(acc: "Accelerator", path: Path, parts: CheckpointParts) -> "tuple
     return state, rng
 
 
-def _clock(acc: "Accelerator", parts: CheckpointParts) -> Optional[Dict[str, Any]]:
+def _clock(acc: Accelerator, parts: CheckpointParts) -> Optional[Dict[str, Any]]:
     """The Accelerator's schedulers step in Accelerate's units (trainer.scheduler_clock); the
     Trainer's once per optimizer step or epoch, as Lightning's (none recorded)."""
     return scheduler_clock(acc, parts.schedulers, parts.loaders) if parts.kind == "accelerator" else None
@@ -275,7 +275,7 @@ def _read_rank_state(path: Path, meta: Dict[str, Any], strategy: Any) -> tuple:
 
 
 # ---- asynchronous saves (strategies/checkpoint/async_save.py) ---------------------------------------
-def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, kind: str) -> Any:
+def _open_writer(acc: Accelerator, path: os.PathLike | str, async_save: bool, kind: str) -> Any:
     """A CheckpointWriter, or its staging stand-in for an asynchronous save; either way only after
     the save in flight (if any) is committed: one save at a time."""
     if async_save:
@@ -289,7 +289,7 @@ def _open_writer(acc: "Accelerator", path: os.PathLike | str, async_save: bool, 
 
 # ---- the Accelerator's side -------------------------------------------------------------------------
 def save_accelerator_state(
-    acc: "Accelerator",
+    acc: Accelerator,
     output_dir: os.PathLike | str,
     parts: CheckpointParts,
     async_save: bool = False,
@@ -305,7 +305,7 @@ def save_accelerator_state(
     )
 
 
-def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str, parts: CheckpointParts) -> Path:
+def load_accelerator_state(acc: Accelerator, input_dir: os.PathLike | str, parts: CheckpointParts) -> Path:
     s = acc.strategy
     path = cast(
         Path,
@@ -323,7 +323,7 @@ def load_accelerator_state(acc: "Accelerator", input_dir: os.PathLike | str, par
     return path
 
 
-def _project_root(acc: "Accelerator") -> Path:
+def _project_root(acc: Accelerator) -> Path:
     project_dir = acc.project_dir  # set whenever automatic_checkpoint_naming is (the Accelerator checks)
     if not acc.automatic_checkpoint_naming or project_dir is None:
         raise ConfigurationError(
@@ -334,7 +334,7 @@ def _project_root(acc: "Accelerator") -> Path:
 
 
 def save_project_checkpoint(
-    acc: "Accelerator", parts: CheckpointParts, async_save: bool = False, trainable_only: Optional[bool] = None
+    acc: Accelerator, parts: CheckpointParts, async_save: bool = False, trainable_only: Optional[bool] = None
 ) -> Path:
     """Accelerate's automatic naming: ``checkpoints/checkpoint_<i>``, i one more than the newest;
     the oldest beyond ``total_limit`` deleted by rank 0 once the new one is committed."""
@@ -360,10 +360,10 @@ def save_project_checkpoint(
 
 
 # Per Accelerator: what gives its project's run lock back (None on the ranks that hold none).
-_project_locks: "weakref.WeakKeyDictionary[Any, Optional[weakref.finalize]]" = weakref.WeakKeyDictionary()
+_project_locks: weakref.WeakKeyDictionary[Any, Optional[weakref.finalize]] = weakref.WeakKeyDictionary()
 
 
-def hold_project_lock(acc: "Accelerator", root: Path) -> None:
+def hold_project_lock(acc: Accelerator, root: Path) -> None:
     """One writer per project directory (``strategies/checkpoint/run_lock.py``): from the first automatically
     named save until ``end_training`` (or the Accelerator's end), a second process on the same ``project_dir``
     is refused on every rank before it writes. A collective the first time, on every rank."""
@@ -373,14 +373,14 @@ def hold_project_lock(acc: "Accelerator", root: Path) -> None:
     _project_locks[acc] = weakref.finalize(acc, lock.release) if lock is not None else None
 
 
-def release_project_lock(acc: "Accelerator") -> None:
+def release_project_lock(acc: Accelerator) -> None:
     """Give the project's run lock back (``end_training``); the next automatically named save takes it again."""
     release = _project_locks.pop(acc, None)
     if release is not None:
         release()
 
 
-def newest_project_checkpoint(acc: "Accelerator") -> Path:
+def newest_project_checkpoint(acc: Accelerator) -> Path:
     root = _project_root(acc)
     existing = _numbered(root)
     if not existing:

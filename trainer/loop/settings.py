@@ -36,7 +36,7 @@ class LoopConfig:
     min_epochs: Optional[int] = None  # trainer.should_stop (EarlyStopping) waits for both (Lightning)
     min_steps: Optional[int] = None
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: C901 - one check per setting, each with its own message
         for name in (
             "max_epochs",
             "max_steps",
@@ -193,7 +193,9 @@ SCHEDULER_INTERVALS = ("step", "epoch")
 SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "name", "monitor", "strict", "reduce_on_plateau")  # Lightning's
 
 
-def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> OptimizerConfig:
+def parse_optimizers(  # noqa: C901, PLR0915 - each return form Lightning accepts from configure_optimizers
+    result: Any, module_name: str, manual: bool = False
+) -> OptimizerConfig:
     """What ``configure_optimizers`` may return: an optimizer, ``(optimizer, scheduler)``,
     ``([optimizer], [scheduler])``, or ``{"optimizer": ..., "lr_scheduler": sched | {"scheduler": ...,
     "interval": "step"|"epoch", "frequency": 1, "name": ...}}``. With manual optimization also
@@ -290,7 +292,7 @@ def parse_optimizers(result: Any, module_name: str, manual: bool = False) -> Opt
 
 def _several(result: Any) -> Optional[List[Any]]:
     """The per-optimizer pieces of a multi-optimizer return, or None for a single optimizer."""
-    if isinstance(result, dict) or isinstance(result, torch.optim.Optimizer):
+    if isinstance(result, (dict, torch.optim.Optimizer)):
         return None
     if not isinstance(result, (list, tuple)) or not result:
         return None
@@ -319,7 +321,7 @@ def resolve_root_dir(path: Optional[str]) -> str:
     return root
 
 
-def resolve_root_dirs(path: Optional[str]) -> "tuple[str, Optional[str]]":
+def resolve_root_dirs(path: Optional[str]) -> tuple[str, Optional[str]]:
     """(local root for logs and trackers, URL for checkpoints or None). A URL ``default_root_dir``
     (``s3://bucket/run``: strategies/checkpoint/remote.py) holds the checkpoints; trackers, profiles and hang
     dumps write local files and stay under the local default (``<cwd>/runs``), said once here."""
@@ -353,7 +355,7 @@ def check_callbacks(callbacks: Any, base: type) -> List[Any]:
     """``callbacks`` as a list of instances of ``base``, or a ConfigurationError naming the mistake."""
     if callbacks is None:
         return []
-    if isinstance(callbacks, base) or isinstance(callbacks, type) or not isinstance(callbacks, (list, tuple)):
+    if isinstance(callbacks, (base, type)) or not isinstance(callbacks, (list, tuple)):
         shown = callbacks.__name__ if isinstance(callbacks, type) else type(callbacks).__name__
         raise ConfigurationError(
             f"callbacks={shown}{'' if isinstance(callbacks, type) else '(...)'} is not a list; "

@@ -103,13 +103,13 @@ class LRFinder:
 class Tuner:
     """``Tuner(trainer)``: Lightning's ``lightning.pytorch.tuner.Tuner`` (see the module docstring)."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
     # ---- batch size ----------------------------------------------------------------------------------
     def scale_batch_size(
         self,
-        model: "TrainingModule",
+        model: TrainingModule,
         train_dataloaders: Any = None,
         datamodule: Any = None,
         mode: str = "power",
@@ -174,9 +174,9 @@ class Tuner:
         return last_ok
 
     # ---- learning rate -------------------------------------------------------------------------------
-    def lr_find(
+    def lr_find(  # noqa: C901 - Lightning's LR finder: one sweep, its stop and restore rules together
         self,
-        model: "TrainingModule",
+        model: TrainingModule,
         train_dataloaders: Any = None,
         datamodule: Any = None,
         min_lr: float = 1e-8,
@@ -264,13 +264,13 @@ class Tuner:
 
     def _train(
         self,
-        model: "TrainingModule",
+        model: TrainingModule,
         datamodule: Any,
         loader: Any,
         steps: int,
         rate: Optional[Callable[[int], float]] = None,
         record: Optional[Callable[[int, float, float], bool]] = None,
-        trial: Optional["_Trial"] = None,
+        trial: Optional[_Trial] = None,
     ) -> None:
         if not model.automatic_optimization:
             raise ConfigurationError(
@@ -333,7 +333,7 @@ class _Trial:
         self.first_dim = dims[0] if dims else None
 
     @staticmethod
-    def check_sizes_changed(trials: List["_Trial"]) -> None:
+    def check_sizes_changed(trials: List[_Trial]) -> None:
         """Trials of different sizes whose batches all had the same first dimension: the size was ignored."""
         dims = {t.first_dim for t in trials}
         sizes = {t.size for t in trials}

@@ -68,7 +68,8 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> Tuple[Any, MutableMapping[str, Any]]:
         return msg, kwargs
 
-    @functools.lru_cache(None)  # noqa: B019 - as Accelerate: each distinct message once per adapter
+    # as Accelerate: each distinct message once per adapter
+    @functools.lru_cache(None)
     def warning_once(self, *args: Any, **kwargs: Any) -> None:
         self.warning(*args, **kwargs)
 
@@ -245,9 +246,7 @@ class LocalSGD:
     calls of ``local.step()`` (and on leaving the block) the parameters are averaged over the processes.
     ``enabled=False``: plain data-parallel training. One process, DDP or several CPU processes only."""
 
-    def __init__(
-        self, accelerator: "Accelerator", model: nn.Module, local_sgd_steps: int, enabled: bool = True
-    ) -> None:
+    def __init__(self, accelerator: Accelerator, model: nn.Module, local_sgd_steps: int, enabled: bool = True) -> None:
         if accelerator.distributed_type not in (
             DistributedType.NO,
             DistributedType.MULTI_CPU,
@@ -266,7 +265,7 @@ class LocalSGD:
         self.num_steps = 0
         self._no_sync: Any = None
 
-    def __enter__(self) -> "LocalSGD":
+    def __enter__(self) -> LocalSGD:
         if self.enabled:
             self._no_sync = self.accelerator.no_sync(self.model)
             self._no_sync.__enter__()
