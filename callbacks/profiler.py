@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import tempfile
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -67,6 +68,19 @@ def profiler_schedule(where: str, **steps: Optional[int]) -> Optional[Callable[[
     )
 
 
+def writable_dir(path: Any, where: str) -> None:
+    """Create ``path`` and check that a file can be written in it, or a ConfigurationError naming why."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ConfigurationError(
+            f"{where}={str(path)!r} cannot be written to ({err.strerror or err}): the report would be lost at "
+            "the end of the fit. Pass a folder this process can write, or dirpath=None to print it only"
+        ) from err
+
+
 class HookProfiler(Callback):
     """A callback the Trainer hands every hook to wrap (once per fit, never its own hooks)."""
 
@@ -90,6 +104,7 @@ class SimpleProfiler(HookProfiler):
         self.dirpath, self.filename = dirpath, filename
         self._totals: Dict[str, List[float]] = {}
         self._first_step = 0
+        self._checked_dir = False
         self.report = ""
         self.report_path: Optional[str] = None  # where the report was written (a new file, never over one)
 
@@ -116,6 +131,11 @@ class SimpleProfiler(HookProfiler):
 
     def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._first_step = trainer.global_step
+        self._checked_dir = False
+        if self.dirpath is not None:
+            # the report is written after the whole fit: a folder it cannot be written to fails now
+            writable_dir(self.dirpath, "SimpleProfiler(dirpath)")
+            self._checked_dir = True
 
     def on_teardown(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
         """The report, once every other hook but teardown has run (this callback's hooks run first)."""
@@ -130,7 +150,7 @@ class SimpleProfiler(HookProfiler):
         if not trainer.is_global_zero:
             return
         print(self.report)
-        if self.dirpath is not None:
+        if self.dirpath is not None and self._checked_dir:  # not after a fit the check itself ended
             os.makedirs(self.dirpath, exist_ok=True)
             f, path = open_new(os.path.join(self.dirpath, self.filename or "simple_profiler.txt"))
             self.report_path = str(path)
@@ -212,6 +232,7 @@ class PyTorchProfiler(HookProfiler):
         if repeat is None and (wait, warmup, active, skip_first) != (None,) * 4:
             repeat = 1  # one cycle (torch's 0 cycles until fit ends, a partial trace at the end included)
         steps = dict(wait=wait, warmup=warmup, active=active, repeat=repeat, skip_first=skip_first)
+        self._steps = steps
         schedule = profiler_schedule("PyTorchProfiler", **steps)
         if schedule is not None and "schedule" in profiler_kwargs:
             raise ConfigurationError(
@@ -237,6 +258,7 @@ class PyTorchProfiler(HookProfiler):
         self.summary = ""
         self.summary_path: Optional[str] = None  # where rank's summary was written (a new file, never over one)
         self.trace_files: List[str] = []
+        self._batches = 0  # training batches this fit stepped the profiler through
         self._open: Dict[str, Any] = {}
         if not isinstance(record_module_names, bool):
             raise ConfigurationError(
@@ -273,7 +295,7 @@ class PyTorchProfiler(HookProfiler):
         if "on_trace_ready" not in kwargs and (self.export_to_chrome or self.trace_handler == "tensorboard"):
             tensorboard = tensorboard_trace_handler(out, worker_name=f"{stem}rank{rank}")
             kwargs["on_trace_ready"] = chrome if self.trace_handler == "chrome" else tensorboard
-        self.summary, self.trace_files = "", []
+        self.summary, self.trace_files, self._batches = "", [], 0
         self.profiler = torch.profiler.profile(**kwargs)
         if self.record_module_names:
             self._record_modules(module)
@@ -340,12 +362,34 @@ class PyTorchProfiler(HookProfiler):
         self._exit(_CLOSES["on_train_batch_end"])
         if self.profiler is not None:
             self.profiler.step()
+            self._batches += 1
 
     def on_train_end(self, trainer: TrainerView, module: TrainingModule) -> None:
         self._stop(trainer)
 
     def on_exception(self, trainer: TrainerView, module: TrainingModule, exception: BaseException) -> None:
         self._stop(trainer)
+
+    def _warn_if_nothing_recorded(self, trainer: TrainerView) -> None:
+        """A schedule whose first recorded batch comes after the last batch of the fit leaves an empty folder."""
+        schedule = self.profiler_kwargs.get("schedule")
+        if schedule is None or self.trace_files:
+            return
+        recording = (torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE)
+        if any(schedule(step) in recording for step in range(self._batches)):
+            return
+        log.warning(
+            "trainforge: PyTorchProfiler recorded nothing: its schedule (%s) reaches no active step in the %d "
+            "training batches this fit ran, so no trace was written to %s. Lower wait/warmup/skip_first (the "
+            "first batch recorded is skip_first + wait + warmup + 1) or train longer",
+            self._schedule_text(),
+            self._batches,
+            self._out_dir(trainer),
+        )
+
+    def _schedule_text(self) -> str:
+        given = {k: v for k, v in self._steps.items() if v is not None}
+        return ", ".join(f"{k}={v}" for k, v in given.items()) or "schedule=" + repr(self.profiler_kwargs["schedule"])
 
     def _stop(self, trainer: TrainerView) -> None:
         self._exit(tuple(reversed(self._open)))
@@ -358,6 +402,7 @@ class PyTorchProfiler(HookProfiler):
         if prof is None:
             return
         prof.stop()
+        self._warn_if_nothing_recorded(trainer)
         if self.row_limit == 0:
             return
         try:

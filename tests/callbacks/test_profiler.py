@@ -83,6 +83,36 @@ def test_schedule_records_exactly_the_active_steps(tmp_path):
     assert steps == ["ProfilerStep#2", "ProfilerStep#3"]
 
 
+def test_a_schedule_that_never_records_says_so(tmp_path, caplog):
+    profiler = PyTorchProfiler(wait=1000, warmup=1, active=1)
+    with caplog.at_level("WARNING", logger="trainforge"):
+        _fit(tmp_path, profiler, steps=4)
+    assert not list((tmp_path / "profiler").iterdir())  # an empty folder, said nothing
+    warned = [r.getMessage() for r in caplog.records if "recorded nothing" in r.getMessage()]
+    assert (
+        len(warned) == 1 and "wait=1000, warmup=1, active=1" in warned[0] and "in the 4 training batches" in warned[0]
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainforge"):
+        _fit(tmp_path / "ok", PyTorchProfiler(wait=1, warmup=1, active=1), steps=4)
+    assert not [r for r in caplog.records if "recorded nothing" in r.getMessage()]
+
+
+def test_simple_profiler_dirpath_that_cannot_be_written_fails_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    steps = []
+
+    class Count(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            steps.append(batch_idx)
+
+    # the whole fit ran, then writing the report failed
+    with pytest.raises(ConfigurationError, match=r"SimpleProfiler\(dirpath\)=.*a-file/reports' cannot be written to"):
+        _fit(tmp_path, SimpleProfiler(dirpath=str(blocker / "reports")), [Count()], steps=2)
+    assert steps == []
+
+
 def test_tensorboard_handler_writes_its_trace(tmp_path):
     trainer = _fit(
         tmp_path,
