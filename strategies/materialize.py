@@ -25,12 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Any, ContextManager, Dict, Iterator, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
-from trainforge.strategies.checkpoint.pretrained import load_slices, named_targets, weight_files
+from trainforge.strategies.checkpoint.pretrained import (
+    check_prefix_matches,
+    load_slices,
+    named_targets,
+    warn_unused,
+    weight_files,
+)
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.strategies.meta import init_empty_weights, retie, shared_tensor_groups, tie_groups
 
@@ -68,12 +75,17 @@ def load_pretrained(module: nn.Module, path: Any, prefix: str = "") -> nn.Module
     directory, a trainforge checkpoint directory). On a model built with ``empty_init`` the load is
     deferred to the strategy's setup, where each rank reads only the slices it keeps; otherwise it
     happens now (a DTensor-sharded model still reads only its slices). Every parameter must be in the
-    file, except, on a deferred load, those whose module has ``reset_parameters()``."""
+    file, except, on a deferred load, those whose module has ``reset_parameters()`` (named in a warning at
+    setup); a prefix that matches none of them is an error either way, and tensors of the file under the
+    prefix that the model has no use for are named in a warning now."""
     if not isinstance(module, nn.Module):
         raise ConfigurationError(f"load_pretrained(module={type(module).__name__}): give the nn.Module to load into")
     if not isinstance(prefix, str):
         raise ConfigurationError(f"load_pretrained(prefix={prefix!r}) must be a string such as 'model.'")
     weight_files(path)  # a wrong path fails here, not at setup
+    # A prefix matching nothing fails here too, deferred or not; tensors nobody reads are named.
+    check_prefix_matches(module, path, prefix)
+    warn_unused(module, path, prefix)
     if has_meta(module):
         setattr(module, PRETRAINED_ATTR, (str(path), prefix))
         return module
@@ -148,16 +160,27 @@ def _adopt_from_pretrained_origin(module: nn.Module, empty: Set[str]) -> None:
 
 
 def _reset_the_rest(module: nn.Module, left: Set[str], loaded: Set[str], sources: list) -> None:
+    reset = []
     for mod_name, mod in module.named_modules():
         own = {f"{mod_name}.{leaf}" if mod_name else leaf: leaf for leaf in (*mod._parameters, *mod._buffers)}
         mine = left & set(own)
         if not mine or not callable(getattr(mod, "reset_parameters", None)):
             continue
+        reset += sorted(mine)
         keep: Dict[str, torch.Tensor] = {n: _local(mod, own[n]).clone() for n in set(own) & loaded}
         mod.reset_parameters()  # resets all of its tensors: the pretrained ones are put back
         for name, value in keep.items():
             _local(mod, own[name]).copy_(value)
         left -= mine
+    if sources and reset:
+        # transformers says the same of weights "newly initialized": a partial load is never silent
+        more = f" and {len(reset) - 10} more" if len(reset) > 10 else ""
+        warnings.warn(
+            f"{len(reset)} tensor(s) are not in {', '.join(sources)} and were initialised by their module's "
+            f"reset_parameters() instead: {reset[:10]}{more}",
+            UserWarning,
+            stacklevel=2,
+        )
     if left:
         where = f"not in {', '.join(sources)} and " if sources else ""
         raise ConfigurationError(

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
-from trainforge.strategies.errors import CheckpointError
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -62,6 +63,42 @@ def weight_files(path: Path | str) -> Dict[str, Path]:
         f"pretrained weights {path}: holds neither {SINGLE_NAME} nor {INDEX_NAME}{hint}; give a .safetensors "
         "file or a directory in transformers' save_pretrained layout"
     )
+
+
+def check_prefix_matches(module: nn.Module, path: Path | str, prefix: str) -> None:
+    """A ConfigurationError when none of ``module``'s tensors is in ``path`` under ``prefix`` (a wrong prefix
+    would load nothing), naming the prefix and how the file's names begin."""
+    files = weight_files(path)
+    names = [n for n, _ in named_targets(module)]
+    if not names or any(prefix + n in files for n in _all_names(module)):
+        return
+    sample = sorted(files)[:3]
+    raise ConfigurationError(
+        f"load_pretrained: {len(names)} tensor(s) of the model are not in {path} under prefix {prefix!r}: none of "
+        f"{type(module).__name__}'s tensors is there (its names begin {names[:2]}, the file's {sample}); check the "
+        "prefix (the file's names are the model's names with it in front)"
+    )
+
+
+def warn_unused(module: nn.Module, path: Path | str, prefix: str) -> None:
+    """Warn (as transformers does) naming the tensors of ``path`` under ``prefix`` that ``module`` has no
+    tensor for: they were not loaded anywhere."""
+    wanted = {prefix + n for n in _all_names(module)}
+    unused = sorted(k for k in weight_files(path) if k.startswith(prefix) and k not in wanted)
+    if unused:
+        more = f" and {len(unused) - 10} more" if len(unused) > 10 else ""
+        warnings.warn(
+            f"load_pretrained: {len(unused)} tensor(s) of {path} under prefix {prefix!r} were not used: "
+            f"{type(module).__name__} has no tensor of that name: {unused[:10]}{more}. Expected when the file holds "
+            "parts the model does not have (another head); otherwise check the model's configuration and the prefix",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _all_names(module: nn.Module) -> Set[str]:
+    # every name a file may hold for the module, tied names included (state_dict lists each of them)
+    return set(module.state_dict(keep_vars=True))
 
 
 def _keys(file: Path) -> Iterable[str]:
