@@ -228,9 +228,13 @@ def test_grad_scaler_kwargs_configure_the_fp16_scaler():
     _options(kwargs_handlers=[GradScalerKwargs(init_scale=1024.0, growth_interval=5)]).apply_precision(precision)
     assert precision.scaler.get_scale() == 1024.0 and precision.scaler.get_growth_interval() == 5
     unscaled = Precision("32")
-    _options(kwargs_handlers=[GradScalerKwargs()]).apply_precision(unscaled)
+    with pytest.warns(UserWarning, match=r"GradScalerKwargs\(\{\}\) is ignored: precision '32' uses no grad scaler"):
+        _options(kwargs_handlers=[GradScalerKwargs()]).apply_precision(unscaled)
     assert unscaled.scaler is None  # no fp16: no scaler, as Accelerate
-    Accelerator(kwargs_handlers=[GradScalerKwargs(), DistributedDataParallelKwargs()])  # accepted on one process
+    with pytest.warns(UserWarning, match=r"ignored: precision 'bf16-mixed' uses no grad scaler"):
+        Accelerator(mixed_precision="bf16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])  # ignored silently
+    with pytest.warns(UserWarning, match="GradScalerKwargs"):
+        Accelerator(kwargs_handlers=[GradScalerKwargs(), DistributedDataParallelKwargs()])  # accepted on one process
 
 
 @pytest.mark.parametrize(

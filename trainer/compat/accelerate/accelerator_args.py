@@ -14,6 +14,7 @@ trainforge way in the message.
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
@@ -182,8 +183,16 @@ class AccelerateOptions:
         return name, {**kwargs, **extra}
 
     def apply_precision(self, precision: "Precision") -> None:
-        """GradScalerKwargs: the fp16 grad scaler's settings (no scaler otherwise, as Accelerate)."""
+        """GradScalerKwargs: the fp16 grad scaler's settings (no scaler otherwise, as Accelerate, which says
+        nothing; a warning here, not an error, so that one script keeps running under fp16 and bf16)."""
         scaler = self.handlers.get(GradScalerKwargs)
+        if scaler is not None and precision.scaler is None:
+            warnings.warn(
+                f"GradScalerKwargs({scaler.to_kwargs()}) is ignored: precision {precision.name!r} uses no grad "
+                "scaler (only fp16, mixed_precision='fp16', scales the loss). Leave it out, or train in fp16",
+                UserWarning,
+                stacklevel=4,
+            )
         if scaler is not None and precision.scaler is not None:
             precision.scaler = torch.amp.GradScaler(precision.device.type, **scaler.to_kwargs())
 
