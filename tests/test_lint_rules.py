@@ -117,3 +117,25 @@ def test_allowed_imports_pass(tmp_path):
 def test_the_repository_keeps_its_floors():
     result = _check(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _ruff(path: str, source: str) -> subprocess.CompletedProcess:
+    # --stdin-filename makes ruff apply ruff.toml's per-file-ignores as if the file were at `path`
+    cmd = [sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "TID251", "--stdin-filename", path, "-"]
+    return subprocess.run(cmd, input=source, capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "source, banned",
+    [
+        ("import torch\nstate = torch.load('x.pt', weights_only=True)\n", "torch.load"),
+        ("from torch import load\nstate = load('x.pt')\n", "torch.load"),
+        ("import pickle\nstate = pickle.loads(b'')\n", "pickle.loads"),
+    ],
+)
+def test_raw_deserialisation_is_refused_outside_the_safe_readers(source, banned):
+    refused = _ruff("strategies/new_module.py", source)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert f"`{banned}` is banned" in refused.stdout and "load_object" in refused.stdout, refused.stdout
+    allowed = _ruff("strategies/checkpoint/read.py", source)
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
