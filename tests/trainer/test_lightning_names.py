@@ -269,7 +269,7 @@ def test_devices_n_needs_a_script_to_run_again(monkeypatch):
     import os
     import types
 
-    from trainforge.trainer import script_launcher
+    from trainforge.trainer.cluster import script_launcher
 
     # what `python -c CODE` shows the program: sys.argv[0] == "-c", a __main__ module without a spec or a file
     monkeypatch.setattr(sys, "argv", ["-c"])
@@ -332,6 +332,56 @@ def test_a_child_failing_before_its_trainer_ends_rank_0_waiting_in_the_rendezvou
     assert (
         "exited with code 1; its last output:" in report and "RuntimeError: rank 1 fails before its Trainer" in report
     )
+
+
+# ---- Lightning 1.x's arguments, Lightning's own callbacks, Lightning 1.x's signatures ------------------
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"gpus": 1}, r"Trainer\(gpus=1\) is Lightning's .* pass accelerator='gpu', devices=N"),
+        ({"plugins": ["bf16"]}, r"Trainer\(plugins=\['bf16'\]\) is Lightning's .* precision= for a precision plugin"),
+        ({"resume_from_checkpoint": "x.ckpt"}, r"pass trainer.fit\(model, ..., ckpt_path=PATH\)"),
+        ({"fast_dev_run": True}, r"unknown argument fast_dev_run=True; its arguments are: accelerator, strategy"),
+    ],
+)
+def test_lightning_1x_trainer_arguments_get_the_2x_way(tmp_path, kwargs, match):
+    # a TypeError from __init__ named neither the argument's replacement nor the valid ones
+    with pytest.raises(ConfigurationError, match=match):
+        make(tmp_path, **kwargs)
+
+
+def test_a_lightning_callback_is_refused_with_trainforges_name_for_it(tmp_path):
+    # stands for lightning.pytorch's (Lightning is not a dependency): only its module path matters
+    lightning_checkpoint = type("ModelCheckpoint", (), {"__module__": "lightning.pytorch.callbacks.model_checkpoint"})
+    instead = r"use trainforge.callbacks.ModelCheckpoint \(`from trainforge.callbacks import ModelCheckpoint`\)"
+    with pytest.raises(ConfigurationError, match=r"callbacks is Lightning's lightning\.pytorch.*" + instead):
+        make(tmp_path, callbacks=lightning_checkpoint())
+    with pytest.raises(ConfigurationError, match=r"callbacks\[1\] is Lightning's .*" + instead):
+        make(tmp_path, callbacks=[ModelCheckpoint(), lightning_checkpoint()])
+
+
+def test_lightning_1x_hook_and_step_signatures_fail_at_fit_start_with_the_2x_form(tmp_path):
+    class EpochOutputs(Boring):
+        def on_train_epoch_end(self, outputs):
+            pass
+
+    class OptimizerIdx(Boring):
+        def training_step(self, batch, batch_idx, optimizer_idx):
+            return super().training_step(batch, batch_idx)
+
+    # the hook fired only at the epoch's end (or never, with max_steps inside it): a TypeError after training
+    with pytest.raises(
+        ConfigurationError,
+        match=r"EpochOutputs.on_train_epoch_end\(outputs\) needs outputs, which "
+        r"Lightning 2.x does not pass: the Trainer calls on_train_epoch_end\(\)\. Lightning 2.0 removed",
+    ):
+        make(tmp_path, max_steps=1, logger=False).fit(EpochOutputs(), loader())
+    with pytest.raises(
+        ConfigurationError,
+        match=r"training_step\(batch, batch_idx, optimizer_idx\) takes "
+        r"optimizer_idx: .* Set self.automatic_optimization = False",
+    ):
+        make(tmp_path, max_steps=1, logger=False).fit(OptimizerIdx(), loader())
 
 
 # ---- strategies ---------------------------------------------------------------------------------
@@ -435,7 +485,7 @@ def test_a_child_that_saved_on_a_stop_signal_is_not_a_failure_of_the_script_laun
     Rank 0's own failure signal is a real-time one, leaving SIGUSR1 (a default stop signal) free."""
     import signal
 
-    from trainforge.trainer import script_launcher
+    from trainforge.trainer.cluster import script_launcher
 
     assert script_launcher._FAILURE_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
     stopped = [script_launcher._Child(r, [sys.executable, "-c", "raise SystemExit(143)"], {}) for r in (1, 2)]

@@ -82,7 +82,57 @@ def bind_module_hook(module: Any, event: Event) -> Optional[Callable[..., Any]]:
             stacklevel=4,
         )
         return bound
+    _check_lightning_signature(module, name, bound)
     return lambda trainer, module, *args: bound(*args)
+
+
+def _required_arguments(method: Any) -> Optional[List[str]]:
+    """The arguments ``method`` cannot be called without (None: it takes ``*args`` or cannot be inspected)."""
+    try:
+        params = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return [p.name for p in params if p.default is p.empty and p.kind is not p.VAR_KEYWORD]
+
+
+def _check_lightning_signature(module: Any, name: str, bound: Any) -> None:
+    """A hook that needs more arguments than Lightning 2.x passes (Lightning 1.x's ``on_train_epoch_end(self,
+    outputs)``) fails at the start of fit, naming the 2.x signature, not with a TypeError when it fires."""
+    required = _required_arguments(bound)
+    passed = [p for p in inspect.signature(getattr(ModuleHooks, name)).parameters if p != "self"]
+    if required is None or len(required) <= len(passed):
+        return
+    from trainforge.strategies.errors import ConfigurationError
+
+    extra = required[len(passed) :]
+    hint = (
+        " Lightning 2.0 removed the epoch's step outputs: keep what you need in a list on the module (append in "
+        "the step, read and clear it here)"
+        if "outputs" in extra
+        else ""
+    )
+    raise ConfigurationError(
+        f"{type(module).__name__}.{name}{inspect.signature(bound)} needs {', '.join(extra)}, which Lightning 2.x "
+        f"does not pass: the Trainer calls {name}{_lightning_signature(name)}.{hint}"
+    )
+
+
+def check_training_step(module: Any) -> None:
+    """Lightning 1.x's ``training_step(self, batch, batch_idx, optimizer_idx)`` (several optimizers in
+    automatic optimization) was removed in Lightning 2.0: refused at the start of fit with the 2.x way."""
+    required = _required_arguments(module.training_step)
+    if required is None or ("optimizer_idx" not in required and len(required) <= 2):
+        return
+    from trainforge.strategies.errors import ConfigurationError
+
+    raise ConfigurationError(
+        f"{type(module).__name__}.training_step{inspect.signature(module.training_step)} takes "
+        f"{', '.join(required[2:]) or 'optimizer_idx'}: Lightning 1.x's form for several optimizers, which Lightning "
+        "2.0 removed; the Trainer calls training_step(batch, batch_idx). Set self.automatic_optimization = False "
+        "and step each optimizer of self.optimizers() in training_step (manual optimization)"
+    )
 
 
 def _takes_trainer_first(method: Any) -> bool:
@@ -94,7 +144,8 @@ def _takes_trainer_first(method: Any) -> bool:
 
 
 def _lightning_signature(name: str) -> str:
-    return str(inspect.signature(getattr(ModuleHooks, name))).replace("self, ", "").replace("(self)", "()")
+    signature = inspect.signature(getattr(ModuleHooks, name)).replace(return_annotation=inspect.Signature.empty)
+    return str(signature).replace("self, ", "").replace("(self)", "()")
 
 
 # Lightning 1.x epoch-end hooks, removed in Lightning 2.0 (which refuses them): their replacements.
@@ -109,6 +160,7 @@ REMOVED_HOOKS = {
 def warn_unknown_hooks(module: Any) -> None:
     """A Lightning user's ``on_*`` method that the Trainer never calls would be silently ignored; a
     Lightning 1.x ``*_epoch_end(outputs)`` hook is refused as Lightning 2.0 does (audit N-HK3)."""
+    check_training_step(module)
     removed = [name for name in REMOVED_HOOKS if callable(getattr(type(module), name, None))]
     if removed:
         from trainforge.strategies.errors import ConfigurationError

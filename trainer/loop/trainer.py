@@ -4,6 +4,7 @@ precision, accumulation and checkpointing with users of the thin API."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import signal
 from typing import Any, ContextManager, Dict, List, Optional, Sequence, Union
@@ -26,6 +27,7 @@ from trainforge.trainer.compat.lightning.trainer_args import (
     apply_deterministic,
     callback_list,
     check_summary_setting,
+    refuse_unknown_arguments,
     setup_processes,
     tracker_callbacks,
 )
@@ -102,7 +104,10 @@ class Trainer(
         requeue_signal: Union[str, int, signal.Signals] = "SIGUSR1",
         hang_timeout: Optional[float] = None,
         profiler: Any = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # Lightning 1.x's removed arguments (gpus=, plugins=) get the 2.x way, not a TypeError
+            refuse_unknown_arguments(unknown, [p for p in inspect.signature(Trainer).parameters if p != "unknown"])
         callbacks = check_callbacks(callback_list(callbacks, Callback), Callback)  # before anything is built
         callbacks, default_tracker = tracker_callbacks(logger, callbacks)
         callbacks = setting_callbacks(callbacks, profiler, hang_timeout)  # profiler=, hang_timeout= (defaults.py)

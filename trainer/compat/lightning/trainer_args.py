@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -229,8 +229,65 @@ def setup_processes(devices: Any, num_nodes: Any, accelerator: Any, strategy: An
 
 
 def callback_list(callbacks: Any, base: type) -> Any:
-    """Lightning also takes one callback on its own (``callbacks=ModelCheckpoint(...)``)."""
+    """Lightning also takes one callback on its own (``callbacks=ModelCheckpoint(...)``); a callback of
+    Lightning's own is refused with trainforge's name for it."""
+    given = callbacks if isinstance(callbacks, (list, tuple)) else [] if callbacks is None else [callbacks]
+    for index, callback in enumerate(given):
+        _refuse_lightning_callback(callback, index if isinstance(callbacks, (list, tuple)) else None)
     return [callbacks] if isinstance(callbacks, base) else callbacks
+
+
+def _refuse_lightning_callback(callback: Any, index: Optional[int]) -> None:
+    cls = callback if isinstance(callback, type) else type(callback)
+    if cls.__module__.split(".")[0] not in ("lightning", "pytorch_lightning"):
+        return
+    import trainforge.callbacks as ours
+
+    where = "callbacks" if index is None else f"callbacks[{index}]"
+    instead = (
+        f"use trainforge.callbacks.{cls.__name__} (`from trainforge.callbacks import {cls.__name__}`), which takes "
+        "Lightning's arguments"
+        if cls.__name__ in ours.__all__
+        else "write it as a trainforge.callbacks.Callback subclass (Lightning's on_* hooks, called with (trainer, "
+        "module, ...))"
+    )
+    raise ConfigurationError(
+        f"{where} is Lightning's {cls.__module__}.{cls.__name__}, which cannot run in trainforge's loop: {instead}"
+    )
+
+
+# Lightning 1.x Trainer arguments that Lightning 2.0 removed, and what to write instead (in trainforge).
+REMOVED_ARGUMENTS = {
+    "gpus": "accelerator='gpu', devices=N (Lightning 2.x's form)",
+    "tpu_cores": "strategy='xla' under `trainforge launch --xla` (Lightning 2.x: accelerator='tpu', devices=N)",
+    "auto_select_gpus": "devices=N (CUDA_VISIBLE_DEVICES picks which)",
+    "resume_from_checkpoint": "trainer.fit(model, ..., ckpt_path=PATH) (Lightning 2.x's form), or resume='auto'",
+    "auto_lr_find": "trainforge.Tuner(trainer).lr_find(model) (Lightning 2.x's Tuner)",
+    "auto_scale_batch_size": "trainforge.Tuner(trainer).scale_batch_size(model) (Lightning 2.x's Tuner)",
+    "amp_backend": "precision='16-mixed' or 'bf16-mixed' (torch.amp; Lightning 2.x's form)",
+    "amp_level": "precision='16-mixed' or 'bf16-mixed' (torch.amp; Lightning 2.x's form)",
+    "track_grad_norm": "logging the norm in on_before_optimizer_step (Lightning 2.x's way)",
+    "replace_sampler_ddp": "nothing: trainforge shards a map-style loader's sampler by rank itself",
+    "move_metrics_to_cpu": "nothing: logged metrics are kept as Python floats",
+    "plugins": (
+        "the setting the plugin carried: precision= for a precision plugin, strategy=<a Strategy object> for a "
+        "strategy's options; a cluster environment is detected (torchrun, SLURM, MPI, Kubeflow) and checkpoint "
+        "I/O takes fsspec URLs (default_root_dir='s3://...')"
+    ),
+}
+
+
+def refuse_unknown_arguments(given: Dict[str, Any], accepted: List[str]) -> None:
+    """``Trainer(**given)`` for arguments the Trainer does not take: Lightning 1.x's get the 2.x way."""
+    for name, value in given.items():
+        if name in REMOVED_ARGUMENTS:
+            raise ConfigurationError(
+                f"Trainer({name}={value!r}) is Lightning's and trainforge does not take it; pass "
+                f"{REMOVED_ARGUMENTS[name]}"
+            )
+        raise ConfigurationError(
+            f"Trainer() got an unknown argument {name}={value!r}; its arguments are: {', '.join(accepted)}"
+        )
 
 
 def tracker_callbacks(logger: Any, callbacks: List[Any]) -> Tuple[List[Any], bool]:
