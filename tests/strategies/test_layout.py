@@ -14,7 +14,7 @@ from trainforge.strategies.parallel.layout import (
     layer_activation_bytes,
     measure_activation_bytes,
 )
-from trainforge.trainer import cli
+from trainforge.trainer.cli import main as cli
 
 SHAPE = ModelShape(params=1_000_000_000, layers=24, hidden=2048, heads=16)
 

@@ -18,7 +18,7 @@ from trainforge.strategies.memory_estimate import (
     optimizer_kind,
     recommend,
 )
-from trainforge.trainer import cli
+from trainforge.trainer.cli import main as cli
 
 PSI, N = 7_500_000_000, 64  # the ZeRO paper's figure 1: 7.5B parameters on 64 GPUs
 

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.trainer import cli
+from trainforge.trainer.cli import main as cli
 from trainforge.trainer.cli.config import resolve_answers
 from trainforge.trainer.cli.launch import resolve_settings, torchrun_argv
 from trainforge.trainer.cli.launch_settings import LAUNCH_CONFIG_ENV, launch_defaults, save_config

@@ -236,7 +236,7 @@ def test_signal_names_are_accepted_in_any_spelling():
 def test_launcher_forwards_slurm_signals_and_passes_the_grace_period(monkeypatch):
     import torch.distributed.run as torchrun
 
-    from trainforge.trainer import launch
+    from trainforge.trainer.cli import launch
     from trainforge.trainer.cli.launch_settings import flags_given
 
     parsed = torchrun.parse_args(launch.torchrun_argv({"shutdown_timeout": 90}, "train.py", []))
