@@ -54,6 +54,8 @@ from trainforge.strategies.files import open_new
 
 HANG_EXIT_CODE = 124
 GRACE_S = 2.0
+# longer than any step, save or validation; the watchdog thread's waits must stay under threading.TIMEOUT_MAX
+MAX_HANG_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def check_hang_timeout(value: Any, owner: str, name: str = "hang_timeout") -> Optional[float]:
@@ -65,6 +67,12 @@ def check_hang_timeout(value: Any, owner: str, name: str = "hang_timeout") -> Op
             f"{owner}({name}={value!r}) is not one of: None (off), a positive number of seconds. Pass more than the "
             f"longest time a step, a validation batch or a checkpoint save may take (e.g. {owner}({name}=1800)), "
             "or None to turn the hang watchdog off"
+        )
+    if value > MAX_HANG_TIMEOUT_S:
+        raise ConfigurationError(
+            f"{owner}({name}={value!r}) is more than a week ({MAX_HANG_TIMEOUT_S:g} s): such a timeout never fires "
+            f"(and a thread cannot wait that long). Pass at most {MAX_HANG_TIMEOUT_S:g} seconds, or None to turn the "
+            "hang watchdog off"
         )
     return float(value)
 

@@ -86,6 +86,16 @@ def test_bad_hang_timeout_is_refused_naming_the_value_and_the_fix(value):
     assert f"hang_timeout={value!r}" in message and "None (off)" in message and "positive number of seconds" in message
 
 
+@pytest.mark.parametrize("value", [1e12, 7 * 24 * 3600 + 1])
+def test_a_hang_timeout_too_long_to_wait_is_refused_up_front(value):
+    # 1e12: the watchdog thread died of an OverflowError in its first wait and the fit ran unwatched
+    with pytest.raises(ConfigurationError, match=rf"hang_timeout={value!r}\) is more than a week .* or None to turn"):
+        Trainer(hang_timeout=value)
+    with pytest.raises(ConfigurationError, match=r"HangWatchdog\(timeout=1000000000000.0\) is more than a week"):
+        HangWatchdog(1e12)
+    Trainer(hang_timeout=7 * 24 * 3600, max_steps=1, logger=False)  # a week is still taken
+
+
 def test_hang_timeout_and_a_hang_watchdog_callback_are_not_both_given():
     with pytest.raises(ConfigurationError, match="give one of them"):
         Trainer(hang_timeout=10, callbacks=[HangWatchdog(10)])
