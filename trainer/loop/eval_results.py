@@ -11,15 +11,15 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
-from trainforge.strategies.checkpoint.remote_read import resolve_on_ranks
+from trainforge.strategies.base import Strategy
+from trainforge.strategies.checkpoint.remote_read import Location, resolve_on_ranks
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.module.datamodule import DataModule
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.callbacks.base import Checkpointer
-    from trainforge.strategies.base import Strategy
     from trainforge.trainer.module.training_module import TrainingModule
 
 log = logging.getLogger("trainforge")
@@ -27,23 +27,27 @@ _LOADER_SUFFIX = re.compile(r"/dataloader_idx_\d+$")
 
 
 class EvaluationInputs:
-    """Mixed into ``Trainer``."""
+    """A part the Trainer builds: the module, loaders and checkpoint of a ``validate/test/predict`` call, and
+    loading that checkpoint's weights. ``checkpoint_root``: where ``ckpt_path="last"`` and a relative path
+    look (the Trainer's first ``Checkpointer``'s directory)."""
 
-    if TYPE_CHECKING:  # the Trainer's, for the type checker
-        module: Optional[TrainingModule]
-        model: Any
-        strategy: Strategy
-        is_global_zero: bool
+    def __init__(self, strategy: Strategy, checkpoint_root: Callable[[], Location]) -> None:
+        self.strategy, self.checkpoint_root = strategy, checkpoint_root
 
-        @property
-        def checkpoint_callback(self) -> Optional[Checkpointer]: ...
-        def _checkpoint_root(self) -> Path: ...
-
-    def _eval_inputs(
-        self, stage: str, model: Any, dataloaders: Any, datamodule: Any, ckpt_path: Any
-    ) -> Tuple["TrainingModule", Any, Any, Optional[Path]]:
-        """(module, loaders, datamodule, checkpoint to load) of a ``validate/test/predict`` call."""
-        if isinstance(dataloaders, DataModule):  # passed where the loaders go, as Lightning detects
+    def resolve(
+        self,
+        stage: str,
+        model: Any,
+        dataloaders: Any,
+        datamodule: Any,
+        ckpt_path: Any,
+        previous: Optional[TrainingModule],
+        checkpointer: Optional[Checkpointer],
+    ) -> Tuple[TrainingModule, Any, Any, Optional[Path]]:
+        """(module, loaders, datamodule, checkpoint to load) of a ``validate/test/predict`` call;
+        ``previous``: the module of the Trainer's previous run, ``checkpointer``: its first ``Checkpointer``."""
+        if isinstance(dataloaders, DataModule):
+            # passed where the loaders go, as Lightning detects
             if datamodule is not None:
                 raise ConfigurationError(
                     f"Trainer.{stage}() got a DataModule as dataloaders and datamodule= too; pass one of them"
@@ -56,13 +60,14 @@ class EvaluationInputs:
             )
         given = model is not None
         if model is None:
-            if self.module is None:
+            if previous is None:
                 raise ConfigurationError(
                     f"Trainer.{stage}() got no model and this Trainer has run none: pass it, "
                     f"trainer.{stage}(model, ...)"
                 )
-            model = self.module
-            if ckpt_path is None:  # Lightning: the best weights of the previous fit
+            model = previous
+            if ckpt_path is None:
+                # Lightning: the best weights of the previous fit
                 ckpt_path = "best"
                 warnings.warn(
                     f"Trainer.{stage}(ckpt_path=None) was called without a model: the best checkpoint of the "
@@ -71,12 +76,11 @@ class EvaluationInputs:
                     UserWarning,
                     stacklevel=3,
                 )
-        return model, dataloaders, datamodule, self._eval_checkpoint(stage, ckpt_path, given)
+        return model, dataloaders, datamodule, self._checkpoint(stage, ckpt_path, given, checkpointer)
 
-    def _eval_checkpoint(self, stage: str, ckpt_path: Any, model_given: bool) -> Optional[Path]:
+    def _checkpoint(self, stage: str, ckpt_path: Any, model_given: bool, cb: Optional[Checkpointer]) -> Optional[Path]:
         if ckpt_path is None:
             return None
-        cb = self.checkpoint_callback
         if str(ckpt_path) == "best":
             if cb is None:
                 raise CheckpointError(
@@ -84,21 +88,22 @@ class EvaluationInputs:
                     "(enable_checkpointing=False); pass a checkpoint directory, or the model to use its current "
                     "weights" + (f" (trainer.{stage}(model))" if not model_given else "")
                 )
-            if cb.monitor is None:  # Lightning: without a monitor the best is the newest save
-                return self._resolve_eval(cb.directory(self), "last")  # type: ignore[arg-type]
+            if cb.monitor is None:
+                # Lightning: without a monitor the best is the newest save
+                return self._resolve(self.checkpoint_root(), "last")
             if cb.best_model_path is None:
                 raise CheckpointError(
                     f"Trainer.{stage}(ckpt_path='best'): ModelCheckpoint(monitor={cb.monitor!r}) has saved no "
                     "checkpoint yet (fit first, or pass ckpt_path='last' or a checkpoint directory)"
                 )
-            return self._resolve_eval(cb.directory(self), cb.best_model_path)  # type: ignore[arg-type]
+            return self._resolve(self.checkpoint_root(), cb.best_model_path)
         if not isinstance(ckpt_path, (str, Path)):
             raise ConfigurationError(
                 f"ckpt_path={ckpt_path!r} must be 'best', 'last' or a checkpoint directory (str or pathlib.Path)"
             )
-        return self._resolve_eval(self._checkpoint_root(), ckpt_path)
+        return self._resolve(self.checkpoint_root(), ckpt_path)
 
-    def _resolve_eval(self, root: Any, ckpt_path: Any) -> Path:
+    def _resolve(self, root: Any, ckpt_path: Any) -> Path:
         """``resolve_checkpoint``; in object storage, downloaded and verified (strategies/checkpoint/remote_read.py)."""
         s = self.strategy
         found = resolve_on_ranks(
@@ -106,12 +111,13 @@ class EvaluationInputs:
         )
         return cast(Path, found)
 
-    def _load_eval_weights(self, path: Optional[Path]) -> None:
-        """The module's weights from ``path`` (only them, as Lightning restores for evaluation)."""
+    def load_weights(self, path: Optional[Path], model: Any) -> None:
+        """The module's weights from ``path`` into the prepared ``model`` (only them, as Lightning restores
+        for evaluation)."""
         if path is None:
             return
-        self.strategy.load_checkpoint(path, self.model, [])
-        if self.is_global_zero:
+        self.strategy.load_checkpoint(path, model, [])
+        if self.strategy.is_global_zero:
             log.info("trainforge: loaded model weights from the checkpoint at %s", path)
 
 

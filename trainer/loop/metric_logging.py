@@ -18,19 +18,16 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 
 from trainforge.callbacks.events import Event
+from trainforge.strategies.base import Strategy
 from trainforge.strategies.data.utils import batch_size_of
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
-from trainforge.trainer.loop.metrics import REDUCE_FX, metric_scalar, torchmetrics_type
-
-if TYPE_CHECKING:  # pragma: no cover
-    from trainforge.strategies.base import Strategy
-    from trainforge.trainer.loop.metrics import MetricStore
-    from trainforge.trainer.module.training_module import TrainingModule
+from trainforge.trainer.loop.metrics import REDUCE_FX, MetricStore, metric_scalar, torchmetrics_type
+from trainforge.trainer.loop.settings import Progress
 
 _EPOCH_NAME = re.compile(r"(.*)_epoch(/dataloader_idx_\d+)?")
 
@@ -39,46 +36,41 @@ _LAST_HOOKS = {Event.EPOCH_END: "train", Event.VALIDATION_END: "val", Event.TEST
 
 
 class MetricLogging:
-    """Mixed into ``Trainer``; uses its ``_metrics``, ``_running``, ``_batch``, ``_fire``."""
+    """The Trainer's metric stores and the rules of ``TrainingModule.log``; the Trainer builds one and
+    tells it which loop runs (``running``), the batch (``batch``, for batch sizes) and the module (whose
+    ``torchmetrics.Metric`` attributes may be logged). ``fire`` is the Trainer's dispatch point (LOG and
+    the epoch-end events); ``progress`` gives the step of the LOG event."""
 
-    callback_metrics: Dict[str, Any]
-
-    if TYPE_CHECKING:  # the Trainer's, for the type checker
-        strategy: Strategy
-        stage: str
-        global_step: int
-        world_size: int
-        module: Optional[TrainingModule]
-        _metrics: Dict[str, MetricStore]
-        _running: str
-        _batch: Any
-
-        def _fire(self, event: Event, *args: Any) -> None: ...
-
-    def _init_logging(self) -> None:
-        self.callback_metrics = {}
+    def __init__(self, strategy: Strategy, progress: Progress, fire: Callable[..., None]) -> None:
+        self.strategy, self.progress, self.fire = strategy, progress, fire
+        self.stores = {"train": MetricStore(), "val": MetricStore()}
+        # "train" or "val": the store and the on_step/on_epoch defaults of the running loop
+        self.running = "train"
+        self.batch: Any = None
+        self.module: Any = None
+        self.callback_metrics: Dict[str, Any] = {}
         self.logged_metrics: Dict[str, float] = {}
-        self._not_logged: Set[str] = set()  # names logged with logger=False
-        self._epoch_end_logged: Optional[Dict[str, torch.Tensor]] = None  # inside an epoch-end hook
-        self._metric_ids: Tuple[Any, Set[int]] = (None, set())  # (module, ids of its torchmetrics.Metric)
+        # names logged with logger=False
+        self._not_logged: Set[str] = set()
+        # inside an epoch-end hook: what it logs
+        self._epoch_end_logged: Optional[Dict[str, torch.Tensor]] = None
+        # (module, ids of its torchmetrics.Metric)
+        self._metric_ids: Tuple[Any, Set[int]] = (None, set())
         # several evaluation loaders: the running one's index, and which loader logged each name (Lightning's
         # "/dataloader_idx_N" suffix; validate/test return one dict per loader)
-        self._dataloader_idx: Optional[int] = None
-        self._loader_of: Dict[str, int] = {}
-
-    @property
-    def progress_bar_metrics(self) -> Dict[str, float]:
-        out: Dict[str, float] = {}
-        for store in self._metrics.values():
-            out.update({k: float(v) for k, v in store.prog_bar.items()})
-        return out
+        self.dataloader_idx: Optional[int] = None
+        self.loader_of: Dict[str, int] = {}
 
     def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
         """Send metrics to every tracker (the LOG event); call it on every rank."""
         for name, value in metrics.items():
             self.callback_metrics[name] = torch.tensor(float(value))
         self.logged_metrics.update({k: float(v) for k, v in metrics.items()})
-        self._fire(Event.LOG, dict(metrics), self.global_step if step is None else step)
+        self.fire(Event.LOG, dict(metrics), self.progress.global_step if step is None else step)
+
+    def emit_step_metrics(self) -> None:
+        """The training step values of the window, reduced and sent (a log point)."""
+        self.emit(self.stores["train"].pop_step_metrics(self.strategy))
 
     def log_value(
         self,
@@ -97,7 +89,7 @@ class MetricLogging:
     ) -> None:
         """What ``TrainingModule.log`` calls: record one value under the loop's logging rules (``on_step`` /
         ``on_epoch`` defaults of the running hook, ``reduce_fx``, ``sync_dist``, torchmetrics objects)."""
-        training = self._running == "train"
+        training = self.running == "train"
         cm = self.callback_metrics
         if (
             training
@@ -110,47 +102,35 @@ class MetricLogging:
             and reduce_fx == "mean"
             and self._epoch_end_logged is None
         ):
-            store = self._metrics["train"]  # the common case, once per step: the latest value, kept as a tensor
+            # the common case, once per step: the latest value, kept as a tensor
+            store = self.stores["train"]
             cm[name] = store.step_values[name] = value.detach()
             store.step_sync[name] = sync_dist and not rank_zero_only
             return
         if reduce_fx not in REDUCE_FX:
             raise invalid_choice("self.log(reduce_fx)", reduce_fx, REDUCE_FX)
-        loader = self._dataloader_idx if self._epoch_end_logged is None else None
-        suffix = f"/dataloader_idx_{loader}" if loader is not None and add_dataloader_idx else ""
-        if loader is not None:  # the loader's own dict of validate/test's results (Lightning)
-            for logged in (name + suffix, f"{name}_step{suffix}", f"{name}_epoch{suffix}"):
-                self._loader_of[logged] = loader
-        if not logger:
-            self._not_logged.update((name + suffix, f"{name}_step{suffix}", f"{name}_epoch{suffix}"))
+        suffix = self._suffix(name, add_dataloader_idx, logger)
         is_metric = not isinstance(value, (torch.Tensor, int, float)) and self._is_metric(name, value)
-        if self._epoch_end_logged is not None:  # an epoch-end hook: the value is this epoch's
-            if is_metric:  # computed now, over every rank; reset after the epoch-end hooks
-                tensor = metric_scalar(name, value.compute(), value, "compute()")
-                self._metrics[self._running].logged_objects[id(value)] = value
-            elif isinstance(value, torch.Tensor):
-                tensor = value.detach().float().reshape(())
-            else:
-                tensor = torch.tensor(float(value))
-            if sync_dist and not rank_zero_only and self.world_size > 1 and not is_metric:
-                tensor = self.strategy.all_reduce(tensor.to(self.strategy.root_device), reduce_fx)
-            cm[name] = self._epoch_end_logged[name] = tensor
+        sync = sync_dist and not rank_zero_only
+        if self._epoch_end_logged is not None:
+            # an epoch-end hook: the value is this epoch's
+            cm[name] = self._epoch_end_logged[name] = self._epoch_end_value(name, value, is_metric, sync, reduce_fx)
             return
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
-        store = self._metrics[self._running]
+        store = self.stores[self.running]
         if is_metric:
             store.log_metric_object(name, value, on_step=on_step, on_epoch=on_epoch, prog_bar=prog_bar, suffix=suffix)
         else:
             if on_epoch and batch_size is None:
-                batch_size = batch_size_of(self._batch)
+                batch_size = batch_size_of(self.batch)
             store.log(
                 name,
                 value,
                 on_step=on_step,
                 on_epoch=on_epoch,
                 prog_bar=prog_bar,
-                sync_dist=sync_dist and not rank_zero_only,
+                sync_dist=sync,
                 batch_size=batch_size or 1,
                 reduce_fx=reduce_fx,
                 suffix=suffix,
@@ -160,6 +140,32 @@ class MetricLogging:
             cm[name + suffix] = latest
             if on_epoch:
                 cm[f"{name}_step{suffix}"] = latest
+
+    def _suffix(self, name: str, add_dataloader_idx: bool, logger: bool) -> str:
+        """The running evaluation loader's "/dataloader_idx_N" (several loaders), recorded with the names it
+        makes; names logged with ``logger=False`` are kept from the trackers."""
+        loader = self.dataloader_idx if self._epoch_end_logged is None else None
+        suffix = f"/dataloader_idx_{loader}" if loader is not None and add_dataloader_idx else ""
+        names = (name + suffix, f"{name}_step{suffix}", f"{name}_epoch{suffix}")
+        if loader is not None:
+            # the loader's own dict of validate/test's results (Lightning)
+            for logged in names:
+                self.loader_of[logged] = loader
+        if not logger:
+            self._not_logged.update(names)
+        return suffix
+
+    def _epoch_end_value(self, name: str, value: Any, is_metric: bool, sync: bool, reduce_fx: str) -> torch.Tensor:
+        """A value logged in an epoch-end hook, as this epoch's one tensor (synced over the ranks with ``sync``)."""
+        if is_metric:
+            # computed now, over every rank; reset after the epoch-end hooks
+            tensor = metric_scalar(name, value.compute(), value, "compute()")
+            self.stores[self.running].logged_objects[id(value)] = value
+            return tensor
+        tensor = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        if sync and self.strategy.world_size > 1:
+            tensor = self.strategy.all_reduce(tensor.to(self.strategy.root_device), reduce_fx)
+        return tensor
 
     def _is_metric(self, name: str, value: Any) -> bool:
         """Whether ``value`` is a ``torchmetrics.Metric`` to log: one of the module's attributes, as
@@ -191,7 +197,9 @@ class MetricLogging:
                 )
         return True
 
-    def _emit(self, metrics: Dict[str, float]) -> None:
+    def emit(self, metrics: Dict[str, float]) -> None:
+        """Metrics of a log point or an epoch's end: into ``callback_metrics``, and (unless logged with
+        ``logger=False``) to the trackers."""
         if not metrics:
             return
         for name in metrics:  # the plain name: the newest value ("v_epoch/dataloader_idx_1" -> "v/dataloader_idx_1")
@@ -205,15 +213,17 @@ class MetricLogging:
         if loggable:
             self.log_metrics(loggable)
 
-    def _fire_epoch_end(self, event: Event) -> None:
-        """Fire an epoch-end event; what its hooks log is logged for this epoch, right after."""
+    def fire_epoch_end(self, event: Event, drop: bool = False) -> None:
+        """Fire an epoch-end event; what its hooks log is logged for this epoch, right after (``drop``:
+        not logged, as the sanity check's values are not in Lightning)."""
         self._epoch_end_logged = {}
         try:
-            self._fire(event)
+            self.fire(event)
             logged = self._epoch_end_logged
         finally:
             self._epoch_end_logged = None
-        if self.stage != "sanity_check":  # the sanity check's values are dropped (Lightning)
-            self._emit({k: float(v) for k, v in logged.items()})
-        if event in _LAST_HOOKS:  # the torchmetrics.Metric logged are reset after the loop's last hook (Lightning)
-            self._metrics[_LAST_HOOKS[event]].reset_metric_objects()
+        if not drop:
+            self.emit({k: float(v) for k, v in logged.items()})
+        if event in _LAST_HOOKS:
+            # the torchmetrics.Metric logged are reset after the loop's last hook (Lightning)
+            self.stores[_LAST_HOOKS[event]].reset_metric_objects()

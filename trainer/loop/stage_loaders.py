@@ -1,59 +1,62 @@
 """Which DataLoaders a stage runs on: those given, else the datamodule's, else the module's own
 (``train_dataloader()``, ``val_dataloader()``, ...), with the datamodule's ``prepare_data``/``setup`` run
-first, as Lightning does. Mixed into ``Trainer``."""
+first, as Lightning does. ``StageLoaders`` is a part the Trainer builds and calls with the module and
+the stage; it keeps the datamodule it set up (``trainer.datamodule``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Sized, cast
+from typing import Any, List, Sized, cast
 
 import torch
 
+from trainforge.strategies import Strategy
 from trainforge.strategies.errors import ConfigurationError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from trainforge.strategies import Strategy
-    from trainforge.trainer.module.training_module import TrainingModule
+_LOADER_METHODS = {
+    "fit": "train_dataloader",
+    "validate": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
 
 
 class StageLoaders:
-    """Mixed into ``Trainer``: reads and sets the Trainer's own ``datamodule``."""
+    """The Trainer's loaders of a stage and the datamodule it set up (one per Trainer at a time)."""
 
-    if TYPE_CHECKING:  # the Trainer's, for the type checker
-        strategy: Strategy
-        module: Optional[TrainingModule]
-        datamodule: Any
-        stage: str
+    def __init__(self, strategy: Strategy, owner: Any) -> None:
+        # owner: the Trainer, handed to the datamodule as Lightning's ``datamodule.trainer``
+        self.strategy, self.owner = strategy, owner
+        self.datamodule: Any = None
 
-    def _setup_datamodule(self, datamodule: Any, stage: str) -> None:
+    def setup_datamodule(self, datamodule: Any, stage: str) -> None:
         if datamodule is self.datamodule:
             return
         self.datamodule = datamodule
-        datamodule.trainer = self  # Lightning's datamodule.trainer
+        datamodule.trainer = self.owner
         if self.strategy.local_rank == 0:
-            datamodule.prepare_data()  # once per node; the other processes wait
+            # once per node; the other processes wait
+            datamodule.prepare_data()
         self.strategy.barrier()
         datamodule.setup(stage)
 
-    def _loaders_for(self, stage: str, given: Any, datamodule: Any, required: bool = True) -> List[Any]:
-        """The loaders a stage runs on: given, else the datamodule's, else the module's own."""
+    def loaders_for(
+        self, stage: str, given: Any, datamodule: Any, module: Any, fitting: bool, required: bool = True
+    ) -> List[Any]:
+        """The loaders a stage runs on: given, else the datamodule's, else the module's own.
+        ``fitting``: validation loaders asked for inside fit set the datamodule up for "fit"."""
         if given is not None:
             return as_list(given)
-        method = {
-            "fit": "train_dataloader",
-            "validate": "val_dataloader",
-            "test": "test_dataloader",
-            "predict": "predict_dataloader",
-        }[stage]
-        source = datamodule if datamodule is not None else self.module
+        method = _LOADER_METHODS[stage]
+        source = datamodule if datamodule is not None else module
         if datamodule is not None:
-            self._setup_datamodule(datamodule, "fit" if stage == "validate" and self.stage == "fit" else stage)
+            self.setup_datamodule(datamodule, "fit" if stage == "validate" and fitting else stage)
         if not callable(getattr(source, method, None)):
             if not required:
                 return []
             arg = "train_dataloaders" if stage == "fit" else "dataloaders"
             raise ConfigurationError(
                 f"Trainer.{stage}() got no {arg}: pass them, pass datamodule=..., or define "
-                f"{type(self.module).__name__}.{method}()"
+                f"{type(module).__name__}.{method}()"
             )
         try:
             loaders = getattr(source, method)()
@@ -63,19 +66,21 @@ class StageLoaders:
             raise
         return as_list(loaders)
 
-    @staticmethod
-    def _check_loader(loader: Any, name: str) -> None:
-        if not isinstance(loader, torch.utils.data.DataLoader):
-            raise ConfigurationError(f"{name} must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
-        try:
-            empty = len(loader) == 0
-        except TypeError:
-            return  # an IterableDataset without a length
-        if empty:
-            raise ConfigurationError(
-                f"{name} is empty (len == 0, dataset of {len(cast(Sized, loader.dataset))} samples with "
-                f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data"
-            )
+
+def check_loader(loader: Any, name: str) -> None:
+    """A DataLoader with data (an empty one would train or validate on nothing, silently)."""
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise ConfigurationError(f"{name} must be a torch.utils.data.DataLoader, got {type(loader).__name__}")
+    try:
+        empty = len(loader) == 0
+    except TypeError:
+        # an IterableDataset without a length
+        return
+    if empty:
+        raise ConfigurationError(
+            f"{name} is empty (len == 0, dataset of {len(cast(Sized, loader.dataset))} samples with "
+            f"batch_size={loader.batch_size}, drop_last={loader.drop_last}); give it data"
+        )
 
 
 def as_list(loaders: Any) -> List[Any]:

@@ -328,40 +328,43 @@ def tracker_callbacks(logger: Any, callbacks: List[Any]) -> Tuple[List[Any], boo
 class LightningAttributes:
     """Lightning's Trainer attributes over the Trainer's callbacks (mixed into ``Trainer``)."""
 
-    if TYPE_CHECKING:  # the Trainer's, for the type checker
-        callbacks: List[Any]
+    # The one mixin left in the Trainer: it only adds Lightning's read-only names (trainer.logger,
+    # trainer.checkpoint_callback, ...), each a filter of the callback list, and changes no state. As a
+    # part they would be six forwarding properties on the Trainer; here they stay with the other
+    # Lightning translations. The list it reads is the host's ``callbacks``, declared here once.
+    callbacks: List[Any]
 
     @property
-    def loggers(self) -> List["TrackerCallback"]:
+    def loggers(self) -> List[TrackerCallback]:
         from trainforge.callbacks.trackers.base import TrackerCallback
 
         return [c for c in self.callbacks if isinstance(c, TrackerCallback)]
 
     @property
-    def logger(self) -> Optional["TrackerCallback"]:
+    def logger(self) -> Optional[TrackerCallback]:
         """The first tracker (Lightning's ``trainer.logger``), or None with ``logger=False``."""
         found = self.loggers
         return found[0] if found else None
 
     @property
-    def checkpoint_callbacks(self) -> List["Checkpointer"]:
+    def checkpoint_callbacks(self) -> List[Checkpointer]:
         """Lightning's: the checkpointing callbacks (its ``Checkpoint`` base class is our ``Checkpointer``)."""
         from trainforge.callbacks.base import Checkpointer
 
         return [c for c in self.callbacks if isinstance(c, Checkpointer)]
 
     @property
-    def checkpoint_callback(self) -> Optional["Checkpointer"]:
+    def checkpoint_callback(self) -> Optional[Checkpointer]:
         found = self.checkpoint_callbacks
         return found[0] if found else None
 
     @property
-    def early_stopping_callbacks(self) -> List["EarlyStopping"]:
+    def early_stopping_callbacks(self) -> List[EarlyStopping]:
         from trainforge.callbacks.early_stopping import EarlyStopping
 
         return [c for c in self.callbacks if isinstance(c, EarlyStopping)]
 
     @property
-    def early_stopping_callback(self) -> Optional["EarlyStopping"]:
+    def early_stopping_callback(self) -> Optional[EarlyStopping]:
         found = self.early_stopping_callbacks
         return found[0] if found else None
