@@ -92,15 +92,15 @@ class Trainer(LightningAttributes):
     Args:
         accelerator: The device type: "auto" (None: the accelerator torch finds, else the CPU), "cpu",
             "cuda"/"gpu", "mps", "xla".
-        strategy: How the model is placed and parallelised: "auto" (None: one process on one device, DDP
-            when launched as several), "single", "ddp", "fsdp", "deepspeed", "megatron", "xla", or a
-            ``Strategy`` object.
+        strategy: How the model is placed and parallelised: "auto" (one process on one device, DDP when
+            launched as several), "single", "ddp", "fsdp", "deepspeed", "megatron", "xla", or a ``Strategy``
+            object; None (the default): what ``trainforge launch`` was told, else "auto".
         devices: Processes per node: "auto" (the processes the launcher started; one from a plain
             ``python script.py``), N (from a plain script, this process becomes rank 0 of N), -1 (one per
             visible accelerator device) or a list of device indices. Default "auto".
         num_nodes: Machines the run spans; must agree with the launcher. Default 1.
         precision: "32", "16-mixed", "bf16-mixed", "bf16-true" or "fp8" (aliases "fp32"/"no", "fp16",
-            "bf16"); None: the strategy's default, full precision.
+            "bf16"); None (the default): what ``trainforge launch`` was told, else "32".
         logger: The trackers: None or True installs ``CSVLogger`` unless ``callbacks`` holds a tracker,
             False installs none, a tracker (``CSVLogger``, ``TensorBoardLogger``, ``MLflowLogger``,
             ``CometLogger``) or a list of them is added to the callbacks.
@@ -149,10 +149,14 @@ class Trainer(LightningAttributes):
             resumes (default True); False: it saves and exits.
         requeue_signal: The signal SLURM sends before the time limit (``#SBATCH --signal=USR1@90``); default
             "SIGUSR1".
-        hang_timeout: Seconds without a finished step after which every rank's stacks are dumped and the run
-            ends, so a hung collective does not hold the job until its time limit; None (the default): off.
-        profiler: Time each hook: "simple" (wall-clock per hook), "pytorch" (``torch.profiler`` ranges), a
-            ``HookProfiler`` callback; None (the default): off.
+        hang_timeout: Seconds without progress (a training or validation batch starting or ending) after which
+            every rank's stacks are dumped and the process ends with exit code 124 (``HangWatchdog``), so a hung
+            collective does not hold the job until its time limit; None (the default): off.
+        profiler: Time each hook: "simple" (``SimpleProfiler``: each hook's time per step), "pytorch"
+            (``PyTorchProfiler``: ``record_function`` ranges in a torch profiler trace) or an instance of either;
+            None (the default): off.
+        **unknown: Not taken: a Lightning 1.x argument (``gpus``, ``plugins``, ...) is a ``ConfigurationError``
+            naming its 2.x form, any other one a ``ConfigurationError`` listing the arguments above.
     """
 
     def __init__(
