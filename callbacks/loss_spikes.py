@@ -29,7 +29,7 @@ policy decides non-finite losses itself: ``nonfinite_loss="skip"`` (which skips 
 per batch) cannot be combined with it. Manual optimization is refused (the user's code steps).
 
 Rollback (``rollback_after=N``): after N consecutive skipped steps the loop restores the newest
-checkpoint this run committed (``trainer/loop/fit_checkpoints.py`` ``_roll_back``, through the resume path
+checkpoint this run committed (``trainer/loop/fit_checkpoints.py`` ``FitCheckpoints.roll_back``, through the resume path
 ``load_state``): the weights, optimizers, schedulers, grad scaler, ``global_step``, every rank's RNG and
 the states of the callbacks that follow the weights (``Callback.restore_on_rollback``: weight
 averaging). The data position is *not* restored: the loop goes on with the batch after the last
