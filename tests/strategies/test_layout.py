@@ -153,3 +153,18 @@ def test_cli_layouts_bad_input(argv, words, capsys):
     err = capsys.readouterr().err
     for word in words:
         assert word in err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        # a negative length ended in a torch traceback from the activation measurement
+        (["--seq-len", "-5"], "argument --seq-len: -5 must be >= 1"),
+        (["--seq-len", "64", "--micro-batch-size", "0"], "argument --micro-batch-size: 0 must be >= 1"),
+        (["--seq-len", "many"], "argument --seq-len: 'many' is not a whole number"),
+    ],
+)
+def test_cli_layouts_counts_below_one_are_usage_errors(argv, words, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["estimate-memory", "gpt2", "--layouts", *argv])
+    assert exited.value.code == 2 and words in capsys.readouterr().err

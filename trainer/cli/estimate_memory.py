@@ -129,11 +129,23 @@ def default_memory() -> Tuple[int, str]:
     return int(psutil.virtual_memory().total), "host RAM (no GPU here; pass --device-memory to plan for one)"
 
 
+def positive_int(text: str) -> int:
+    """argparse's type for counts and sizes: a bad one is argparse's usage error (exit 2) naming the flag,
+    not a traceback from deep inside the estimate."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="package.module:factory, or a Hugging Face name / model type")
     parser.add_argument(
         "--num-processes",
-        type=int,
+        type=positive_int,
         nargs="+",
         default=[1, 2, 4, 8],
         metavar="N",
@@ -157,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--processes-per-node",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="processes sharing one host's memory (default: all of them, up to 8)",
@@ -165,17 +177,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lay = parser.add_argument_group("model-parallel layouts (MegatronStrategy), activations included")
     lay.add_argument("--layouts", action="store_true", help="tabulate every (pp, dp, tp) layout instead")
     lay.add_argument(
-        "--seq-len", type=int, default=None, metavar="S", help="tokens per sequence (needed with --layouts)"
+        "--seq-len", type=positive_int, default=None, metavar="S", help="tokens per sequence (needed with --layouts)"
     )
-    lay.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="sequences per micro-batch")
-    lay.add_argument("--num-microbatches", type=int, default=None, metavar="M", help="micro-batches per step (GPipe)")
+    lay.add_argument("--micro-batch-size", type=positive_int, default=1, metavar="B", help="sequences per micro-batch")
+    lay.add_argument(
+        "--num-microbatches", type=positive_int, default=None, metavar="M", help="micro-batches per step (GPipe)"
+    )
     lay.add_argument("--schedule", default="1f1b", help="pipeline schedule (1f1b, gpipe, ...)")
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument("--activation-checkpointing", action="store_true")
     lay.add_argument("--eager-attention", action="store_true", help="attention scores stored (not SDPA/flash)")
-    lay.add_argument("--layers", type=int, default=None, help="transformer layers (a model without a HF config)")
-    lay.add_argument("--hidden", type=int, default=None, help="hidden size (a model without a HF config)")
-    lay.add_argument("--heads", type=int, default=None, help="attention heads (a model without a HF config)")
+    lay.add_argument(
+        "--layers", type=positive_int, default=None, help="transformer layers (a model without a HF config)"
+    )
+    lay.add_argument("--hidden", type=positive_int, default=None, help="hidden size (a model without a HF config)")
+    lay.add_argument("--heads", type=positive_int, default=None, help="attention heads (a model without a HF config)")
 
 
 def run(args: argparse.Namespace) -> int:
