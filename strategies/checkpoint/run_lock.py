@@ -7,8 +7,9 @@ Guarantees, by kind of directory:
 
 - A local directory (also a shared file system that supports ``flock``, e.g. NFSv4, Lustre with ``flock``):
   an exclusive ``fcntl.flock`` on ``<dir>/.trainforge-run.lock``. The kernel releases it when the holding
-  process ends, however it ends (a crash, SIGKILL), so a dead run never leaves it held. The file itself stays
-  and names the last holder (host, pid, start time); it is never the lock, only the note.
+  process ends, however it ends (a crash, SIGKILL), so a dead run never leaves it held. The file names the
+  holder (host, pid, start time) and is removed when the lock is released (a crashed holder's file stays,
+  unlocked, and is taken over); a lock taken on a file that was removed meanwhile is taken again on the new one.
 - Object storage (an fsspec URL): a lease object ``<url>/.trainforge-run.lease`` holding an owner id, the holder
   and an expiry, renewed by a daemon thread every third of ``LEASE_SECONDS``. A start finding a lease of
   another owner that has not expired is refused; a lease whose holder died lapses after ``LEASE_SECONDS``
@@ -23,6 +24,8 @@ never lock each other out; the guarantee is about processes.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import json
 import logging
@@ -71,8 +74,12 @@ class RunLock:
 
     def __init__(self, key: str) -> None:
         self.key = key
+        self.pid = os.getpid()
 
     def release(self) -> None:
+        # A forked child (a DataLoader worker) shares the lock's open file: only the holder gives it back.
+        if os.getpid() != self.pid:
+            return
         with _held_guard:
             lock, count = _held.get(self.key, (None, 0))
             if lock is not self:
@@ -93,27 +100,41 @@ class _FileLock(RunLock):
 
         super().__init__(str(directory.resolve() / name))
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / name
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        self._path = path = directory / name
+        while True:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self._fd)
+                raise _refusal(
+                    str(directory),
+                    _read_note(path),
+                    f"The lock ({path}) is released by the system the moment that process ends, however it ends.",
+                ) from None
+            if _same_file(self._fd, path):
+                break
+            # its holder removed the file as it released it: lock the file that stands there now
             os.close(self._fd)
-            raise _refusal(
-                str(directory),
-                _read_note(path),
-                f"The lock ({path}) is released by the system the moment that process ends, however it ends.",
-            ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(_holder_note()) + "\n").encode(), 0)
 
     def _give_back(self) -> None:
         import fcntl
 
-        # Unlocked before closing: a forked child (a DataLoader worker) shares the open file and would
-        # otherwise keep the lock until it ends.
+        # Removed while still held, so that whoever opens the path next gets a new file; unlocked before
+        # closing: a forked child (a DataLoader worker) shares the open file and would keep the lock.
+        with contextlib.suppress(OSError):
+            os.unlink(self._path)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def _read_note(path: Path) -> Dict[str, Any]:
@@ -194,6 +215,17 @@ class _Lease(RunLock):
         # The lease lapses by itself.
         except Exception as e:
             log.warning("trainforge: could not delete the run lease %s (%s)", self._url, e)
+
+
+@atexit.register
+def _release_all() -> None:
+    # A process that ends without releasing (an Accelerator never ended) leaves no lock file behind.
+    with _held_guard:
+        held = [lock for lock, _ in _held.values() if lock.pid == os.getpid()]
+        _held.clear()
+    for lock in held:
+        with contextlib.suppress(Exception):
+            lock._give_back()
 
 
 def acquire_run_lock(directory: Any, name: str = LOCK_FILE) -> RunLock:

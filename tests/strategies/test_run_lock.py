@@ -53,7 +53,8 @@ def test_a_directory_held_by_another_process_is_refused_naming_it_and_the_holder
         assert "started 20" in message and "Wait until that process ends" in message
     finally:
         holder.communicate("\n", timeout=30)
-    # the holder ended normally: free again
+    # the holder ended normally: its lock file is gone and the directory free again
+    assert not (tmp_path / "ckpt" / LOCK_FILE).exists()
     acquire_run_lock(tmp_path / "ckpt").release()
 
 
