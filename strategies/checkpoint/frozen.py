@@ -7,10 +7,13 @@ statistics). The frozen base is the one the script builds again on resume; the c
 which one it expects (``base_record``), and ``check_base`` refuses a model whose base differs:
 
 - the frozen parameters by name, with shape and dtype;
-- a CRC32 of up to ``CHECKSUMS`` of them (evenly spaced in the model's order among those of at most
-  ``CHECKSUM_MAX_NUMEL`` elements, so that a sharded DTensor gathered whole for it costs at most 64 MB
-  in fp32: a 70B Llama's k/v projections and norms, not its embedding), each over at most ``SAMPLE``
-  evenly strided elements; gathered whole, the value is the same on every rank whatever the layout;
+- a CRC32 of every one of them, over all its elements up to ``SAMPLE`` of them and, beyond, over ``SAMPLE``
+  elements evenly strided through the whole tensor (so a base with another value in any tensor is refused,
+  and one that differs in a single element of a big tensor may not be). A sharded DTensor contributes the
+  same sampled elements: gathered whole when it has at most ``CHECKSUM_MAX_NUMEL`` elements (64 MB in
+  fp32), else each rank sends the sampled elements it holds, so the value is the same on every rank whatever
+  the layout and no big tensor is gathered. Computed once per tensor and process (a frozen tensor that is
+  written to in place is hashed again), so saving a checkpoint at every step costs nothing more;
 - the trainable parameters' names (a model without the adapter is named as such);
 - the base model's name or path when the model knows it (recorded and shown, not compared: the same
   weights may come from a hub name or a local copy).
@@ -21,8 +24,9 @@ Names are the module's state-dict names (wrappers' ``_checkpoint_wrapped_module.
 
 from __future__ import annotations
 
+import weakref
 import zlib
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -30,7 +34,6 @@ from torch import nn
 from trainforge.strategies.errors import CheckpointError
 
 RECORD = "frozen_base"  # <checkpoint>/frozen_base.pt (rank 0), read with weights_only=True
-CHECKSUMS = 4
 CHECKSUM_MAX_NUMEL = 1 << 24
 SAMPLE = 1 << 20
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -58,22 +61,78 @@ def without_frozen(state: Dict[str, Any], module: nn.Module) -> Dict[str, Any]:
     return {k: v for k, v in state.items() if clean_name(k) not in frozen}
 
 
+# id(tensor) -> (the tensor, (storage pointer, version), checksum): a frozen tensor is hashed once, and again
+# only once written to. Keyed by id: tensors compare element by element, which a weak dictionary would do.
+_known: Dict[int, Tuple[weakref.ref, Tuple[int, int], int]] = {}
+
+
 def _checksum(tensor: torch.Tensor) -> int:
-    full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor: collective
-    flat = full.detach().reshape(-1)
-    if flat.numel() > SAMPLE:
-        flat = flat[:: -(-flat.numel() // SAMPLE)]
-    data = flat.to("cpu").contiguous().view(torch.uint8)
-    return zlib.crc32(data.numpy().tobytes())
+    """CRC32 of the elements at flat indices 0, k, 2k, ... (k = 1 up to ``SAMPLE`` elements) in their dtype's
+    bytes; the same for a plain tensor and any sharding of it as a DTensor (a collective then)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    stamp = (local.data_ptr(), int(tensor._version))
+    known = _known.get(id(tensor))
+    if known is not None and known[0]() is tensor and known[1] == stamp:
+        return known[2]
+    step = -(-tensor.numel() // SAMPLE) if tensor.numel() else 1
+    if hasattr(tensor, "full_tensor") and not _by_elements(tensor):
+        sample = tensor.full_tensor().detach().reshape(-1)[::step]
+    elif hasattr(tensor, "full_tensor"):
+        sample = _sampled_elements(tensor, step)
+    else:
+        sample = tensor.detach().reshape(-1)[::step]
+    crc = zlib.crc32(sample.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    key = id(tensor)
+    _known[key] = (weakref.ref(tensor, lambda _: _known.pop(key, None)), stamp, crc)
+    return crc
 
 
-def _sampled(frozen: Dict[str, torch.Tensor]) -> List[str]:
-    names = [n for n, p in frozen.items() if p.numel() <= CHECKSUM_MAX_NUMEL]
-    if not names:  # every frozen tensor is big: the smallest ones
-        names = sorted(frozen, key=lambda n: frozen[n].numel())[:CHECKSUMS]
-    if len(names) <= CHECKSUMS:
-        return list(names)
-    return [names[round(i * (len(names) - 1) / (CHECKSUMS - 1))] for i in range(CHECKSUMS)]
+def _by_elements(tensor: Any) -> bool:
+    """Whether a DTensor is hashed from the sampled elements each rank holds (big, sharded with plain
+    ``Shard``/``Replicate`` placements over the whole world) rather than gathered whole."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    plain = all(type(p) in (Shard, Replicate) for p in tensor.placements)
+    whole_world = dist.is_initialized() and tensor.device_mesh.size() == dist.get_world_size()
+    return tensor.numel() > CHECKSUM_MAX_NUMEL and plain and whole_world
+
+
+def _sampled_elements(tensor: Any, step: int) -> torch.Tensor:
+    """The DTensor's elements at flat indices 0, step, 2 step, ... in order, on every rank: each rank finds
+    those its shard holds and all ranks exchange them (nothing else is gathered)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    local = tensor.to_local().detach()
+    flat = torch.arange(0, tensor.numel(), step, device=local.device)
+    coords = torch.unravel_index(flat, tuple(tensor.shape))
+    inside = torch.ones_like(flat, dtype=torch.bool)
+    for c, o, n in zip(coords, offset, shape):
+        inside &= (c >= o) & (c < o + n)
+    values = local[tuple(c[inside] - o for c, o in zip(coords, offset))]
+    parts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (flat[inside].cpu(), values.cpu()))
+    order = torch.cat([p[0] for p in parts])
+    merged = torch.cat([p[1] for p in parts])
+    # a replicated dimension sends an element several times: keep one of each, in index order
+    unique, first = _first_of_each(order)
+    if unique.numel() != flat.numel():
+        raise CheckpointError(
+            f"a {type(tensor).__name__} of shape {list(tensor.shape)} with placements {tensor.placements}: its shards "
+            f"hold {unique.numel()} of the {flat.numel()} sampled elements; cannot checksum it"
+        )
+    return merged[first]
+
+
+def _first_of_each(index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sorted unique values of ``index``, the position in ``index`` of one occurrence of each)."""
+    order = torch.argsort(index, stable=True)
+    ranked = index[order]
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    keep[1:] = ranked[1:] != ranked[:-1]
+    return ranked[keep], order[keep]
 
 
 def base_record(module: nn.Module, base_model: Optional[str] = None, adapter: Optional[str] = None) -> Dict[str, Any]:
@@ -82,7 +141,7 @@ def base_record(module: nn.Module, base_model: Optional[str] = None, adapter: Op
     frozen = frozen_parameters(module)
     return {
         "frozen": {n: [list(p.shape), str(p.dtype).replace("torch.", "")] for n, p in frozen.items()},
-        "checksums": {n: _checksum(frozen[n]) for n in _sampled(frozen)},
+        "checksums": {n: _checksum(p) for n, p in frozen.items()},
         "trainable": trainable_names(module),
         "base_model": base_model,
         "adapter": adapter,
@@ -152,7 +211,12 @@ def check_base(path: Any, record: Any, module: nn.Module, base_model: Optional[s
             f"{path} was saved without its frozen base, which differs from this model's{bases}: "
             f"{'; '.join(parts)}. Build the same base (model, size, dtype) before resuming"
         )
-    differ = [n for n, crc in record.get("checksums", {}).items() if _checksum(frozen[n]) != crc]
+    checksums = record.get("checksums", {})
+    if not isinstance(checksums, dict) or any(n not in frozen or not isinstance(c, int) for n, c in checksums.items()):
+        raise CheckpointError(
+            f"{path}: {RECORD}.pt holds no valid checksums of the frozen base; the checkpoint is damaged"
+        )
+    differ = [n for n, crc in checksums.items() if _checksum(frozen[n]) != crc]
     if differ:
         raise CheckpointError(
             f"{path} was saved without its frozen base, and this model's base holds other weights{bases}: "
