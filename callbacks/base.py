@@ -29,6 +29,11 @@ if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.m
 #: What a ``StepGuard`` tells the loop at an optimizer step.
 StepDecision = Literal["step", "skip", "rollback"]
 
+#: A key of a callback's ``state_dict``: when present (a sentence saying why), the checkpoint cannot continue
+#: training without a callback of the same ``state_key`` (a weight average saved as the model), and a resume
+#: without one is refused with that sentence before anything is restored.
+RESUME_NEEDS_CALLBACK = "resume_needs_callback"
+
 
 class Callback:
     """Subclass and override the hooks you need. Callbacks with state implement

@@ -56,6 +56,7 @@ class TrainerView(Protocol):
     lr_scheduler_configs: List[Dict[str, Any]]  # Lightning's dicts: scheduler, interval, frequency, name
     train_dataloader: Any
     val_dataloaders: List[Any]
+    callbacks: List[Any]  # the fit's callbacks, in order (Lightning's trainer.callbacks)
 
     @property
     def optimizers(self) -> List[torch.optim.Optimizer]: ...

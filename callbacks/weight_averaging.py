@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn, get_swa_multi_avg_fn
 
-from trainforge.callbacks.base import Callback
+from trainforge.callbacks.base import RESUME_NEEDS_CALLBACK, Callback
 from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover - type hints only
@@ -226,6 +226,13 @@ class WeightAveraging(Callback):
     def on_setup(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
         if stage == "fit":  # a new fit averages from its own start (Lightning builds a new AveragedModel)
             self._averaged = None
+        averaging = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, WeightAveraging)]
+        if len(averaging) > 1:
+            raise ConfigurationError(
+                f"Trainer(callbacks=...) holds {len(averaging)} weight-averaging callbacks ({', '.join(averaging)}): "
+                "each swaps its average into the module for validation and checkpoints, so one would average the "
+                "other's average and a checkpoint would hold a mix. Keep one (for two decays, run twice)"
+            )
 
     def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self._averaged is None:  # built at LOAD_CHECKPOINT already when resuming
@@ -320,6 +327,12 @@ class WeightAveraging(Callback):
             return state
         if self._averaged_in:  # inside a checkpoint: the module (written as the model) holds the average
             state["current_model_state"] = self._full(self._averaged)
+            name = type(self).__name__
+            state[RESUME_NEEDS_CALLBACK] = (
+                f"its model weights are {name}'s average and the training weights are in that callback's state, so "
+                f"training would go on from the average. Pass {name}(...) in Trainer(callbacks=...) to resume, or "
+                "start a new run from the averaged weights (TrainingModule.load_from_checkpoint(path))"
+            )
         else:
             state["current_model_state"] = self._full([t.detach() for t in self._live()])
             state["average_model_state"] = self._full(self._averaged)

@@ -164,11 +164,44 @@ def test_fsdp2_averages_each_shard(tmp_path):
 
 def test_module_weights_are_never_replaced():
     """The swap copies values in place: the optimizer keeps training the same parameter objects."""
-    net, trainer = nn.Linear(2, 2), SimpleNamespace(stage="fit", global_step=0)
-    ids = [id(p) for p in net.parameters()]
     ema = EMAWeightAveraging(decay=DECAY)
+    net, trainer = nn.Linear(2, 2), SimpleNamespace(stage="fit", global_step=0, callbacks=[ema])
+    ids = [id(p) for p in net.parameters()]
     ema.on_setup(trainer, net, "fit")  # type: ignore[arg-type]
     ema.on_fit_start(trainer, net)  # type: ignore[arg-type]
     ema.on_validation_epoch_start(trainer, net)  # type: ignore[arg-type]
     ema.on_validation_epoch_end(trainer, net)  # type: ignore[arg-type]
     assert ids == [id(p) for p in net.parameters()]
+
+
+def test_a_run_saved_with_an_average_is_not_resumed_without_its_callback(tmp_path):
+    from trainforge import Accelerator
+    from trainforge.strategies.errors import CheckpointError
+
+    _fit(tmp_path, 4, [EMAWeightAveraging(decay=DECAY), ModelCheckpoint(every_n_steps=4)])
+    # the checkpoint's model is the average: training on from it would not be the run that was saved
+    with pytest.raises(CheckpointError, match=r"without the callback EMAWeightAveraging: .*Pass EMAWeightAveraging"):
+        _fit(tmp_path, 8, [ModelCheckpoint(every_n_steps=4)], ckpt_path="last")
+    checkpoint = next((tmp_path / "checkpoints").glob("epoch=*"))
+    acc = Accelerator()
+    model = acc.prepare(Recorder())
+    acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(CheckpointError, match="without the callback EMAWeightAveraging"):
+        acc.load_state(str(checkpoint))
+    # the averaged weights themselves stay readable as a model
+    Recorder.load_from_checkpoint(str(checkpoint))
+    # and with the callback the run goes on
+    _fit(tmp_path, 8, [EMAWeightAveraging(decay=DECAY), ModelCheckpoint(every_n_steps=4)], ckpt_path="last")
+
+
+@pytest.mark.parametrize(
+    "callbacks",
+    [
+        lambda: [EMAWeightAveraging(decay=0.9), EMAWeightAveraging(decay=0.99)],
+        lambda: [WeightAveraging(), EMAWeightAveraging(decay=0.9)],
+    ],
+    ids=["two-ema", "swa-and-ema"],
+)
+def test_two_averaging_callbacks_are_refused_naming_them(tmp_path, callbacks):
+    with pytest.raises(ConfigurationError, match=r"holds 2 weight-averaging callbacks \((\w*WeightAveraging, ?){1}"):
+        _fit(tmp_path, 2, callbacks(), enable_checkpointing=False)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from trainforge import Trainer
 from trainforge.callbacks import EMAWeightAveraging, ModelCheckpoint
 from trainforge.strategies import FSDPStrategy
+from trainforge.strategies.errors import CheckpointError
 
 STEPS, CUT, DECAY = 8, 4, 0.8
 
@@ -42,7 +43,9 @@ class Recorded(LitLM):
         self.after_step.append(full(self))  # a collective: every rank records
 
 
-def fit(root: Path, max_steps: int, ckpt_path: Any = None, **kwargs: Any) -> tuple[Recorded, EMAWeightAveraging]:
+def fit(
+    root: Path, max_steps: int, ckpt_path: Any = None, averaging: bool = True, **kwargs: Any
+) -> tuple[Recorded, EMAWeightAveraging]:
     module, ema = Recorded(), EMAWeightAveraging(decay=DECAY)
     trainer = Trainer(
         strategy=FSDPStrategy(),
@@ -52,7 +55,7 @@ def fit(root: Path, max_steps: int, ckpt_path: Any = None, **kwargs: Any) -> tup
         enable_model_summary=False,
         gradient_clip_val=0.5,
         seed=0,
-        callbacks=[ema, ModelCheckpoint(every_n_steps=CUT)],
+        callbacks=[ema, ModelCheckpoint(every_n_steps=CUT)] if averaging else [ModelCheckpoint(every_n_steps=CUT)],
         **kwargs,
     )
     trainer.fit(module, loader(), ckpt_path=ckpt_path)
@@ -81,6 +84,13 @@ def main() -> None:
     assert all(torch.equal(a, b) for a, b in zip(full(resumed), got)), "resumed average differs"
     for x, y in zip(resumed.after_step, whole.after_step[CUT:]):
         assert all(torch.equal(a, b) for a, b in zip(x, y)), "resumed current weights differ"
+    # the same checkpoint resumed without the callback would train on from the average: refused on every rank
+    refused = ""
+    try:
+        fit(cut, STEPS, ckpt_path=str(cut / "checkpoints" / f"epoch=0-step={CUT}"), averaging=False)
+    except CheckpointError as e:
+        refused = str(e)
+    assert "without the callback EMAWeightAveraging" in refused, f"resume without the callback: {refused!r}"
     print(f"rank {rank} ok: max |average - hand EMA| = {worst:.2e}, local {local} of {total} elements", flush=True)
     dist.barrier()
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, cast
 
 from torch import nn
 
+from trainforge.callbacks.base import RESUME_NEEDS_CALLBACK
 from trainforge.strategies.checkpoint.async_save import resolve_async_save
 from trainforge.strategies.checkpoint.io import (
     list_checkpoints,
@@ -159,6 +160,7 @@ def load_state(acc: Accelerator, path: Path, parts: CheckpointParts) -> tuple[Di
     strategy = acc.strategy
     state = load_object(path, "trainer_state")
     _check_parts(path, meta, state, parts)
+    _check_needed_callbacks(path, state, parts)
     partial_grads = read_partial_gradients(acc, path, state, parts.model)  # checked before anything is restored
     if parts.model is not None:
         load_model_state(strategy, path, meta, parts.model, [o.optimizer for o in parts.optimizers])
@@ -217,6 +219,18 @@ def _clock(acc: Accelerator, parts: CheckpointParts) -> Optional[Dict[str, Any]]
 
 def _writer_name(meta: Dict[str, Any]) -> str:
     return "Accelerator.save_state" if meta.get("kind") == "accelerator" else "the Trainer"
+
+
+def _check_needed_callbacks(path: Path, state: Dict[str, Any], parts: CheckpointParts) -> None:
+    """Training that continues (optimizers restored) from a checkpoint whose callback state says it needs its
+    callback (``RESUME_NEEDS_CALLBACK``: a weight average saved as the model) needs that callback."""
+    if not parts.optimizers:
+        return
+    present = {cb.state_key for cb in parts.callbacks}
+    for key, saved in state.get("callbacks", {}).items():
+        why = saved.get(RESUME_NEEDS_CALLBACK) if isinstance(saved, dict) else None
+        if why and key not in present:
+            raise CheckpointError(f"{path} cannot continue training without the callback {key}: {why}")
 
 
 def _check_parts(path: Path, meta: Dict[str, Any], state: Dict[str, Any], parts: CheckpointParts) -> None:
