@@ -192,6 +192,16 @@ ACCESS_HINT = (
     "check that the bucket exists, the credentials (for S3: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) "
     "and the endpoint (AWS_ENDPOINT_URL)"
 )
+# file:// is a local folder reached through fsspec: buckets and credentials are not its problem
+LOCAL_HINT = (
+    "file:// is a local path: check that the folder exists (or can be created) and that this process may write it"
+)
+
+
+def access_hint(url: str) -> str:
+    """What to check when the store at ``url`` refuses us: a local folder's own advice for ``file://``."""
+    protocol = str(url).split("://", 1)[0].lower() if "://" in str(url) else "file"
+    return LOCAL_HINT if protocol in ("file", "local") else ACCESS_HINT
 
 
 @contextlib.contextmanager
@@ -206,7 +216,7 @@ def access_errors(url: str, doing: str) -> Iterator[None]:
         if isinstance(e, OSError) and not isinstance(e, PermissionError):
             raise
         raise ConfigurationError(
-            f"{url}: cannot {doing} ({type(e).__name__}: {str(e).strip()[:300]}); {ACCESS_HINT}"
+            f"{url}: cannot {doing} ({type(e).__name__}: {str(e).strip()[:300]}); {access_hint(url)}"
         ) from None
 
 

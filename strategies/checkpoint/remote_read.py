@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from trainforge.strategies.checkpoint.remote import (
-    ACCESS_HINT,
     MARKER,
     RemotePath,
     access_errors,
+    access_hint,
     cache_dir,
     is_remote,
     listed_files,
@@ -259,6 +259,6 @@ def check_writable_at(folder: Union[str, Location], where: str, fix: str) -> Non
     except Exception as e:
         raise ConfigurationError(
             f"{where}: cannot write to {target.url} ({type(e).__name__}: {str(e).strip()[:300]}); no checkpoint "
-            f"could be saved there: {ACCESS_HINT}; or {fix[0].lower()}{fix[1:]} naming a location this process "
+            f"could be saved there: {access_hint(target.url)}; or {fix[0].lower()}{fix[1:]} naming a location this process "
             "can write"
         ) from None

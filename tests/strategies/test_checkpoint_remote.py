@@ -358,6 +358,18 @@ def test_missing_credentials_are_an_error_naming_the_url_before_training(s3, tmp
         s3fs.S3FileSystem.clear_instance_cache()
 
 
+def test_a_file_url_that_cannot_be_written_gets_local_advice_not_a_buckets(tmp_path):
+    from trainforge.strategies.checkpoint.remote_read import check_writable_at
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder cannot be made under a file, whoever runs the test (root too)
+    with pytest.raises(ConfigurationError) as refused:
+        check_writable_at(f"file://{blocker}/dir", "ModelCheckpoint(dirpath)", "Pass dirpath=")
+    message = str(refused.value)
+    assert f"cannot write to file://{blocker}/dir" in message and "file:// is a local path" in message
+    assert "bucket" not in message and "credentials" not in message  # was: advice about buckets and AWS keys
+
+
 def test_an_unreachable_endpoint_is_an_error_naming_the_url_before_training(tmp_path, monkeypatch):
     from tests.helpers.models import Regressor, make_net, regression_data
     from trainforge import Trainer
