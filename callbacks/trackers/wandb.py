@@ -93,6 +93,19 @@ def _same(a: Any, b: Any, default: Any, arg_a: str, arg_b: str) -> Any:
     raise ConfigurationError(f"WandbLogger({arg_a}={a!r}, {arg_b}={b!r}): they are the same setting; pass one")
 
 
+def _check_folder(path: str, given: str) -> None:
+    """``save_dir`` must be (or be creatable as) a folder: wandb fails on a file in its writer thread, and the
+    whole run would log nothing."""
+    existing = path
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigurationError(
+            f"WandbLogger(save_dir={given!r}): {existing} is a file, not a folder, so no run could be written under "
+            f"{path}. Pass a folder (WandbLogger(save_dir='runs'); relative to the Trainer's default_root_dir)"
+        )
+
+
 def _check_reachable(url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -242,6 +255,7 @@ class WandbLogger(TrackerCallback):
     def _prepare(self, trainer: TrainerView) -> None:
         root = os.path.abspath(trainer.default_root_dir)
         self._dir = os.path.abspath(os.path.join(root, self.save_dir_setting))
+        _check_folder(self._dir, self.save_dir_setting)
         self._continue_saved_run()
         if self._given is not None:
             self._run_id = self._given.id

@@ -160,6 +160,17 @@ def test_resume_continues_the_same_run_and_a_foreign_state_starts_a_new_one(tmp_
     assert other.version != first.version and "is not continued" in caplog.text
 
 
+def test_a_save_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "notes.txt").write_text("")
+    steps = Recorder()
+    # accepted, and the whole run logged nothing
+    with pytest.raises(
+        ConfigurationError, match=r"WandbLogger\(save_dir='notes.txt'\): .*notes.txt is a file, not a folder"
+    ):
+        fit([steps, WandbLogger(save_dir="notes.txt", settings=QUIET, failure_policy=PATIENT)], tmp_path)
+    assert not steps.history("train/loss")
+
+
 def test_a_fit_that_raises_ends_its_run_as_failed(tmp_path):
     logger = WandbLogger(settings=QUIET, failure_policy=PATIENT)
     with pytest.raises(RuntimeError, match="on purpose"):
