@@ -106,7 +106,8 @@ class PipelineSetup:
             )
         prune(module, split, local)  # 1. pipeline split, before the move: only this rank's stages reach the device
         module = module.to(self.root_device)
-        module = self.precision.convert_module(module)
+        # this rank's stages only: one of them may hold no layer fp8 converts
+        module = self.precision.convert_module(module, whole_model=False)
         if plan is not None:  # 2. tensor parallelism on the modules this rank kept
             mine = {n for s in local for n in split.stages[s]}
             self.tp_coverage = apply_tp(module, mesh["tp"], plan, only=lambda n: split.child(n) in mine)

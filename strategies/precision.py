@@ -7,6 +7,7 @@ aliases (``"no"``/``"fp32"``, ``"fp16"``, ``"bf16"``), since those are what user
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Any, ContextManager, Dict, Optional
 
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from trainforge.strategies.errors import ConfigurationError
+
+log = logging.getLogger("trainforge")
 
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true", "fp8")
 _NO_AUTOCAST = contextlib.nullcontext()
@@ -76,15 +79,19 @@ class Precision:
             return _NO_AUTOCAST  # reusable: called once per step
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def convert_module(self, module: nn.Module, fp8_all_gather: bool = False) -> nn.Module:
+    def convert_module(self, module: nn.Module, fp8_all_gather: bool = False, whole_model: bool = True) -> nn.Module:
         """The module in this precision's form: bf16 parameters for bf16-true; torchao's Float8Linear
         for fp8 (``fp8_all_gather``: FSDP2 gathers those weights in fp8, torchao's
-        ``enable_fsdp_float8_all_gather``)."""
+        ``enable_fsdp_float8_all_gather``). fp8 logs how many ``nn.Linear`` layers it converted and refuses
+        a model where that is none (``whole_model=False``: a pipeline stage, which may hold none)."""
         if self.name == "bf16-true":
             return module.to(torch.bfloat16)
         if self.name == "fp8":
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # checked in _check_fp8
 
+            linears = {n: m for n, m in module.named_modules() if isinstance(m, nn.Linear)}
+            chosen = [n for n, m in linears.items() if _fp8_filter(m, n)]
+            _say_fp8_conversion(type(module).__name__, linears, chosen, whole_model)
             config = Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather)
             return convert_to_float8_training(module, config=config, module_filter_fn=_fp8_filter)
         return module
@@ -154,6 +161,30 @@ class Precision:
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
+
+
+def _say_fp8_conversion(model: str, linears: Dict[str, nn.Linear], chosen: list, whole_model: bool) -> None:
+    """Log how many Linear layers fp8 converts; a ConfigurationError when a whole model gets none (it would
+    train in bf16 autocast while its user believes it measured fp8)."""
+    kept = [f"{n} ({m.in_features}->{m.out_features})" for n, m in linears.items() if n not in chosen]
+    if not chosen and whole_model:
+        what = (
+            f"none of its {len(linears)} nn.Linear layer(s) qualifies: {', '.join(kept[:5])}"
+            if linears
+            else "it has no nn.Linear layer"
+        )
+        raise ConfigurationError(
+            f"precision='fp8' would convert no layer of {model} to float8 ({what}); torchao's float8 matmuls need "
+            "nn.Linear layers whose in_features and out_features are multiples of 16 (an lm_head stays bf16). "
+            "Use precision='bf16-mixed' for this model, or layer sizes that are multiples of 16"
+        )
+    log.info(
+        "trainforge: precision='fp8' converts %d of the %d nn.Linear layer(s) of %s to float8%s",
+        len(chosen),
+        len(linears),
+        model,
+        f"; in bf16: {', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''}" if kept else "",
+    )
 
 
 def _fp8_filter(module: nn.Module, fqn: str) -> bool:
