@@ -21,6 +21,7 @@ from tests.helpers.slurm import Slurm, SlurmUnavailable
 from tests.trainer.test_resume import assert_same_weights, steps
 from trainforge import ConfigurationError, Trainer
 from trainforge.trainer.cluster.slurm_requeue import SlurmRequeue, requeue_slurm_job
+from trainforge.trainer.cluster.stop_signals import parse_stop_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "resume_run.py"
@@ -163,10 +164,6 @@ def test_requeue_applies_to_batch_jobs_on_the_requeue_signal_only():
         ({"requeue_signal": "SIGKILL"}, "SIGKILL cannot be caught"),
         ({"requeue_signal": None}, "must be one signal name such as 'SIGUSR1'"),
         ({"requeue_signal": ("SIGUSR1", "SIGTERM")}, "must be one signal name"),
-        (
-            {"requeue_signal": "SIGUSR2"},
-            "'SIGUSR2' is not one of Trainer(stop_signals)=('SIGTERM', 'SIGINT', 'SIGUSR1')",
-        ),
         ({"auto_requeue": "yes"}, "Trainer(auto_requeue='yes') must be True"),
     ],
 )
@@ -176,6 +173,19 @@ def test_bad_requeue_settings_are_refused_before_training(kwargs, named):
     assert named in str(err.value)
     if "SIGFOO" in named:
         assert "SIGTERM, SIGINT, SIGUSR1, SIGUSR2" in str(err.value)  # the valid choices
+
+
+def test_stop_signals_without_the_requeue_signal_are_refused_in_a_slurm_job_only(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    # outside SLURM nothing is requeued: this was refused unless auto_requeue=False was passed too
+    Trainer(max_steps=1, stop_signals=("SIGTERM",))
+    Trainer(max_steps=1, requeue_signal="SIGUSR2")
+    stops = parse_stop_signals(("SIGTERM",), "test")
+    with pytest.raises(ConfigurationError) as err:
+        SlurmRequeue(True, "SIGUSR1", stops, {"SLURM_JOB_ID": "42"})
+    assert "'SIGUSR1' is not one of Trainer(stop_signals)=('SIGTERM',): in this SLURM job" in str(err.value)
+    assert "or pass auto_requeue=False" in str(err.value)
+    SlurmRequeue(False, "SIGUSR1", stops, {"SLURM_JOB_ID": "42"})
 
 
 def test_a_malformed_slurm_job_id_is_refused(monkeypatch):

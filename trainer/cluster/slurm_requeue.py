@@ -75,11 +75,13 @@ class SlurmRequeue:
         if len(parsed) != 1:
             raise ConfigurationError(f"{where}={requeue_signal!r} must be one signal name such as 'SIGUSR1'")
         self.enabled, self.signal = auto_requeue, parsed[0]
-        if auto_requeue and stop_signals and self.signal not in stop_signals:
+        # outside a SLURM job nothing is requeued: stop_signals without the requeue signal is simply a choice
+        in_slurm = auto_requeue and bool(stop_signals) and slurm_job_id(environ) is not None
+        if in_slurm and self.signal not in stop_signals:
             raise ConfigurationError(
                 f"{where}={self.signal.name!r} is not one of Trainer(stop_signals)="
-                f"{tuple(s.name for s in stop_signals)}: the run would not stop on it, so nothing would be "
-                f"saved before the requeue. Add {self.signal.name} to stop_signals, pick one of them as "
+                f"{tuple(s.name for s in stop_signals)}: in this SLURM job the run would not stop on it, so nothing "
+                f"would be saved before the requeue. Add {self.signal.name} to stop_signals, pick one of them as "
                 "requeue_signal, or pass auto_requeue=False"
             )
         self.active = auto_requeue and bool(stop_signals)  # nothing caught: nothing to requeue on
