@@ -1,11 +1,10 @@
-"""Accelerate's collectives on the Accelerator (a mixin of ``Accelerator``): gather (with
-``gather_for_metrics`` dropping the duplicates even sharding added), reduce, broadcast, padding,
-splitting inputs between processes. Each is one call to the strategy's collectives."""
+"""Accelerate's collectives, a part the Accelerator builds on its strategy and gradient state: gather
+(with ``gather_for_metrics`` dropping the duplicates even sharding added), reduce, broadcast, padding.
+Each is one call to the strategy's collectives."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,14 +16,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Collectives:
-    """Mixed into ``Accelerator``."""
+    """The collectives over ``strategy``'s processes; ``gradient_state`` says where a prepared loader's
+    padding sits (what ``gather_for_metrics`` drops)."""
 
-    if TYPE_CHECKING:  # the Accelerator's, for the type checker
-        strategy: Strategy
-        gradient_state: GradientState
-        device: torch.device
-        num_processes: int
-        process_index: int
+    def __init__(self, strategy: Strategy, gradient_state: GradientState) -> None:
+        self.strategy, self.gradient_state = strategy, gradient_state
 
     def gather(self, data: Any) -> Any:
         """Tensors (nested in dicts/lists) from every process, concatenated along dim 0."""
@@ -71,7 +67,7 @@ class Collectives:
         def pad(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.dim() == 0:
                 return tensor
-            size = torch.tensor(tensor.shape[dim], device=self.device)
+            size = torch.tensor(tensor.shape[dim], device=self.strategy.root_device)
             longest = int(self.strategy.all_reduce(size, "max"))
             if longest == tensor.shape[dim]:
                 return tensor
@@ -81,9 +77,3 @@ class Collectives:
             return torch.cat([filler, tensor] if pad_first else [tensor, filler], dim=dim)
 
         return apply_to_tensors(data, pad)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        from trainforge.strategies.data.loader import split_between_processes
-
-        yield split_between_processes(inputs, self.process_index, self.num_processes, apply_padding=apply_padding)

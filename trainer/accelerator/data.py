@@ -1,10 +1,10 @@
-"""How the Accelerator prepares a DataLoader (a mixin of ``Accelerator``): sharded and resumable
+"""How the Accelerator prepares a DataLoader (``DataPreparer``, a part it builds): sharded and resumable
 (``strategies/data/``), or dispatched from rank 0 (``trainer/accelerator/batch_dispatch.py``), with Accelerate's
 ``even_batches``/``split_batches``/``dispatch_batches`` options."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -12,46 +12,47 @@ from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.accelerator.wrappers import PreparedDataLoader
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge.strategies.base import RunSettings, Strategy
+    from trainforge.strategies.base import Strategy
     from trainforge.strategies.precision import Precision
     from trainforge.trainer.accelerator.wrappers import GradientState
 
 
-class DataPreparation:
-    """Mixed into ``Accelerator``."""
+class LoaderOptions(NamedTuple):
+    """Accelerate's three data-loading options, as the Accelerator holds them when a loader is prepared
+    (its users may set them on it after construction: ``trainer.accelerator.dispatch_batches = True``)."""
 
-    if TYPE_CHECKING:  # the Accelerator's, for the type checker
-        strategy: Strategy
-        gradient_state: GradientState
-        device: torch.device
-        num_processes: int
-        process_index: int
-        precision: Precision
-        run_settings: RunSettings
-        seed: int
-        even_batches: bool
-        split_batches: bool
-        dispatch_batches: Optional[bool]
-        _dataloaders: List[PreparedDataLoader]
+    even_batches: Any
+    split_batches: Any
+    dispatch_batches: Any
 
-        def update_run_settings(self, **changes: Any) -> None: ...
 
-    def prepare_data_loader(self, loader: torch.utils.data.DataLoader) -> PreparedDataLoader:
-        dispatch = self._dispatches(loader)
+class DataPreparer:
+    """Prepares loaders for ``strategy``'s processes; the loaders it returns share ``gradient_state``
+    (end of data, padding) with the Accelerator and move batches as ``precision`` says."""
+
+    def __init__(self, strategy: Strategy, gradient_state: GradientState, precision: Precision) -> None:
+        self.strategy, self.gradient_state, self.precision = strategy, gradient_state, precision
+
+    def prepare(
+        self, loader: torch.utils.data.DataLoader, options: LoaderOptions, seed: int, device_placement: bool
+    ) -> Tuple[PreparedDataLoader, Optional[int]]:
+        """The prepared loader, and the batch size of one process's micro-batch (the run's
+        ``micro_batch_size`` when this is the first loader prepared)."""
+        even, split, _ = options
+        world = self.strategy.world_size
+        dispatch = self._dispatches(loader, options)
         if dispatch:  # every rank builds the whole (unsharded) loader; only rank 0 iterates it
             from trainforge.strategies.data.loader import prepare_dataloader
 
-            sharded = prepare_dataloader(loader, rank=0, world_size=1, seed=self.seed)
+            sharded = prepare_dataloader(loader, rank=0, world_size=1, seed=seed)
         else:
-            if self.split_batches or not self.even_batches:
-                loader = _rebuilt(loader, self.num_processes, self.split_batches)
-            sharded = self.strategy.setup_dataloader(loader, seed=self.seed)
-            if not self.even_batches and hasattr(sharded.sampler, "pad"):
+            if split or not even:
+                loader = _rebuilt(loader, world, split)
+            sharded = self.strategy.setup_dataloader(loader, seed=seed)
+            if not even and hasattr(sharded.sampler, "pad"):
                 _unpadded(sharded.sampler)
-            if not self.even_batches and sharded.kind == "stream":
+            if not even and sharded.kind == "stream":
                 sharded.dataset.even_batches = False  # a split stream's last round is not completed
-        if self.run_settings.micro_batch_size is None:  # the first loader prepared is the training one
-            self.update_run_settings(micro_batch_size=loader.batch_size)
         # The random draws a plain DataLoader makes when an epoch starts (worker base seed, shuffle
         # order) are made by PreparedDataLoader from the user's generator or the global RNG, as torch
         # would; the loader itself gets a private generator, so that recreating its iterator on
@@ -60,50 +61,49 @@ class DataPreparation:
         # draw what a plain DataLoader's would (see PreparedDataLoader).
         sharded.generator = torch.Generator()
         sampler = loader.sampler if loader.batch_size is not None else getattr(loader.batch_sampler, "sampler", None)
-        world = self.num_processes
         prepared = PreparedDataLoader(
             sharded,
-            self.device if self.run_settings.device_placement else torch.device("cpu"),  # cpu: nothing moved
+            self.strategy.root_device if device_placement else torch.device("cpu"),  # cpu: nothing moved
             self.gradient_state,
             self.precision,
             base_generator=loader.generator,
             order_generator=getattr(sampler, "generator", None),
             broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
-            dispatcher=self._dispatcher(sharded) if dispatch else None,
+            dispatcher=self._dispatcher(sharded, split, even) if dispatch else None,
             gather_object=self.strategy.all_gather_object if world > 1 else None,
             device_batches=self.strategy.device_batches,
         )
-        self._dataloaders.append(prepared)
-        return prepared
+        return prepared, loader.batch_size
 
-    def _dispatches(self, loader: torch.utils.data.DataLoader) -> bool:
+    def _dispatches(self, loader: torch.utils.data.DataLoader, options: LoaderOptions) -> bool:
         """dispatch_batches for this loader: None means True for an IterableDataset (Accelerate's default)."""
-        data_options(self.even_batches, self.split_batches, self.dispatch_batches, None)  # also when set later
-        if self.num_processes == 1:
+        data_options(*options, None)  # also when set after construction
+        world = self.strategy.world_size
+        if world == 1:
             return False
-        dispatch = self.dispatch_batches
+        dispatch = options.dispatch_batches
         if dispatch is None:
             dispatch = isinstance(loader.dataset, torch.utils.data.IterableDataset)
-        if dispatch and self.strategy.data_parallel_size != self.num_processes:
+        if dispatch and self.strategy.data_parallel_size != world:
             raise ConfigurationError(
                 f"dispatch_batches=True is not built for {type(self.strategy).__name__} with data-parallel size "
-                f"{self.strategy.data_parallel_size} of {self.num_processes} processes (it dispatches over all of "
+                f"{self.strategy.data_parallel_size} of {world} processes (it dispatches over all of "
                 "them): pass dispatch_batches=False"
             )
         return dispatch
 
-    def _dispatcher(self, loader: Any) -> Any:
+    def _dispatcher(self, loader: Any, split: bool, even: bool) -> Any:
         from trainforge.strategies.data.loader import loader_state_dict
         from trainforge.trainer.accelerator.batch_dispatch import BatchDispatcher
 
         return BatchDispatcher(
             loader,
-            rank=self.process_index,
-            world_size=self.num_processes,
-            device=self.device,
+            rank=self.strategy.global_rank,
+            world_size=self.strategy.world_size,
+            device=self.strategy.root_device,
             broadcast=lambda obj: self.strategy.broadcast(obj, 0),
-            split_batches=self.split_batches,
-            even_batches=self.even_batches,
+            split_batches=split,
+            even_batches=even,
             state_of=lambda: loader_state_dict(loader),
         )
 
@@ -130,7 +130,7 @@ def _rebuilt(loader: torch.utils.data.DataLoader, world: int, split: bool) -> to
     )
 
 
-def data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, config: Any) -> "tuple[Any, ...]":
+def data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, config: Any) -> tuple[Any, ...]:
     """Accelerate's three data-loading options, from the arguments or a DataLoaderConfiguration-like
     ``config`` (its values win, as the arguments are deprecated in Accelerate), validated."""
     if config is not None:

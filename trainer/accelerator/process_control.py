@@ -1,8 +1,10 @@
-"""What Accelerate users call to control processes, on the ``Accelerator`` (a mixin): run on the
-main process first, functions for one process, objects gathered, gradient sync skipped.
+"""The processes of a run, seen through its strategy: who is the main process, running a block on it
+first, functions for one process, objects gathered, inputs split between processes.
 
-All of it goes through the strategy's collectives, so it behaves the same on one process (a no-op)
-and on many."""
+The Accelerator builds one on its strategy and its ``main_process_first``, ``on_main_process``, ...
+call it; Accelerate's ``PartialState`` (``trainer/compat/accelerate/state.py``) is one built on a
+strategy of its own. Everything goes through the strategy's collectives, so it behaves the same on
+one process (a no-op) and on many."""
 
 from __future__ import annotations
 
@@ -10,25 +12,52 @@ import contextlib
 import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional
 
-from torch import nn
+import torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
-    from trainforge.trainer.cluster.stop_signals import StopSignals
 
 
 class ProcessControl:
-    """Mixed into ``Accelerator`` (uses ``strategy``, ``process_index``, ``num_processes``...)."""
+    """The processes of ``strategy`` (its environment set up): topology, ordering and per-process calls."""
 
-    if TYPE_CHECKING:  # the Accelerator's, for the type checker
-        strategy: Strategy
-        stop_signals: StopSignals
-        process_index: int
-        num_processes: int
-        is_main_process: bool
-        is_local_main_process: bool
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
 
-        def wait_for_everyone(self) -> None: ...
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.root_device
+
+    @property
+    def process_index(self) -> int:
+        return self.strategy.global_rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.strategy.local_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.strategy.is_global_zero
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.strategy.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.strategy.global_rank == self.strategy.world_size - 1
+
+    def wait_for_everyone(self) -> None:
+        self.strategy.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
@@ -38,6 +67,7 @@ class ProcessControl:
 
     @contextlib.contextmanager
     def local_main_process_first(self) -> Iterator[None]:
+        """The main process of each node runs the block first, then the node's others."""
         with self._first(self.is_local_main_process):
             yield
 
@@ -54,6 +84,8 @@ class ProcessControl:
         return self.on_process(function, process_index=0)
 
     def on_local_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: the function runs on each node's main process only (elsewhere it returns None)."""
+
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return function(*args, **kwargs) if self.is_local_main_process else None
@@ -61,6 +93,7 @@ class ProcessControl:
         return wrapper
 
     def on_last_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: the function runs on the last process only (elsewhere it returns None)."""
         return self.on_process(function, process_index=self.num_processes - 1)
 
     def on_process(self, function: Optional[Callable[..., Any]] = None, process_index: int = 0) -> Any:
@@ -82,30 +115,9 @@ class ProcessControl:
             return [item for part in parts for item in part]
         return list(parts)
 
-    def no_sync(self, model: nn.Module) -> Any:
-        """Skip the gradient all-reduce in the backward passes inside (accumulate by hand)."""
-        return self.strategy.no_backward_sync(model, enabled=True)
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's share of ``inputs`` (a list, tuple, dict of lists, or tensor), as Accelerate."""
+        from trainforge.strategies.data.loader import split_between_processes
 
-    def trigger_sync_in_backward(self, model: nn.Module) -> Any:
-        """The forward and backward inside all-reduce gradients even within ``no_sync`` (the
-        gradients accumulated locally so far are synced with them)."""
-        return self.strategy.force_backward_sync(model)
-
-    @property
-    def stop_requested(self) -> Optional[str]:
-        """With ``Accelerator(stop_signals=("SIGTERM", "SIGUSR1"))``: the signal's name once every process
-        is to stop here, else None. Read it once per optimizer step, on every process at the same point
-        (after ``optimizer.step()``): each read exchanges this process's flag with the others, one read
-        late, never waited for. Then save and exit with ``stop_exit_code``::
-
-            if accelerator.stop_requested:
-                accelerator.save_state(ckpt_dir)       # committed when it returns
-                sys.exit(accelerator.stop_exit_code)   # 128 + the signal number (143 for SIGTERM)
-
-        ``load_state(ckpt_dir)`` then continues the run exactly (``trainer/cluster/stop_signals.py``)."""
-        return self.stop_signals.poll(self.strategy)
-
-    @property
-    def stop_exit_code(self) -> Optional[int]:
-        """128 + the number of the signal ``stop_requested`` named; None before."""
-        return self.stop_signals.exit_code
+        yield split_between_processes(inputs, self.process_index, self.num_processes, apply_padding=apply_padding)

@@ -1,4 +1,4 @@
-"""Token-weighted loss over accumulation windows and ranks (a mixin of ``Accelerator``).
+"""Token-weighted loss over accumulation windows and ranks (``ItemWindow``, a part the Accelerator builds).
 
 The default loss of the loop is the mean of micro-batch means: each micro-batch's (mean) loss is
 divided by the accumulation steps and DDP averages over ranks. When micro-batches hold different
@@ -27,7 +27,7 @@ record a data position past batches not yet trained, BATCH_START/END would no lo
 batch being read, and the count would have to come from the batch rather than from the step that
 computes the loss. Scaling after the window keeps the loop, the data position and the events as
 they are, and the count comes with the loss. A checkpoint written inside a window saves this rank's
-count (``item_window_state_dict``) with its partial gradients (``trainer/checkpoint/partial_grads.py``), so a
+count (``Accelerator.item_window_state_dict``) with its partial gradients (``trainer/checkpoint/partial_grads.py``), so a
 resume from there is bit for bit too; at window ends there is no count to save.
 
 Refused, with a ConfigurationError at the first backward (before any optimizer step), where the
@@ -47,61 +47,59 @@ from trainforge.strategies.errors import ConfigurationError
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
-    from trainforge.trainer.accelerator.wrappers import GradientState
 
 #: The key of ``training_step``'s dict that holds the item count of a summed loss.
 ITEMS_KEY = "num_items"
 
 
-class ItemWeightedLoss:
-    """Mixed into ``Accelerator``: the loss its ``backward`` hands to the strategy, and the window's count."""
+class ItemWindow:
+    """The item count of ``strategy``'s current accumulation window: the loss the Accelerator's ``backward``
+    hands to the strategy, and the gradients' rescaling at the window's sync step."""
 
-    if TYPE_CHECKING:  # the Accelerator's, for the type checker
-        strategy: Strategy
-        gradient_accumulation_steps: int
-        gradient_state: GradientState
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        #: Items of the current accumulation window (an int, or an integer tensor when the steps give
+        #: tensors); None while no backward of this window had ``num_items``.
+        self.count: Any = None
 
-    #: Items of the current accumulation window (an int, or an integer tensor when the steps give
-    #: tensors); None while no backward of this window had ``num_items``.
-    items_in_window: Any = None
-
-    def loss_to_backward(self, loss: torch.Tensor, num_items: Any) -> torch.Tensor:
-        """A mean loss divided by the accumulation steps, or a summed one as it is (its count kept)."""
+    def loss_to_backward(self, loss: torch.Tensor, num_items: Any, accumulation_steps: int) -> torch.Tensor:
+        """A mean loss divided by the ``accumulation_steps``, or a summed one as it is (its count kept)."""
         if num_items is None:
-            if self.items_in_window is not None:
+            if self.count is not None:
                 raise ConfigurationError(
                     "backward without num_items inside an accumulation window whose earlier micro-batches "
                     "gave num_items: return the summed loss with num_items from every step (or from none)"
                 )
-            if self.gradient_accumulation_steps > 1 and not self.strategy.handles_accumulation:
-                return loss / self.gradient_accumulation_steps
+            if accumulation_steps > 1 and not self.strategy.handles_accumulation:
+                return loss / accumulation_steps
             return loss
         count = check_num_items(num_items, self.strategy)
-        self.items_in_window = count if self.items_in_window is None else self.items_in_window + count
+        self.count = count if self.count is None else self.count + count
         return loss
 
-    def item_window_state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         """This rank's count of the current window (summed over the ranks only at the window's end),
         for a checkpoint written inside the window (``trainer/checkpoint/partial_grads.py``)."""
-        count = self.items_in_window
+        count = self.count
         return {"items_in_window": count.detach().cpu() if isinstance(count, torch.Tensor) else count}
 
-    def load_item_window_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         count = state["items_in_window"]
         is_tensor = isinstance(count, torch.Tensor)
-        self.items_in_window = count.to(self.strategy.root_device) if is_tensor else count
+        self.count = count.to(self.strategy.root_device) if is_tensor else count
 
-    def end_item_window(self, model: Optional[nn.Module]) -> None:
-        """On a sync step, after its backward: gradients divided by the window's items on all ranks."""
-        if self.items_in_window is None or not self.gradient_state.sync_gradients:
+    def end(self, model: Optional[nn.Module], sync_gradients: bool) -> None:
+        """On a sync step (``sync_gradients``), after its backward: ``model``'s gradients divided by the
+        window's items on all ranks."""
+        if self.count is None or not sync_gradients:
             return
-        count, self.items_in_window = self.items_in_window, None
+        count, self.count = self.count, None
         if model is None:
             raise ConfigurationError("backward(loss, num_items=...) needs the model: prepare it, or pass model=")
         scale_gradients(model, count, self.strategy)
 
 
-def check_num_items(num_items: Any, strategy: "Strategy") -> Any:
+def check_num_items(num_items: Any, strategy: Strategy) -> Any:
     """``num_items`` as an int or a 0-dim integer tensor, or a ConfigurationError saying what is wrong."""
     if strategy.grad_reduction != "mean":
         raise ConfigurationError(
@@ -139,7 +137,7 @@ def _not_positive(n: int) -> str:
     )
 
 
-def scale_gradients(model: nn.Module, count: Any, strategy: "Strategy") -> None:
+def scale_gradients(model: nn.Module, count: Any, strategy: Strategy) -> None:
     """Multiply ``model``'s gradients by ``data_parallel_size / N``, N = ``count`` summed over the ranks
     (one all-reduce of one number; the gradients were averaged over the ranks by the sync)."""
     if strategy.world_size > 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity
@@ -122,24 +122,24 @@ class ProfileKwargs:
 
 
 class Profiling:
-    """``Accelerator.profile()`` (Accelerate's context manager)."""
+    """``Accelerator.profile()`` (Accelerate's context manager), a part the Accelerator builds with its
+    process's index (the trace's file name) and its barrier (every process's trace is written on exit)."""
 
-    if TYPE_CHECKING:  # pragma: no cover
-        profile_handler: Optional["ProfileKwargs"]
-        process_index: int
-
-        def wait_for_everyone(self) -> None: ...
+    def __init__(self, process_index: int, wait_for_everyone: Callable[[], None]) -> None:
+        self.process_index, self.wait_for_everyone = process_index, wait_for_everyone
 
     @contextlib.contextmanager
-    def profile(self, profile_handler: Optional[ProfileKwargs] = None) -> Iterator[torch.profiler.profile]:
+    def profile(
+        self, profile_handler: Optional[ProfileKwargs], default: Optional[ProfileKwargs]
+    ) -> Iterator[torch.profiler.profile]:
         """Profile the block; yields the ``torch.profiler.profile``. The handler is ``profile_handler``, else
-        the ``ProfileKwargs`` in ``kwargs_handlers``, else the defaults (CPU, and CUDA when present)."""
+        ``default`` (the ``ProfileKwargs`` in ``kwargs_handlers``), else the defaults (CPU, and CUDA when present)."""
         if profile_handler is not None and not isinstance(profile_handler, ProfileKwargs):
             raise ConfigurationError(
                 f"Accelerator.profile(profile_handler={profile_handler!r}) must be a "
                 "trainforge.utils.ProfileKwargs(...) or None"
             )
-        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        handler = profile_handler or default or ProfileKwargs()
         with handler.build() as profiler:
             yield profiler
         if handler.output_trace_dir is None:

@@ -1,13 +1,13 @@
-"""HF Accelerate's ``Accelerator`` arguments and members that a ported script uses, on trainforge's
-``Accelerator`` (``AccelerateOptions`` checks and translates the constructor's arguments;
-``AccelerateCompat`` is a mixin with the members).
+"""HF Accelerate's ``Accelerator`` arguments that a ported script uses, on trainforge's ``Accelerator``:
+``AccelerateOptions`` checks them and translates them to trainforge's (Accelerate's members are the
+Accelerator's own, in ``trainer/accelerator/accelerator.py``).
 
 Arguments: ``mixed_precision`` ("no", "fp16", "bf16", "fp8": trainforge's precisions "32", "16-mixed",
 "bf16-mixed", "fp8"), ``cpu=True`` (``accelerator="cpu"``), ``kwargs_handlers`` (the handlers of
 ``trainforge.utils``: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``, ``InitProcessGroupKwargs``),
 ``rng_types`` (only ``"generator"``, which trainforge always does), ``device_placement``,
-``log_with`` (``accelerate_trackers.py``), and ``project_config``/``dataloader_config``
-(``accelerate_config.py``). Accelerate's other arguments (plugins, dynamo) are refused with the
+``log_with`` (``trackers.py``), and ``project_config``/``dataloader_config``
+(``dataclasses.py``). Accelerate's other arguments (plugins, dynamo) are refused with the
 trainforge way in the message.
 """
 
@@ -18,7 +18,6 @@ import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
-from torch import nn
 
 from trainforge.strategies.checkpoint.remote import is_remote
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
@@ -32,17 +31,10 @@ from trainforge.trainer.compat.accelerate.dataclasses import (
     check_loader_extras,
     check_project_extras,
 )
-from trainforge.trainer.compat.accelerate.state import (
-    DistributedType,
-    PartialState,
-    distributed_type_of,
-    mixed_precision_name,
-)
-from trainforge.trainer.compat.accelerate.trackers import Tracking, parse_log_with
-from trainforge.trainer.loop.profiling import ProfileKwargs, Profiling
+from trainforge.trainer.compat.accelerate.trackers import parse_log_with
+from trainforge.trainer.loop.profiling import ProfileKwargs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainforge.strategies.base import Strategy
     from trainforge.strategies.precision import Precision
 
 MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
@@ -92,6 +84,7 @@ class AccelerateOptions:
             raise ConfigurationError(f"device_placement={device_placement!r} must be True or False")
         self.device_placement = device_placement
         self.handlers = _handlers(kwargs_handlers)
+        self.profile_handler: Optional[ProfileKwargs] = self.handlers.get(ProfileKwargs)  # profile()'s default
         self.rng_types = _rng_types(rng_types)
         self.log_with = log_with
         self.dataloader_config, self.project_config = dataloader_config, project_config
@@ -182,7 +175,7 @@ class AccelerateOptions:
             return strategy, kwargs
         return name, {**kwargs, **extra}
 
-    def apply_precision(self, precision: "Precision") -> None:
+    def apply_precision(self, precision: Precision) -> None:
         """GradScalerKwargs: the fp16 grad scaler's settings (no scaler otherwise, as Accelerate, which says
         nothing; a warning here, not an error, so that one script keeps running under fp16 and bf16)."""
         scaler = self.handlers.get(GradScalerKwargs)
@@ -270,126 +263,6 @@ def _rng_types(rng_types: Optional[List[str]]) -> List[str]:
                 "random stream on every rank call set_seed(seed) on each (the Trainer has the RNGSync callback)"
             )
     return names
-
-
-class AccelerateCompat(Tracking, Profiling):  # profile(): trainer/loop/profiling.py
-    """Mixed into ``Accelerator``: Accelerate's members that trainforge had under other names or not at all."""
-
-    if TYPE_CHECKING:  # the Accelerator's, for the type checker
-        strategy: Strategy
-        precision: Precision
-        device: torch.device
-        process_index: int
-        num_processes: int
-        is_main_process: bool
-
-        def prepare(self, *objects: Any) -> Any: ...
-        def reduce(self, data: Any, reduction: str = "sum") -> Any: ...
-        def unwrap_model(self, model: nn.Module) -> nn.Module: ...
-        def free_memory(self, *objects: Any) -> List[Any]: ...
-
-        project_dir: Optional[str]
-        automatic_checkpoint_naming: bool
-        total_limit: Optional[int]
-
-    def setup_accelerate(self, options: AccelerateOptions) -> None:
-        """Called by the Accelerator's constructor once its strategy and precision exist."""
-        options.apply_precision(self.precision)
-        self.device_placement = options.device_placement
-        self.rng_types = options.rng_types
-        self.profile_handler: Optional[ProfileKwargs] = options.handlers.get(ProfileKwargs)  # profile()'s default
-        self.flag_tensor: Optional[torch.Tensor] = None
-        self.setup_tracking(options.log_with, options.logging_dir)
-
-    @property
-    def state(self) -> PartialState:
-        """Accelerate's ``AcceleratorState``: the processes, the device and ``mixed_precision``."""
-        return PartialState.of(self.strategy, self.precision)
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        return distributed_type_of(self.strategy)
-
-    @property
-    def mixed_precision(self) -> str:
-        """Accelerate's name of the precision: "no", "fp16", "bf16" or "fp8"."""
-        return mixed_precision_name(self.precision)
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """The last optimizer step was skipped by the fp16 grad scaler (inf/nan gradients)."""
-        return self.precision.step_was_skipped
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.process_index == self.num_processes - 1
-
-    @property
-    def project_configuration(self) -> ProjectConfiguration:
-        """Accelerate's attribute: the project settings in effect, as a ``ProjectConfiguration`` (a copy:
-        change them through the Accelerator's arguments)."""
-        return ProjectConfiguration(
-            project_dir=self.project_dir,
-            logging_dir=self.logging_dir,
-            automatic_checkpoint_naming=self.automatic_checkpoint_naming,
-            total_limit=self.total_limit,
-        )
-
-    def clear(self, *objects: Any) -> List[Any]:
-        """Accelerate's alias of ``free_memory``."""
-        return self.free_memory(*objects)
-
-    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        """``torch.save(obj, f)`` on the main process only (``safe_serialization=True``: a dict of tensors
-        as safetensors), as Accelerate; usable as ``save_pretrained(..., save_function=accelerator.save)``."""
-        if not self.is_main_process:
-            return
-        if safe_serialization:
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in obj.items()}, f, metadata={"format": "pt"})
-        else:
-            torch.save(obj, f)
-
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
-        """The full state dict of a prepared model (gathered from the shards under FSDP/DeepSpeed/Megatron);
-        every process must call it. ``unwrap=False``: the wrapper's own (DDP's ``module.`` names)."""
-        if not unwrap:
-            return model.state_dict()
-        return self.strategy.module_state_dict(model)
-
-    def prepare_model(
-        self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False
-    ) -> nn.Module:
-        """``prepare(model)`` (Accelerate's single-object form). ``evaluation_mode=True`` (no DDP wrapper)
-        is the same on one process and refused on several; ``device_placement`` is the Accelerator's."""
-        if device_placement is not None and device_placement != self.device_placement:
-            raise ConfigurationError(
-                f"prepare_model(device_placement={device_placement!r}): placement is decided once, by "
-                f"Accelerator(device_placement=...) (this one: {self.device_placement})"
-            )
-        if evaluation_mode and self.num_processes > 1:
-            raise ConfigurationError(
-                "prepare_model(evaluation_mode=True) on several processes is not supported: prepare the model "
-                "with prepare(model) (evaluation needs no optimizer), or move it to accelerator.device yourself"
-            )
-        if not isinstance(model, nn.Module):
-            raise ConfigurationError(f"prepare_model({type(model).__name__}): expected a torch.nn.Module")
-        return self.prepare(model)
-
-    def set_trigger(self) -> None:
-        """Raise this process's flag; ``check_trigger()`` on every process then returns True once."""
-        self.flag_tensor = torch.tensor(1, device=self.device)
-
-    def check_trigger(self) -> bool:
-        """Whether any process called ``set_trigger()`` since the last True (a collective: every process
-        calls it at the same point). Resets the flag when True."""
-        flag = self.flag_tensor if self.flag_tensor is not None else torch.tensor(0, device=self.device)
-        if int(self.reduce(flag).item()) >= 1:
-            self.flag_tensor = torch.tensor(0, device=self.device)
-            return True
-        self.flag_tensor = flag
-        return False
 
 
 def release_memory(*objects: Any) -> List[Any]:

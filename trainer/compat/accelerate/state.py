@@ -9,9 +9,8 @@ already started. ``accelerator.state`` is the same view of the Accelerator's own
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -49,7 +48,7 @@ _BY_STRATEGY = {
 _MIXED_PRECISION = {"32": "no", "16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16", "fp8": "fp8"}
 
 
-def distributed_type_of(strategy: "Strategy") -> DistributedType:
+def distributed_type_of(strategy: Strategy) -> DistributedType:
     """FSDP, DeepSpeed, Megatron and XLA by strategy (also on one process, as Accelerate); otherwise
     NO on one process and MULTI_CPU/MULTI_GPU (any accelerator) on several."""
     if strategy.name in _BY_STRATEGY:
@@ -59,7 +58,7 @@ def distributed_type_of(strategy: "Strategy") -> DistributedType:
     return DistributedType.MULTI_CPU if strategy.root_device.type == "cpu" else DistributedType.MULTI_GPU
 
 
-def mixed_precision_name(precision: "Precision") -> str:
+def mixed_precision_name(precision: Precision) -> str:
     """Accelerate's name of a trainforge precision ("bf16-true" is reported as "bf16")."""
     return _MIXED_PRECISION[precision.name]
 
@@ -69,7 +68,8 @@ class PartialState(ProcessControl):
     ``device``, ``process_index``, ``local_process_index``, ``num_processes``, ``is_main_process``,
     ``is_local_main_process``, ``is_last_process``, ``distributed_type``, ``use_distributed``,
     ``wait_for_everyone()``, ``print()``, ``split_between_processes()``, ``main_process_first()``,
-    ``on_main_process`` and the other process decorators."""
+    ``on_main_process`` and the other process decorators (those of ``ProcessControl``, which it is,
+    on a strategy of its own)."""
 
     mixed_precision: Optional[str] = None  # AcceleratorState's (an Accelerator's state has it)
 
@@ -86,23 +86,16 @@ class PartialState(ProcessControl):
 
         strategy = resolve_strategy("auto")
         strategy.setup_environment("cpu" if cpu else "auto")
-        self.strategy = strategy
+        super().__init__(strategy)
 
     @classmethod
-    def of(cls, strategy: "Strategy", precision: Optional["Precision"] = None) -> "PartialState":
+    def of(cls, strategy: Strategy, precision: Optional[Precision] = None) -> PartialState:
         """The state of an existing strategy (``Accelerator.state``), with its precision when given."""
         state = cls.__new__(cls)
-        state.strategy = strategy
+        ProcessControl.__init__(state, strategy)
         state.mixed_precision = mixed_precision_name(precision) if precision is not None else None
         return state
 
-    device = property(lambda self: self.strategy.root_device)
-    process_index = property(lambda self: self.strategy.global_rank)
-    local_process_index = property(lambda self: self.strategy.local_rank)
-    num_processes = property(lambda self: self.strategy.world_size)
-    is_main_process = property(lambda self: self.strategy.is_global_zero)
-    is_local_main_process = property(lambda self: self.strategy.local_rank == 0)
-    is_last_process = property(lambda self: self.strategy.global_rank == self.strategy.world_size - 1)
     use_distributed = property(lambda self: self.strategy.world_size > 1)
 
     @property
@@ -114,20 +107,6 @@ class PartialState(ProcessControl):
         """The process group's backend (``"gloo"``, ``"nccl"``...), None without one."""
         dist = torch.distributed
         return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
-
-    def wait_for_everyone(self) -> None:
-        self.strategy.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """This process's share of ``inputs`` (a list, tuple, dict of lists, or tensor), as Accelerate."""
-        from trainforge.strategies.data.loader import split_between_processes
-
-        yield split_between_processes(inputs, self.process_index, self.num_processes, apply_padding=apply_padding)
 
     def __repr__(self) -> str:
         backend = self.backend
