@@ -204,6 +204,41 @@ def test_trainer_raises_training_stopped_after_the_stop_step_checkpoint(tmp_path
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+# SIGTERM during the last step's BATCH_END: after the last poll, so no step is left to stop at
+AFTER_THE_LAST_STEP = r"""
+import os, signal, sys, torch
+from tests.helpers.models import make_net
+from trainforge import Trainer, TrainingModule
+from trainforge.callbacks import Callback
+
+class Model(TrainingModule):
+    def __init__(self):
+        super().__init__()
+        self.net = make_net()
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+class SignalAtTheEnd(Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+trainer = Trainer(max_steps=4, callbacks=[SignalAtTheEnd()], default_root_dir=sys.argv[1], enable_progress_bar=False)
+trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(64, 8), batch_size=4))
+print("after fit: step", trainer.global_step, flush=True)
+"""
+
+
+def test_a_signal_after_the_last_step_leaves_a_finished_run_finished(tmp_path):
+    out = procs.run([sys.executable, "-c", AFTER_THE_LAST_STEP, str(tmp_path)], timeout=120, check=False)
+    # it was delivered after fit: the finished run died of SIGTERM (143), as if it had been cut
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert "after fit: step 4" in out.stdout and "SIGTERM came after the last step; the run is complete" in out.stdout
+    assert (tmp_path / "checkpoints" / "epoch=0-step=4").is_dir()
+
+
 @pytest.mark.parametrize(
     "value, named",
     [

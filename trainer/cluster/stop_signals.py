@@ -36,7 +36,8 @@ signal left to its default action is taken over: a handler someone else installe
   ``SystemExit`` whose code is 128 + the signal number (143 SIGTERM, 138 SIGUSR1, 130 SIGINT). That
   is the shell's code for "ended by that signal", so requeue logic keyed on it keeps working and a
   Kubernetes Job is not marked complete, unlike 0; a crash stays 1. A signal that arrives after the
-  last step is delivered as usual once fit has committed its checkpoints.
+  last step finds the run complete: once fit has committed its checkpoints it is said and dropped
+  (the run exits 0: it is finished, not cut), except Ctrl-C, which is delivered then.
 - Processes forked while the handlers are installed (DataLoader workers) get a process group of
   their own: torchrun forwards a signal to each worker's process group, and a terminal sends Ctrl-C
   to the foreground group, and DataLoader workers die of SIGTERM from anyone but their parent
@@ -209,7 +210,7 @@ class StopSignals:
 
     def uninstall(self, deliver: bool = True) -> None:
         """Restore the handlers. ``deliver``: a signal received but not acted on (it came after the
-        last step) is delivered again, to the handler restored, as if it arrived now."""
+        last step) is handled as ``_after_the_last_step`` says."""
         global _installed
         if self._previous:
             _installed -= 1
@@ -224,7 +225,7 @@ class StopSignals:
         self._exchange = None
         pending, self.received = self.received, None
         if deliver and pending is not None and self.agreed is None:
-            signal.raise_signal(pending)
+            _after_the_last_step(pending, self.where)
 
     @contextlib.contextmanager
     def catching(self, step: int) -> Iterator[StopSignals]:
@@ -339,6 +340,23 @@ class _Exchange:
         elif self.mode == "async":
             self.work.wait()  # done by now: it ran while this step computed
         return int(self.host[0]), int(self.host[1])
+
+
+def _after_the_last_step(sig: signal.Signals, where: str) -> None:
+    """A stop signal that came after the last step, once every checkpoint is committed: the run is complete.
+    Ctrl-C is delivered again (a person at the terminal wants the script to stop); a scheduler's signal is
+    not, so a finished run exits 0 and is not requeued or marked failed as if it had been cut (143 would
+    say "stopped after a checkpoint, resume me"). The default handler is back: another signal acts at once."""
+    if sig == signal.SIGINT:
+        signal.raise_signal(sig)
+        return
+    log.warning(
+        "trainforge: %s: %s came after the last step; the run is complete and its checkpoints are committed, so it "
+        "is not stopped (it exits 0 when the script ends). The handler is restored: another %s ends the process",
+        where,
+        sig.name,
+        sig.name,
+    )
 
 
 def _say(text: str) -> None:
