@@ -241,7 +241,10 @@ class ResumableDataLoader(StatefulDataLoader):
             f"cannot continue mid-epoch at global sample {consumed} of epoch {s['epoch']}: it was "
             f"saved with {state['world_size']} process(es) x batch_size {state['batch_size']} = "
             f"global batch {old_global}, this run has {self.world_size} x {self.batch_size} = "
-            f"{new_global}, so samples would repeat or be skipped. To resume, {fix}"
+            f"{new_global}. A mid-epoch checkpoint resumes on another number of processes only with the same "
+            "global batch (processes x per-process batch_size): the run then continues exactly, while with "
+            "another global batch the steps, and the position in the epoch they count, would not be the run's. "
+            f"To resume, {fix}"
         )
 
 
