@@ -15,6 +15,7 @@ from trainforge.callbacks.events import Event
 from trainforge.strategies.checkpoint.io import read_metadata, resolve_checkpoint
 from trainforge.strategies.checkpoint.remote import RemotePath, location
 from trainforge.strategies.checkpoint.remote_read import Location, list_checkpoints_at, resolve_on_ranks
+from trainforge.strategies.checkpoint.run_lock import RunLock, acquire_on_ranks
 from trainforge.strategies.errors import CheckpointError
 from trainforge.trainer.accelerator.seed import set_rng_state
 from trainforge.trainer.checkpoint.contents import CheckpointParts, load_state, save_state
@@ -50,6 +51,8 @@ class FitCheckpoints:
         self.pending_rng: Optional[Dict[str, Any]] = None
         # written by this fit (or resumed from): rollbacks restore it
         self.newest: Optional[Location] = None
+        # Held by global rank 0 from fit start to its end (strategies/checkpoint/run_lock.py).
+        self.run_lock: Optional[RunLock] = None
 
     def root(self) -> Location:
         """Where ``ckpt_path="last"`` and ``resume="auto"`` look: the first ``Checkpointer``'s directory."""
@@ -59,9 +62,17 @@ class FitCheckpoints:
         return location(self.view.default_checkpoint_dir)
 
     def begin_run(self) -> str:
-        """A new run id, the same on every rank."""
+        """A new run id, the same on every rank; the run directory locked first when checkpoints are written.
+        One writer per run directory: a second process on it stops here, on every rank, before writing."""
+        if any(isinstance(cb, Checkpointer) for cb in self.callbacks):
+            self.run_lock = acquire_on_ranks(self.root(), self.strategy.global_rank, self.strategy.broadcast)
         self.newest = None
         return self.strategy.broadcast(uuid.uuid4().hex, 0)
+
+    def end_run(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
 
     def resume(self, ckpt_path: Optional[str], required: bool, parts: CheckpointParts) -> Optional[Path]:
         """Resume from ``ckpt_path`` if given (the checkpoint restored, or None). A fresh run whose checkpoint

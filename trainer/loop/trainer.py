@@ -502,10 +502,12 @@ class Trainer(LightningAttributes):
             self.run_id = saved_run_id(resumed) or self.run_id
 
     def _end_fit(self) -> None:
-        """Workers of a pass fit left mid-epoch stop now, not at garbage collection (5 s each there)."""
+        """Workers of a pass fit left mid-epoch stop now, not at garbage collection (5 s each there);
+        the run directory is unlocked."""
         for loader in [self.train_dataloader, *self.val_dataloaders]:
             if isinstance(loader, PreparedDataLoader):
                 loader.release_workers()
+        self._checkpoints.end_run()
 
     # ---- the training loop -----------------------------------------------------------------------
     @property
