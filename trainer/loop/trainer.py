@@ -432,7 +432,7 @@ class Trainer(LightningAttributes):
         if train is None:
             loaders = self._stage_loaders("fit", None, datamodule)
             if len(loaders) > 1:
-                # the second one was dropped without a word
+                # refused rather than training on the first: the others would be dropped without a word
                 owner = type(datamodule if datamodule is not None else module).__name__
                 raise ConfigurationError(
                     f"{owner}.train_dataloader() returned {len(loaders)} loaders; the Trainer "
