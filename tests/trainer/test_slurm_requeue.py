@@ -100,7 +100,8 @@ def test_signalled_job_saves_requeues_and_resumes_bit_identically(slurm, tmp_pat
     # code is 143 when SLURM's SIGTERM to the requeued job reaches it while it waits for its workers)
     assert f"requeued SLURM job {job}" in output and "task 0: Exited with exit code 1" in output
     assert "task 0: Exited with exit code 138" in output or nproc > 1
-    assert f"SLURM job {job} was requeued (SLURM_RESTART_COUNT=1): resuming from its newest checkpoint" in output
+    assert f"SLURM job {job} was started again (SLURM_RESTART_COUNT=1): it resumes from " in output
+    assert ", its own newest checkpoint" in output
     assert "trainforge-test: srun exit code 0" in output  # the second run
     assert "Traceback" not in output and "exited unexpectedly" not in output, output[-4000:]
 

@@ -44,6 +44,7 @@ from trainforge.strategies.checkpoint.remote import location
 from trainforge.strategies.checkpoint.remote_read import resolve_on_ranks
 from trainforge.strategies.checkpoint.remote_write import open_writer
 from trainforge.strategies.checkpoint.run_lock import acquire_on_ranks
+from trainforge.strategies.environment import slurm_job_id
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
 from trainforge.trainer.checkpoint.adapters import (
@@ -147,6 +148,8 @@ def save_state(
             "precision": acc.precision.name,
             "kind": parts.kind,
             "run_id": parts.run_id,
+            # the SLURM job that wrote it: a requeued job resumes its own run (trainer/cluster/slurm_requeue.py)
+            "slurm_job": _slurm_job(),
             "trainable_only": trainable_only,
         },
         update_latest=update_latest,
@@ -219,6 +222,14 @@ def _clock(acc: Accelerator, parts: CheckpointParts) -> Optional[Dict[str, Any]]
 
 def _writer_name(meta: Dict[str, Any]) -> str:
     return "Accelerator.save_state" if meta.get("kind") == "accelerator" else "the Trainer"
+
+
+def _slurm_job() -> Optional[str]:
+    try:
+        return slurm_job_id()
+    except ConfigurationError:
+        # a malformed SLURM_JOB_ID is refused where requeueing needs it (Trainer(auto_requeue=True))
+        return None
 
 
 def _check_needed_callbacks(path: Path, state: Dict[str, Any], parts: CheckpointParts) -> None:

@@ -9,9 +9,11 @@ and, started again by SLURM with the same script, resumes where it stopped (what
   ``scontrol requeue <job>`` (``<array job>_<task>`` for a task of a job array) and says so, and every
   process exits with 128 + the signal number (138 for SIGUSR1). SLURM ends the job's processes and
   queues the job again under the same id; the output file is appended to with ``--open-mode=append``.
-- The job started again (SLURM_RESTART_COUNT >= 1) resumes as ``Trainer(resume="auto")`` does: from the
-  newest valid checkpoint of the run's checkpoint directory, from scratch when there is none. The final
-  weights are those of a run never stopped.
+- The job started again (SLURM_RESTART_COUNT >= 1) resumes its own run: checkpoints record the SLURM job
+  that wrote them (``slurm_job`` in metadata.json), and the job resumes from the newest one this job wrote,
+  from scratch when there is none (with ``Trainer(resume="auto")`` given too: from the newest of any run).
+  A newer checkpoint of another run in the same directory (another job, a run outside SLURM) is left alone
+  and named in the warning, beside the one resumed. The final weights are those of a run never stopped.
 - Other stop signals (SIGTERM: ``scancel``, the time limit itself, a node going down) save and exit
   without requeueing: a job someone cancelled stays cancelled.
 - Not requeued: an interactive allocation (``salloc``, ``srun --pty``: SLURM_JOB_NAME "bash" or
@@ -35,6 +37,9 @@ import subprocess
 import threading
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from trainforge.strategies.checkpoint.io import read_metadata
+from trainforge.strategies.checkpoint.remote import RemotePath, read_remote_metadata
+from trainforge.strategies.checkpoint.remote_read import Location, list_checkpoints_at
 from trainforge.strategies.environment import slurm_job_id, slurm_restart_count
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.cluster.stop_signals import parse_stop_signals
@@ -87,19 +92,58 @@ class SlurmRequeue:
         self.active = auto_requeue and bool(stop_signals)  # nothing caught: nothing to requeue on
         self.job_id = slurm_job_id(environ) if self.active else None
         self.restarts = slurm_restart_count(environ) if self.job_id is not None else 0
+        # "auto" was chosen for this job because SLURM started it again, not by the user
+        self.requeued = False
+
+    @property
+    def restarted(self) -> bool:
+        """Whether this is a job SLURM started again (requeued, or after a node failure)."""
+        return self.job_id is not None and self.restarts >= 1
 
     def resume(self, resume: Optional[str], is_global_zero: bool) -> Optional[str]:
         """``resume`` for this run: "auto" in a job SLURM started again (requeued), else as given."""
-        if self.job_id is None or self.restarts < 1 or resume is not None:
+        if not self.restarted or resume is not None:
             return resume
-        if is_global_zero:
-            log.warning(
-                "trainforge: SLURM job %s was requeued (SLURM_RESTART_COUNT=%d): resuming from its newest "
-                "checkpoint, as Trainer(resume='auto') (Trainer(auto_requeue=False) turns this off)",
-                self.job_id,
-                self.restarts,
-            )
+        self.requeued = True
         return "auto"
+
+    def own_checkpoint(self, root: Location, rank: int, broadcast: Any) -> Optional[str]:
+        """What a restarted job resumes from (``fit``'s ``ckpt_path``): the newest checkpoint under ``root``
+        this job wrote; else, when the user asked for ``resume="auto"``, ``"last"`` (any run's), else None (a
+        fresh start). Rank 0 chooses and says which, naming a newer checkpoint of another run it leaves
+        alone; every rank gets the same answer (a collective)."""
+        chosen = ""
+        if rank == 0:
+            chosen = self._choose(root)
+        return broadcast(chosen, 0) or None
+
+    def _choose(self, root: Location) -> str:
+        stamped = [(p, _job_of(p)) for p in list_checkpoints_at(root)]
+        own = [p for p, job in stamped if job == self.job_id]
+        newest = stamped[-1] if stamped else None
+        fallback = "" if self.requeued else "last"
+        chosen = str(own[-1]) if own else fallback
+        other = ""
+        if newest is not None and newest[1] != self.job_id:
+            writer = f"SLURM job {newest[1]}" if newest[1] else "a run outside SLURM (or an older trainforge)"
+            other = f"; the newest checkpoint there, {newest[0]}, was written by {writer} and is not this job's"
+        what = (
+            f"from {chosen}, its own newest checkpoint"
+            if own
+            else (
+                "from the newest checkpoint of any run (resume='auto')" if chosen else "from scratch: it wrote none yet"
+            )
+        )
+        log.warning(
+            "trainforge: SLURM job %s was started again (SLURM_RESTART_COUNT=%d): it resumes %s under %s%s "
+            "(Trainer(auto_requeue=False) turns this off)",
+            self.job_id,
+            self.restarts,
+            what,
+            root,
+            other,
+        )
+        return chosen
 
     def applies(self, signal_name: Optional[str]) -> bool:
         """Whether a stop on ``signal_name`` requeues this job (the same answer on every rank)."""
@@ -114,6 +158,12 @@ class SlurmRequeue:
         previous = _ignore_sigterm()
         if is_global_zero and not requeue_slurm_job(self.job_id, checkpoint) and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _job_of(path: Location) -> Optional[str]:
+    meta = read_remote_metadata(path) if isinstance(path, RemotePath) else read_metadata(path)
+    job = meta.get("slurm_job")
+    return str(job) if job is not None else None
 
 
 def requeue_slurm_job(job_id: Optional[str] = None, checkpoint: Optional[str] = None) -> bool:

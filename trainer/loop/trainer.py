@@ -497,6 +497,11 @@ class Trainer(LightningAttributes):
         ``resume="auto"``, from the newest checkpoint if there is one): a resumed run keeps its run id."""
         path = ckpt_path if ckpt_path is not None else ("last" if self.resume == "auto" else None)
         self.run_id = self._checkpoints.begin_run()
+        if ckpt_path is None and self.resume == "auto" and self.requeue.restarted:
+            # a job SLURM started again resumes its own run (trainer/cluster/slurm_requeue.py)
+            path = self.requeue.own_checkpoint(
+                self._checkpoints.root(), self.strategy.global_rank, self.strategy.broadcast
+            )
         resumed = self._checkpoints.resume(path, ckpt_path is not None, self._checkpoint_parts())
         if resumed is not None:
             self.run_id = saved_run_id(resumed) or self.run_id
