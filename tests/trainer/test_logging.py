@@ -26,6 +26,22 @@ def test_epoch_value_is_weighted_mean_over_uneven_batches(tmp_path):
     assert float(trainer.callback_metrics["val/xsum"]) == pytest.approx(float(expected), rel=1e-6)
 
 
+def test_logging_a_tensor_of_several_values_names_the_lightning_2_way(tmp_path):
+    from trainforge import ConfigurationError
+
+    class Several(Regressor):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/x", batch[0][0])  # one row: 8 values
+
+    trainer = Trainer(max_steps=1, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"self.log\('val/x', ...\) got a tensor of shape \(8,\); self.log "
+        r"takes one number, as in Lightning 2.x: .*self.log_dict\(\{f'val/x/\{i\}'",
+    ):
+        trainer.fit(Several(make_net()), DataLoader(regression_data(8), batch_size=4), DataLoader(regression_data(8)))
+
+
 def test_on_step_and_on_epoch_gives_both_names(tmp_path):
     class Both(Regressor):
         def training_step(self, batch, batch_idx):

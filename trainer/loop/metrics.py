@@ -114,8 +114,9 @@ class MetricStore:
         elif isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ConfigurationError(
-                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; "
-                    "log a scalar (e.g. value.mean())"
+                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; self.log takes one "
+                    "number, as in Lightning 2.x: log a scalar (e.g. value.mean()), or one name per element with "
+                    f"self.log_dict({{f'{name}/{{i}}': v for i, v in enumerate(value)}})"
                 )
             tensor = value.detach().reshape(())
         elif isinstance(value, (int, float)):
