@@ -123,8 +123,8 @@ class Accelerator:
             trainforge's way to do the same in the message.
 
     Raises:
-        ConfigurationError: An argument with a value outside its choices, or two that disagree, named
-            with what is valid, before any process group starts where it can be checked then.
+        ConfigurationError: An argument outside its choices, or two that disagree; the message names
+            the value and what is valid. Arguments that need no process group are checked before one starts.
     """
 
     def __init__(
