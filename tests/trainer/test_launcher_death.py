@@ -1,4 +1,4 @@
-"""Workers never outlive the job they belong to (trainer/cluster/stop_signals.py): a worker stuck in a
+"""Workers never outlive the job they belong to (trainer/cluster/stuck_process.py): a worker stuck in a
 collective runs no Python signal handler, so a job stopped the way `timeout` and schedulers stop it
 (SIGTERM to the launcher, which forwards it, then SIGKILL) left its workers alive as orphans; they now end
 with their launcher. A second stop signal, once the first has had its chance, ends a process at once."""
@@ -75,6 +75,42 @@ def test_workers_stuck_in_a_collective_end_when_their_launcher_is_killed(tmp_pat
         assert not any(map(_alive, workers)), f"workers {workers} outlived their SIGKILLed launcher"
     finally:
         for pid in [proc.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_second_stop_signal_ends_a_worker_stuck_in_a_collective(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    proc = subprocess.Popen(
+        procs.trainforge_launch(script, nproc=2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=procs.test_env(),
+        start_new_session=True,
+    )
+    workers: list = []
+    try:
+        workers = _worker_pids(proc, 2, timeout=120)
+        time.sleep(1)  # both in recv
+        os.kill(workers[0], signal.SIGTERM)  # recorded by the C-level handler only: the main thread waits in gloo
+        time.sleep(1.5)
+        assert _alive(workers[0])
+        os.kill(workers[0], signal.SIGTERM)  # the second: it was ignored as well
+        deadline = time.monotonic() + 15
+        while _alive(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(workers[0]), "a worker stuck in a collective outlived a second SIGTERM"
+        output, _ = proc.communicate(timeout=60)  # torchrun ends the other rank
+        assert "SIGTERM again" in output and "took none: ending now" in output, output[-3000:]
+    finally:
+        for pid in [*workers, proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

@@ -16,7 +16,7 @@ from typing import List
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainforge.trainer.cluster.stop_signals import watch_launcher
+from trainforge.trainer.cluster.stuck_process import watch_launcher
 
 
 @record

@@ -48,7 +48,7 @@ from trainforge.trainer.cli.launch_settings import (
     validate,
 )
 from trainforge.trainer.cli.launch_xla import run_xla
-from trainforge.trainer.cluster.stop_signals import LAUNCHER_PID_ENV
+from trainforge.trainer.cluster.stuck_process import LAUNCHER_PID_ENV
 
 HELP = "run a training script on N processes per node (torchrun underneath)"
 TORCHRUN_DEFAULT_PORT = 29500

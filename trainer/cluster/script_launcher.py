@@ -29,7 +29,8 @@ from typing import Any, Deque, List, Optional
 
 from trainforge.strategies.environment import ClusterEnvironment, detect_environment, find_free_port
 from trainforge.strategies.errors import ConfigurationError, LaunchError
-from trainforge.trainer.cluster.stop_signals import LAUNCHER_PID_ENV, STOPPABLE
+from trainforge.trainer.cluster.stop_signals import STOPPABLE
+from trainforge.trainer.cluster.stuck_process import LAUNCHER_PID_ENV
 
 _TAIL_LINES = 60
 # A real-time signal tells rank 0's main thread that a child failed: SIGUSR1/SIGUSR2 are stop signals a
@@ -182,7 +183,7 @@ def launch_script(nprocs: int) -> ClusterEnvironment:
         "NODE_RANK": "0",
     }
     os.environ.update(shared, RANK="0", LOCAL_RANK="0")
-    # a child ends when rank 0 dies (trainer/cluster/stop_signals.py watch_launcher), stuck or not
+    # a child ends when rank 0 dies (trainer/cluster/stuck_process.py watch_launcher), stuck or not
     child_env = {**os.environ, LAUNCHER_PID_ENV: str(os.getpid())}
     children = [
         _Child(rank, command, {**child_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in range(1, nprocs)

@@ -15,12 +15,10 @@ signal left to its default action is taken over: a handler someone else installe
   loop is not coming back: a rank stuck in a collective); one that comes sooner is the same request
   delivered twice (SLURM signals every process of a step, and the launcher forwards it too), and one
   that comes once the stop step is agreed would cut its checkpoint: both are ignored.
-- A worker of ``trainforge launch`` (or of ``Trainer(devices=N)``) ends when its launcher dies
-  (``watch_launcher``: the launcher's pid, in ``LAUNCHER_PID_ENV``, is polled from a daemon thread): a
-  job stopped by SIGTERM then SIGKILL (``timeout``, schedulers) leaves no orphan. With stop handlers
-  installed and the main thread taking signals, the worker first stops as on SIGTERM (its checkpoint
-  within the launcher's grace, ``STOP_GRACE_ENV``); a main thread stuck in native code (a collective
-  whose peer is gone) does not run Python handlers, and the worker exits at once with 137.
+- A main thread stuck in native code (a collective whose peer is gone) runs no Python handler: while the
+  handlers are installed, ``trainer/cluster/stuck_process.py`` ends such a process on a second stop signal,
+  and a worker of ``trainforge launch`` or ``Trainer(devices=N)`` when its launcher dies (SIGTERM then
+  SIGKILL, as ``timeout`` and schedulers stop a job), so that no orphan is left.
 - Agreement: the loop polls after every optimizer step. About every ``EXCHANGE_EVERY_S`` of training
   (every poll when steps are slower), each rank contributes its signal number (0: none) to a MAX
   all-reduce started with ``async_op=True`` and read at the next poll; every rank reads the same
@@ -57,13 +55,20 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from trainforge.strategies.environment import STOP_GRACE_ENV
 from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.cluster.stuck_process import (
+    HANDLING,
+    SECOND_SIGNAL_AFTER_S,
+    SignalWatch,
+    forget_wakeup_fd_in_child,
+    say,
+    watch_launcher,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainforge.strategies.base import Strategy
@@ -73,19 +78,12 @@ log = logging.getLogger("trainforge")
 STOPPABLE = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 EXCHANGE_EVERY_S = 0.25  # ranks exchange their flags about this often (every optimizer step if slower)
-# a second stop signal sooner than this after the first is the same request delivered twice
-SECOND_SIGNAL_AFTER_S = 1.0
-# the pid of the process that started this worker (trainforge launch, Trainer(devices=N)); see watch_launcher
-LAUNCHER_PID_ENV = "TRAINFORGE_LAUNCHER_PID"
-LAUNCHER_POLL_S = 0.5
 SignalsArg = Union[str, int, signal.Signals, Sequence[Union[str, int, signal.Signals]], None]
 
 _installed = 0  # StopSignals objects with handlers installed in this process
 _fork_hook = False
 _forked_from_main, _forking_pid = True, 0  # set by the fork hook in the parent just before each fork
 _prctl: Any = None  # libc's prctl, looked up when the fork hook is installed (Linux)
-_handling: List[StopSignals] = []  # the StopSignals whose handlers are installed in this process
-_launcher_watch: Optional[threading.Thread] = None
 
 
 def exit_code(sig: Union[int, signal.Signals]) -> int:
@@ -166,6 +164,7 @@ class StopSignals:
         self._last_proposal: Optional[Tuple[float, int]] = None
         self._pid = os.getpid()  # the process whose handlers these are
         self._received_at = 0.0
+        self._watch: Optional[SignalWatch] = None
         if install:
             self.install()
 
@@ -173,6 +172,11 @@ class StopSignals:
     def stop_requested(self) -> Optional[str]:
         """The agreed signal's name once every rank stops at this step, else None."""
         return None if self.agreed is None else self.agreed.name
+
+    @property
+    def caught(self) -> List[signal.Signals]:
+        """The signals whose handler is this object's now."""
+        return list(self._previous)
 
     @property
     def exit_code(self) -> Optional[int]:
@@ -204,9 +208,12 @@ class StopSignals:
                 )
         if self._previous:
             _installed += 1
-            _handling.append(self)
+            HANDLING.append(self)
             _install_fork_hook()
             watch_launcher()
+            self._watch = SignalWatch(self, list(self._previous))
+            if not self._watch.start():
+                self._watch = None
 
     def uninstall(self, deliver: bool = True) -> None:
         """Restore the handlers. ``deliver``: a signal received but not acted on (it came after the
@@ -214,7 +221,10 @@ class StopSignals:
         global _installed
         if self._previous:
             _installed -= 1
-            _handling.remove(self)
+            HANDLING.remove(self)
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -252,14 +262,14 @@ class StopSignals:
             return
         self.received, self._received_at = sig, time.monotonic()
         again = " (Ctrl-C again stops at once, without a checkpoint)" if sig == signal.SIGINT else ""
-        _say(
+        say(
             f"trainforge: {sig.name} received (pid {os.getpid()}): the ranks agree on a step to stop at (this "
             f"one or one of the next few), save it and exit with code {exit_code(sig)}{again}\n"
         )
 
     def _end_now(self, sig: signal.Signals) -> None:
         """A second stop signal before the ranks agreed: the signal's default action (the process ends)."""
-        _say(f"trainforge: {sig.name} again (pid {os.getpid()}) before the ranks agreed on a stop step: ending now\n")
+        say(f"trainforge: {sig.name} again (pid {os.getpid()}) before the ranks agreed on a stop step: ending now\n")
         signal.signal(sig, signal.SIG_DFL)
         signal.raise_signal(sig)
 
@@ -359,14 +369,6 @@ def _after_the_last_step(sig: signal.Signals, where: str) -> None:
     )
 
 
-def _say(text: str) -> None:
-    """From a signal handler: one write to stderr (no lock a handler could find taken)."""
-    try:
-        os.write(2, text.encode())
-    except OSError:
-        pass
-
-
 def _note_forking_thread() -> None:
     """``before`` fork hook: who forks, and whether from the main thread (the child reads the copy)."""
     global _forked_from_main, _forking_pid
@@ -386,6 +388,7 @@ def _own_group_in_child() -> None:
             os.setpgid(0, 0)
         except OSError:
             pass
+        forget_wakeup_fd_in_child()
         if _forked_from_main and _set_parent_death_signal(signal.SIGKILL) and os.getppid() != _forking_pid:
             os._exit(1)  # the parent died before the request took effect
 
@@ -412,51 +415,6 @@ def _install_fork_hook() -> None:
         _prctl = _find_prctl()
         os.register_at_fork(before=_note_forking_thread, after_in_child=_own_group_in_child)
         _fork_hook = True
-
-
-def watch_launcher(environ: Mapping[str, str] = os.environ) -> None:
-    """End this worker when the launcher that started it dies (the module docstring says how): once per
-    process, and only in a direct child of the launcher named in ``LAUNCHER_PID_ENV`` (a process the
-    worker forks inherits the variable, but not the parent)."""
-    global _launcher_watch
-    value = environ.get(LAUNCHER_PID_ENV, "")
-    if _launcher_watch is not None or not value.isdigit() or os.getppid() != int(value):
-        return
-    _launcher_watch = threading.Thread(
-        target=_watch_launcher, args=(int(value),), name="trainforge-launcher-watch", daemon=True
-    )
-    _launcher_watch.start()
-
-
-def _watch_launcher(launcher: int) -> None:
-    # an orphan is re-parented (to init or a subreaper): the parent pid changes once the launcher is gone
-    while os.getppid() == launcher:
-        time.sleep(LAUNCHER_POLL_S)
-    _say(f"trainforge: the launcher (pid {launcher}) of this worker (pid {os.getpid()}) is gone: ending\n")
-    if _handling and _stop_taken(_handling[-1]):
-        grace = _stop_grace()
-        _say(f"trainforge: stopping as on a stop signal; exiting in at most {grace:g} s\n")
-        time.sleep(grace)
-    os._exit(128 + 9)
-
-
-def _stop_taken(stops: StopSignals, wait_s: float = 2.0) -> bool:
-    """Ask the main thread to stop as on the first of its stop signals; whether its handler ran (a main
-    thread stuck in native code, a collective whose peer is gone, runs no Python handler)."""
-    caught = list(stops._previous)
-    if stops.received is None and caught:
-        os.kill(os.getpid(), caught[0])
-    deadline = time.monotonic() + wait_s
-    while stops.received is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return stops.received is not None
-
-
-def _stop_grace() -> float:
-    try:
-        return max(0.0, float(os.environ.get(STOP_GRACE_ENV, "30")))
-    except ValueError:
-        return 30.0
 
 
 def checkpoint_of_step(callbacks: Sequence[Any], step: int) -> Optional[str]:
