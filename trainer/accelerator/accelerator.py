@@ -921,8 +921,11 @@ class Accelerator:
     def end_training(self) -> None:
         """Finish the trackers' runs (pending writes get their flush timeout), wait for an asynchronous
         checkpoint save, and release the processes (the process group trainforge started)."""
+        from trainforge.trainer.checkpoint.contents import release_project_lock
+
         self._trackers.end()
         self.wait_for_checkpoint()
+        release_project_lock(self)
         self.strategy.teardown()
 
     def profile(self, profile_handler: Optional[ProfileKwargs] = None) -> ContextManager[torch.profiler.profile]:
