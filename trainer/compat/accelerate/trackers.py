@@ -1,5 +1,5 @@
 """Accelerate's experiment tracking on the ``Accelerator``: ``log_with=``, ``init_trackers``, ``log``,
-``get_tracker``, ``trackers`` and ``end_training`` (a mixin).
+``get_tracker``, ``trackers`` and ``end_training``, done by ``Trackers``, a part the Accelerator builds.
 
 The trackers are trainforge's own (``callbacks/trackers/``), driven through the same hooks the Trainer
 calls, so they keep their failure policy (a slow or dead backend never stalls the loop; writes happen on
@@ -18,14 +18,10 @@ import enum
 import importlib.util
 import inspect
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, cast
+from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
 
 from trainforge.callbacks.trackers.base import TrackerCallback, require
 from trainforge.strategies.errors import ConfigurationError, invalid_choice
-from trainforge.trainer.checkpoint.contents import release_project_lock
-
-if TYPE_CHECKING:  # pragma: no cover
-    from trainforge.strategies.base import Strategy
 
 
 class OffMainTracker:
@@ -107,26 +103,18 @@ class _RunView:
         self.hparams, self.default_root_dir, self.global_step = config, root, 0
 
 
-class Tracking:
-    """Mixed into ``Accelerator``; see the module docstring."""
+class Trackers:
+    """The trackers of ``log_with`` (``parse_log_with``'s list; they start in ``init``), writing under
+    ``logging_dir``, on the main process only (``is_main_process``); see the module docstring."""
 
-    if TYPE_CHECKING:  # the Accelerator's, for the type checker
-        strategy: Strategy
-        is_main_process: bool
-
-        def wait_for_checkpoint(self) -> None: ...
-
-    def setup_tracking(self, log_with: List[Any], logging_dir: Optional[str]) -> None:
-        """Called by the Accelerator's constructor with ``parse_log_with``'s list (trackers start in
-        ``init_trackers``)."""
-        self.logging_dir = logging_dir
-        self.log_with = log_with
+    def __init__(self, log_with: List[Any], logging_dir: Optional[str], is_main_process: bool) -> None:
+        self.log_with, self.logging_dir, self.is_main_process = log_with, logging_dir, is_main_process
         self.trackers: List[TrackerCallback] = []
         self._tracker_names: List[Tuple[str, TrackerCallback]] = []
         self._run_view: Optional[_RunView] = None
         self._log_calls = 0
 
-    def init_trackers(
+    def init(
         self,
         project_name: str,
         config: Optional[Mapping[str, Any]] = None,
@@ -192,7 +180,7 @@ class Tracking:
         for tracker in self.trackers:
             tracker.on_log(cast(Any, view), cast(Any, None), dict(values), step)
 
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+    def get(self, name: str, unwrap: bool = False) -> Any:
         """The tracker ``name`` (``"tensorboard"``, ``"mlflow"``, ``"comet_ml"``, ``"wandb"``, ``"csv"``, or a tracker's
         ``name``) on the main process. Elsewhere, as Accelerate, a stand-in whose every method does
         nothing, so ``accelerator.get_tracker("wandb").log_hyperparams(...)`` runs on every rank.
@@ -213,16 +201,11 @@ class Tracking:
             f"{[n for n, _ in self._tracker_names] or 'none (init_trackers not called, or log_with not set)'}"
         )
 
-    def end_training(self) -> None:
-        """Finish the trackers' runs (pending writes get their flush timeout), wait for an asynchronous
-        checkpoint save, and release the processes (the process group trainforge started)."""
+    def end(self) -> None:
+        """Finish the trackers' runs (pending writes get their flush timeout)."""
         view, self._run_view = self._run_view, None
         for tracker in self.trackers if view is not None else []:
             tracker.on_fit_end(cast(Any, view), cast(Any, None))
-        self.wait_for_checkpoint()
-        # the project directory's run lock (automatically named saves), given back for another process
-        release_project_lock(cast(Any, self))
-        self.strategy.teardown()
 
 
 def _installed(package: str) -> bool:
