@@ -107,7 +107,8 @@ class SignalWatch:
         if previous != -1:
             if previous is not None:
                 signal.set_wakeup_fd(previous)
-            os.close(read), os.close(write)
+            os.close(read)
+            os.close(write)
             return False
         self._pipe = (read, write)
         threading.Thread(target=self._run, args=(read,), name="trainforge-signal-watch", daemon=True).start()

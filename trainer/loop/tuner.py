@@ -318,7 +318,8 @@ class _Trial:
     would make every trial "succeed" at the size it always had, and the tuner report a size never tried."""
 
     def __init__(self, size: int, holder: str) -> None:
-        self.size, self.holder, self.first_dim = size, holder, None
+        self.size, self.holder = size, holder
+        self.first_dim: Optional[int] = None
 
     def check_loader(self, loader: Any) -> None:
         built = getattr(loader, "batch_size", None)
