@@ -1,6 +1,6 @@
 """What still ends a process whose main thread waits in native code: a collective whose peer is gone, a
 rendezvous for a rank that never comes. Python runs signal handlers in the main thread, between bytecodes, so
-such a process only records nothing and waits (for the process group's timeout, 30 minutes or more). Two
+such a process takes no stop signal and waits (for the process group's timeout, 30 minutes or more). Two
 daemon threads act instead (``trainer/cluster/stop_signals.py`` starts them with its handlers):
 
 - ``watch_launcher``: a worker of ``trainforge launch`` or of ``Trainer(devices=N)`` polls its launcher's pid
@@ -10,7 +10,10 @@ daemon threads act instead (``trainer/cluster/stop_signals.py`` starts them with
 - ``SignalWatch``: Python's C-level handler writes each signal's number to a pipe
   (``signal.set_wakeup_fd``), which a thread reads: a second stop signal more than
   ``SECOND_SIGNAL_AFTER_S`` after a first one that the main thread never took ends the process with
-  128 + its number. Where someone else owns the wakeup fd (asyncio's loop), it is left to them.
+  ``ENDED_CODE``. Where someone else owns the wakeup fd (asyncio's loop), it is left to them.
+
+Both end with 137 (128 + SIGKILL, what the launcher would have done after its grace), never with the
+128 + N of a stop that saved its checkpoint (``trainforge launch`` reports that one as a clean stop).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ LAUNCHER_POLL_S = 0.5
 # a second stop signal sooner than this after the first is the same request delivered twice (SLURM signals
 # every process of a step, and the launcher forwards the signal too)
 SECOND_SIGNAL_AFTER_S = 1.0
+ENDED_CODE = 128 + 9
 #: The StopSignals whose handlers are installed in this process (each has ``received`` and ``caught``).
 HANDLING: List[Any] = []
 _launcher_watch: Optional[threading.Thread] = None
@@ -67,7 +71,7 @@ def _watch_launcher(launcher: int) -> None:
         grace = _stop_grace()
         say(f"trainforge: stopping as on a stop signal; exiting in at most {grace:g} s\n")
         time.sleep(grace)
-    os._exit(128 + 9)
+    os._exit(ENDED_CODE)
 
 
 def _stop_taken(stops: Any, wait_s: float = 2.0) -> bool:
@@ -141,7 +145,7 @@ class SignalWatch:
                         f"trainforge: {name} again (pid {os.getpid()}); the main thread waits in native code and "
                         "took none: ending now\n"
                     )
-                    os._exit(128 + number)
+                    os._exit(ENDED_CODE)
         os.close(read)
 
 
