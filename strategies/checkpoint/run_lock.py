@@ -37,8 +37,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from trainforge.strategies.checkpoint.remote import RemotePath, access_errors, location
-from trainforge.strategies.errors import CheckpointError
+from trainforge.strategies.checkpoint.remote import RemotePath, access_errors, access_hint, location
+from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
 LOCK_FILE = ".trainforge-run.lock"
 LEASE_FILE = ".trainforge-run.lease"
@@ -170,8 +170,15 @@ class _Lease(RunLock):
     def _write(self) -> None:
         fs, inner = RemotePath(self._url).fs()
         lease = {**self._note, "expires": time.time() + LEASE_SECONDS, "lease_seconds": LEASE_SECONDS}
-        with access_errors(self._url, "write the run's lease"), fs.open(inner, "wb") as f:
-            f.write(json.dumps(lease).encode())
+        try:
+            with access_errors(self._url, "write the run's lease"), fs.open(inner, "wb") as f:
+                f.write(json.dumps(lease).encode())
+        except FileNotFoundError as e:
+            # a bucket that does not exist: refused before training, as every unwritable store is
+            raise ConfigurationError(
+                f"{self.key}: cannot write the run's lease ({type(e).__name__}: {str(e).strip()[:300]}); no "
+                f"checkpoint could be saved there: {access_hint(self._url)}"
+            ) from None
 
     def _live_other(self, lease: Optional[Dict[str, Any]]) -> bool:
         if not lease or lease.get("owner") == self._note["owner"]:

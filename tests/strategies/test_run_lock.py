@@ -87,14 +87,17 @@ def test_the_lock_is_reentrant_within_a_process_and_released_by_its_last_holder(
 
 @pytest.fixture(scope="module")
 def s3():
-    pytest.importorskip("s3fs")
+    s3fs = pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
+    # fsspec keeps filesystems by their arguments: one made for another module's server would be reused
+    s3fs.S3FileSystem.clear_instance_cache()
     server = S3Server()
     try:
         with server.environ():
             yield server
     finally:
         server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def write_lease(s3, url: str, lease) -> None:
@@ -137,3 +140,31 @@ def test_an_unreadable_lease_object_is_not_a_live_holder(s3, monkeypatch):
     for junk in (b"not json", b"[1, 2]", json.dumps({"owner": "x", "expires": "soon"}).encode()):
         write_lease(s3, url, junk)
         acquire_run_lock(url).release()
+
+
+def test_a_lock_file_holding_no_readable_note_still_refuses(tmp_path):
+    holder = start_holder(tmp_path)
+    try:
+        # the note is for people; the lock is the flock, whatever the file says
+        (tmp_path / LOCK_FILE).write_text("not json")
+        with pytest.raises(CheckpointError, match=r"in use by another process writing the same run \(host \?, pid \?"):
+            acquire_run_lock(tmp_path)
+    finally:
+        holder.communicate("\n", timeout=30)
+
+
+def test_a_fit_on_a_bucket_whose_run_is_leased_stops_before_writing(s3, monkeypatch, tmp_path):
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.models import Regressor, make_net, regression_data
+    from trainforge import Trainer
+
+    monkeypatch.setattr(run_lock, "SETTLE_SECONDS", 0.05)
+    monkeypatch.chdir(tmp_path)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/run/checkpoints"
+    write_lease(s3, url, {"owner": "x", "host": "node3", "pid": 77, "started": "then", "expires": time.time() + 600})
+    trainer = Trainer(default_root_dir=f"s3://{bucket}/run", max_steps=2, enable_progress_bar=False)
+    with pytest.raises(CheckpointError, match=r"s3://.*/run/checkpoints is in use .*host node3, pid 77"):
+        trainer.fit(Regressor(make_net()), DataLoader(regression_data(16), batch_size=8))
+    assert s3.fs().ls(f"{bucket}/run/checkpoints") == [f"{bucket}/run/checkpoints/{LEASE_FILE}"]
