@@ -259,6 +259,11 @@ def acquire_on_ranks(directory: Any, rank: int, broadcast: Callable[[Any, int], 
     if rank == 0:
         try:
             lock = acquire_run_lock(directory)
+        except OSError:
+            # The directory cannot be made (a file in its path, no permission): no process can write there, so
+            # there is nothing to lock, and the checkpointing callback's own check names the path and the fix
+            # (tests/callbacks/test_model_checkpoint.py::test_an_unwritable_checkpoint_directory_is_refused_at_fit_start).
+            lock = None
         # Said to every rank, then raised as it is on rank 0.
         except Exception as e:
             refusal, error = str(e) or type(e).__name__, e
