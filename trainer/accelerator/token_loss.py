@@ -33,6 +33,13 @@ resume from there is bit for bit too; at window ends there is no count to save.
 Refused, with a ConfigurationError at the first backward (before any optimizer step), where the
 gradients cannot be rescaled exactly afterwards: DeepSpeed (the engine scales and reduces them
 itself), pipeline schedules and XLA (``grad_reduction`` None).
+
+Every rank must follow the same contract: the count's all-reduce runs only where steps give ``num_items``,
+so a rank returning a plain loss while another returns ``num_items`` would leave that one waiting in it
+forever. At the first sync step of several processes the ranks agree once on the contract (one all-gather
+of one number, ``agree_on_contract``), and a rank that disagrees is named in a ConfigurationError on every
+rank; after that each rank checks its own steps against the agreed contract (a comparison, no collective),
+so a rank that switches later fails at once instead of leaving the others waiting.
 """
 
 from __future__ import annotations
@@ -61,9 +68,13 @@ class ItemWindow:
         #: Items of the current accumulation window (an int, or an integer tensor when the steps give
         #: tensors); None while no backward of this window had ``num_items``.
         self.count: Any = None
+        #: Whether steps give ``num_items``, as every rank agreed at the first sync step (None: not yet).
+        self.contract: Optional[bool] = None
+        self._gave_items = False  # this rank, before the agreement
 
     def loss_to_backward(self, loss: torch.Tensor, num_items: Any, accumulation_steps: int) -> torch.Tensor:
         """A mean loss divided by the ``accumulation_steps``, or a summed one as it is (its count kept)."""
+        self._follow(num_items is not None)
         if num_items is None:
             if self.count is not None:
                 raise ConfigurationError(
@@ -91,12 +102,46 @@ class ItemWindow:
     def end(self, model: Optional[nn.Module], sync_gradients: bool) -> None:
         """On a sync step (``sync_gradients``), after its backward: ``model``'s gradients divided by the
         window's items on all ranks."""
+        if sync_gradients and self.contract is None and self.strategy.world_size > 1:
+            self.contract = agree_on_contract(self._gave_items, self.strategy)
         if self.count is None or not sync_gradients:
             return
         count, self.count = self.count, None
         if model is None:
             raise ConfigurationError("backward(loss, num_items=...) needs the model: prepare it, or pass model=")
         scale_gradients(model, count, self.strategy)
+
+    def _follow(self, gives_items: bool) -> None:
+        """This rank's step against the contract every rank agreed on (before the agreement: noted)."""
+        if self.contract is None:
+            self._gave_items = self._gave_items or gives_items
+        elif gives_items != self.contract:
+            rank, world = self.strategy.global_rank, self.strategy.world_size
+            raise ConfigurationError(
+                f"rank {rank} of {world}: this step {_contract_text(gives_items)}, but every rank "
+                f"{_contract_text(self.contract)} at the first optimizer step; the ranks would wait for each other "
+                "in the item count's all-reduce. Return num_items from every step of every rank, or from none"
+            )
+
+
+def _contract_text(gives_items: bool) -> str:
+    return "returned a summed loss with num_items" if gives_items else "returned a loss without num_items"
+
+
+def agree_on_contract(gives_items: bool, strategy: Strategy) -> bool:
+    """Whether every rank's steps give ``num_items`` (one all-gather of one number), or a ConfigurationError
+    naming the ranks that differ, raised on every rank."""
+    flags = strategy.all_gather(torch.tensor([int(gives_items)], device=strategy.root_device)).flatten().tolist()
+    if len(set(flags)) == 1:
+        return bool(flags[0])
+    with_items = [r for r, f in enumerate(flags) if f]
+    without = [r for r, f in enumerate(flags) if not f]
+    raise ConfigurationError(
+        f"ranks {with_items} returned a summed loss with num_items ({{'loss': ..., 'num_items': n}}) and ranks "
+        f"{without} a loss without it, in the first accumulation window: the ranks with num_items would wait "
+        "forever for the others in the item count's all-reduce. Every rank must return num_items, or none "
+        "(a mean loss)"
+    )
 
 
 def check_num_items(num_items: Any, strategy: Strategy) -> Any:

@@ -55,6 +55,8 @@ class LossChecks:
                 )
             output = output["loss"]
         if output is None:
+            if self.strategy.world_size > 1:
+                raise ConfigurationError(_skip_alone(where, self.strategy))
             # a documented way to skip a batch; a whole epoch of them is reported
             self._none_steps += 1
             return None
@@ -96,7 +98,13 @@ class LossChecks:
             return True
         if loss.device.type != "cpu" and policy == "raise":
             return self._check_async(loss)
-        if math.isfinite(loss.item()):
+        finite = math.isfinite(loss.item())
+        if policy == "skip" and self.strategy.world_size > 1:
+            # every rank skips together (one number per step, in this mode only): a rank that skipped alone
+            # would leave the others waiting for it in the gradient all-reduce of backward
+            flag = torch.tensor([int(finite)], device=self.strategy.root_device)
+            finite = bool(self.strategy.all_reduce(flag, "min").item())
+        if finite:
             return True
         if policy == "skip":
             self.progress.skipped_nonfinite += 1
@@ -126,6 +134,34 @@ class LossChecks:
                 "every step), or lower the learning rate"
             )
         self._last_flag_check = self.progress.global_step
+
+
+def _skip_alone(where: str, strategy: Strategy) -> str:
+    return (
+        f"{where} returned None on rank {strategy.global_rank} of {strategy.world_size}: a skipped batch is "
+        "supported on one process only (as in Lightning 2.x), since a rank that skips its backward leaves the "
+        "others waiting for it in the gradient all-reduce. Return a loss on every rank (multiplied by 0 to keep "
+        "this rank's batch out of the gradient), or skip non-finite losses with nonfinite_loss='skip', which "
+        "every rank decides together"
+    )
+
+
+def check_same_batch_count(strategy: Strategy, count: Any) -> None:
+    """Every rank trains as many batches per epoch (once per fit: one all-gather of one number); a rank with
+    fewer would leave the others waiting for it in the gradient all-reduce of the batches it lacks."""
+    if strategy.world_size == 1:
+        return
+    mine = -1 if count == float("inf") else int(count)
+    counts = strategy.all_gather(torch.tensor([mine], device=strategy.root_device)).flatten().tolist()
+    if len(set(counts)) == 1:
+        return
+    per_rank = ", ".join(f"rank {r}: {'no length' if c < 0 else c}" for r, c in enumerate(counts))
+    raise ConfigurationError(
+        f"the ranks have different numbers of training batches per epoch ({per_rank}): the ranks with more would "
+        "wait forever for the others in the gradient all-reduce. Give every rank as many batches: let trainforge "
+        "shard a map-style dataset (a plain DataLoader; its sampler pads the last batches), or make your own "
+        "sampler or batch sampler give each rank the same count (pad or drop the remainder)"
+    )
 
 
 class StopRules:

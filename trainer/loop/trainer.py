@@ -52,6 +52,7 @@ from trainforge.trainer.loop.fit_checkpoints import FitCheckpoints, saved_run_id
 from trainforge.trainer.loop.fit_loop import (
     LossChecks,
     StopRules,
+    check_same_batch_count,
     find_step_guard,
     step_schedulers,
     validation_due,
@@ -474,6 +475,7 @@ class Trainer(LightningAttributes):
         val_loaders = validation_loaders(module, val_loaders, self._pipelined)
         self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in as_list(val_loaders)]
         self.num_training_batches = _count_training_batches(self.train_dataloader, self.config)
+        check_same_batch_count(self.strategy, self.num_training_batches)
 
     def _prepare_model_and_optimizers(self, module: TrainingModule, manual: bool) -> None:
         """Lightning's order, for every strategy: place and wrap first, then build the optimizers, so
