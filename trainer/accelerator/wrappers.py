@@ -257,9 +257,11 @@ class PreparedDataLoader:
         return self.gather_object(obj)
 
     def _check_same_end(self, has_batch: bool, read: int) -> None:
-        """Audit N-IT1/N-IT4: an IterableDataset whose stream is longer on one rank (or empty on one)
-        hung until the process-group timeout. One small gather per batch of such a loader (only with
-        several processes and no dispatch) finds it: every rank stops with the same error."""
+        """An IterableDataset whose stream is longer on one rank (or empty on one) would hang until the
+        process-group timeout (tests/trainer/test_iterable_split.py,
+        ``test_ranks_with_different_numbers_of_batches_stop_with_an_error_instead_of_hanging``). One small
+        gather per batch of such a loader (only with several processes and no dispatch) finds it: every rank
+        stops with the same error."""
         seen = self._gather((bool(has_batch), int(read)))
         if len({flag for flag, _ in seen}) > 1:
             ended = [f"rank {r} after {n} batch(es)" for r, (flag, n) in enumerate(seen) if not flag]

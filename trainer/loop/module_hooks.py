@@ -159,7 +159,9 @@ REMOVED_HOOKS = {
 
 def warn_unknown_hooks(module: Any) -> None:
     """A Lightning user's ``on_*`` method that the Trainer never calls would be silently ignored; a
-    Lightning 1.x ``*_epoch_end(outputs)`` hook is refused as Lightning 2.0 does (audit N-HK3)."""
+    Lightning 1.x ``*_epoch_end(outputs)`` hook, which would never be called, is refused as Lightning 2.0
+    does (tests/trainer/test_lightning_hooks.py,
+    ``test_lightning_1x_epoch_end_hooks_are_refused_with_their_replacement``)."""
     check_training_step(module)
     removed = [name for name in REMOVED_HOOKS if callable(getattr(type(module), name, None))]
     if removed:
@@ -186,7 +188,8 @@ def warn_unknown_hooks(module: Any) -> None:
 
 
 def warn_unknown_callback_hooks(callback: Any, base: type) -> None:
-    """A callback's ``on_*`` method that is not a hook of ``base`` (a typo, audit N-HK5) never runs."""
+    """A callback's ``on_*`` method that is not a hook of ``base`` (a typo) never runs: warned about, as the
+    module's are (tests/trainer/test_lightning_hooks.py, ``test_a_callback_hook_with_a_typo_gets_a_warning``)."""
     unknown = sorted(
         name
         for name in dir(type(callback))
