@@ -164,6 +164,7 @@ class StopSignals:
         self._last_proposal: Optional[Tuple[float, int]] = None
         self._pid = os.getpid()  # the process whose handlers these are
         self._received_at = 0.0
+        self.handled_at = 0.0  # when this process's handler last ran
         self._watch: Optional[SignalWatch] = None
         if install:
             self.install()
@@ -253,6 +254,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:  # a process forked meanwhile (a DataLoader worker); SLURM signals every
             return  # process of a job step: the training process decides, the worker carries on
+        self.handled_at = time.monotonic()  # the main thread takes signals (stuck_process.SignalWatch reads it)
         sig = signal.Signals(signum)
         if self.received is not None:
             if sig == signal.SIGINT:

@@ -34,6 +34,8 @@ LAUNCHER_POLL_S = 0.5
 # every process of a step, and the launcher forwards the signal too)
 SECOND_SIGNAL_AFTER_S = 1.0
 ENDED_CODE = 128 + 9
+# the handler may run before this thread reads the signal's byte; well under SECOND_SIGNAL_AFTER_S
+HANDLED_SLACK_S = 0.5
 #: The StopSignals whose handlers are installed in this process (each has ``received`` and ``caught``).
 HANDLING: List[Any] = []
 _launcher_watch: Optional[threading.Thread] = None
@@ -126,6 +128,17 @@ class SignalWatch:
         os.close(self._pipe[1])  # the reader closes its end when it sees the flag
         self._pipe = None
 
+    def _taken(self, arrived: float) -> bool:
+        """Whether the main thread's handler ran for the signal that arrived at ``arrived`` (within a second):
+        the first one may have been taken before the main thread entered native code, so a received
+        signal says nothing about this one."""
+        deadline = arrived + 1.0
+        while time.monotonic() < deadline:
+            if self.stops.handled_at >= arrived - HANDLED_SLACK_S:
+                return True
+            time.sleep(0.02)
+        return self.stops.handled_at >= arrived - HANDLED_SLACK_S
+
     def _run(self, read: int) -> None:
         first: Optional[float] = None
         while not self._done.is_set():
@@ -139,7 +152,7 @@ class SignalWatch:
                 now = time.monotonic()
                 if first is None:
                     first = now
-                elif self.stops.received is None and now - first > SECOND_SIGNAL_AFTER_S:
+                elif now - first > SECOND_SIGNAL_AFTER_S and not self._taken(now):
                     name = signal.Signals(number).name
                     say(
                         f"trainforge: {name} again (pid {os.getpid()}); the main thread waits in native code and "
