@@ -233,7 +233,10 @@ class Accelerator:
         self._data = DataPreparer(self.strategy, self.gradient_state, self.precision)
         self._item_window = ItemWindow(self.strategy)
         self._trackers = Trackers(compat.log_with, compat.logging_dir, self.strategy.is_global_zero)
-        self._profiling = Profiling(self.strategy.global_rank, self.wait_for_everyone)
+        # The part's barrier is the process-control part's, not this object's bound method: a part holding the
+        # Accelerator would make a reference cycle, so prepared loaders (and their DataLoader workers) would
+        # wait for the garbage collector instead of ending when the Accelerator is dropped.
+        self._profiling = Profiling(self.strategy.global_rank, self._processes.wait_for_everyone)
 
     # ---- topology --------------------------------------------------------------------------------
     device = property(lambda self: self.strategy.root_device)
