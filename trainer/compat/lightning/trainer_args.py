@@ -83,34 +83,48 @@ def _visible_count(device_type: str) -> int:
 
 
 def parse_devices(devices: Any, accelerator: Any, num_nodes: Any) -> DevicePlan:
+    """Lightning's ``devices``/``accelerator``/``num_nodes``, checked: a count, an index list or "auto"."""
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ConfigurationError(f"num_nodes={num_nodes!r} must be an int >= 1 (the number of machines)")
     kind = accelerator_type(accelerator if accelerator is not None else "auto")
-    value = devices
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == "auto":
-            return DevicePlan(None, num_nodes, kind)
-        try:  # Lightning's strings: "2", "-1", "1,3" (a trailing comma makes a list: "1,")
-            value = [int(i) for i in text.split(",") if i.strip()] if "," in text else int(text)
-        except ValueError:
-            raise ConfigurationError(f"devices={devices!r} is not {_DEVICES_CHOICES}") from None
+    value = _devices_value(devices)
     if value is None:
         return DevicePlan(None, num_nodes, kind)
     if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
         raise ConfigurationError(f"devices={devices!r} is not {_DEVICES_CHOICES}")
     if isinstance(value, int):
-        if value == -1 and kind != "cpu":
-            value = _visible_count(kind)
-        if value < 1:
-            hint = (
-                "on CPU pass the number of processes, devices=N"
-                if value == -1
-                else "for a CPU run pass accelerator='cpu' and devices=1"
-            )
-            raise ConfigurationError(f"devices={devices!r}: {_DEVICES_CHOICES}; {hint}")
-        return DevicePlan(value, num_nodes, kind)
-    indices = tuple(value)
+        return DevicePlan(_device_count(devices, value, kind), num_nodes, kind)
+    indices = _device_indices(devices, tuple(value), kind)
+    return DevicePlan(len(indices), num_nodes, kind, indices)
+
+
+def _devices_value(devices: Any) -> Any:
+    """Lightning's strings as values: "auto" -> None, "2", "-1", "1,3" (a trailing comma makes a list: "1,")."""
+    if not isinstance(devices, str):
+        return devices
+    text = devices.strip().lower()
+    if text == "auto":
+        return None
+    try:
+        return [int(i) for i in text.split(",") if i.strip()] if "," in text else int(text)
+    except ValueError:
+        raise ConfigurationError(f"devices={devices!r} is not {_DEVICES_CHOICES}") from None
+
+
+def _device_count(devices: Any, value: int, kind: str) -> int:
+    if value == -1 and kind != "cpu":
+        value = _visible_count(kind)
+    if value < 1:
+        hint = (
+            "on CPU pass the number of processes, devices=N"
+            if value == -1
+            else "for a CPU run pass accelerator='cpu' and devices=1"
+        )
+        raise ConfigurationError(f"devices={devices!r}: {_DEVICES_CHOICES}; {hint}")
+    return value
+
+
+def _device_indices(devices: Any, indices: Tuple[Any, ...], kind: str) -> Tuple[int, ...]:
     if not indices or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in indices):
         raise ConfigurationError(
             f"devices={devices!r}: a list of devices holds device indices (ints >= 0), e.g. [0, 1]"
@@ -128,7 +142,7 @@ def parse_devices(devices: Any, accelerator: Any, num_nodes: Any) -> DevicePlan:
             f"devices={devices!r}: index {max(indices)} does not exist, {count} {kind.upper()} device(s) are "
             f"visible (indices 0..{count - 1})"
         )
-    return DevicePlan(len(indices), num_nodes, kind, indices)
+    return indices
 
 
 def check_launched(plan: DevicePlan, env: ClusterEnvironment) -> None:
