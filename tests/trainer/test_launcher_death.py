@@ -6,6 +6,7 @@ with their launcher. A second stop signal, once the first has had its chance, en
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import datetime, os, sys, torch, torch.distributed as dist
 from trainforge.trainer.cluster.stop_signals import StopSignals
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 stops = StopSignals(("SIGTERM",), where="test", install=True)
-print("stuck", os.getpid(), flush=True)
+os.write(1, f"stuck {os.getpid()}\n".encode())  # one write: the two ranks share the launcher's stdout
 dist.recv(torch.zeros(1), src=1 - dist.get_rank())
 """
 
@@ -42,8 +43,8 @@ def _worker_pids(proc: subprocess.Popen, count: int, timeout: float) -> list:
         line = proc.stdout.readline()
         if not line:
             break
-        if line.startswith("stuck "):
-            pids.append(int(line.split()[1]))
+        # two ranks' lines may still interleave where a launcher copies their output: take every pid on the line
+        pids += [int(pid) for pid in re.findall(r"stuck (\d+)", line)]
     assert len(pids) == count, f"the workers did not start: {pids}"
     return pids
 
