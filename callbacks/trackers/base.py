@@ -191,11 +191,10 @@ class TrackerCallback(Callback):
         """Append dropped metric records to this run's spill file (never one trainforge did not create)."""
         if not records or self._spill_dir is None:
             return
-        if self._spill_file is None:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            self._spill_file = os.path.join(self._spill_dir, f"{self.name}-unsent-{stamp}-{os.getpid()}.jsonl")
         try:
             os.makedirs(self._spill_dir, exist_ok=True)
+            if self._spill_file is None:
+                self._spill_file = _new_spill_file(self._spill_dir, self.name)
             with open(self._spill_file, "a") as f:
                 for step, values in records:
                     f.write(json.dumps({"step": int(step), "metrics": values}) + "\n")
@@ -367,3 +366,17 @@ class TrackerCallback(Callback):
             TrackerWarning,
             stacklevel=3,
         )
+
+
+def _new_spill_file(folder: str, name: str) -> str:
+    """A spill file created here, by this call: an existing file of the same name (another tracker of this
+    name in the same second and process, or anyone's) is never appended to; the next free suffix is taken."""
+    stamp = f"{name}-unsent-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    for n in range(1000):
+        path = os.path.join(folder, f"{stamp}{f'-{n}' if n else ''}.jsonl")
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            return path
+        except FileExistsError:
+            continue
+    raise OSError(f"no free name for {stamp}*.jsonl in {folder}")

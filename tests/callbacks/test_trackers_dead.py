@@ -109,3 +109,19 @@ def test_what_a_dead_server_could_not_take_is_kept_in_a_file_the_report_names(tm
     dropped = int(re.search(r"(\d+) metric value", report).group(1))
     assert sum(len(line["metrics"]) for line in lines) == dropped > 0
     assert all(isinstance(line["step"], int) for line in lines)
+
+
+def test_a_spill_file_never_appends_to_a_file_it_did_not_create(tmp_path, monkeypatch):
+    """Dropped values go to a file this call creates: a file already standing at the name is left as it is."""
+    import os
+    import time
+
+    from trainforge.callbacks.trackers.base import _new_spill_file
+
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261128-000000")
+    theirs = tmp_path / f"mlflow-unsent-20261128-000000-{os.getpid()}.jsonl"
+    theirs.write_text("someone else's\n")
+    path = _new_spill_file(str(tmp_path), "mlflow")
+    assert path == str(tmp_path / f"mlflow-unsent-20261128-000000-{os.getpid()}-1.jsonl")
+    assert theirs.read_text() == "someone else's\n"
+    assert _new_spill_file(str(tmp_path), "mlflow").endswith("-2.jsonl")
