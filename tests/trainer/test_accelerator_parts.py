@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.ast_rules import type_checking_blocks_in_classes
 from trainforge import Accelerator
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.accelerator.collectives import Collectives
@@ -29,15 +30,6 @@ PARTS = [
 ]
 
 
-def _type_checking_blocks_in_classes(tree: ast.AST) -> list:
-    found = []
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        for stmt in cls.body:
-            if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
-                found.append(f"{cls.name}:{stmt.lineno}")
-    return found
-
-
 def test_the_accelerator_mixes_in_nothing():
     assert Accelerator.__bases__ == (object,)
 
@@ -51,13 +43,13 @@ def test_partial_state_is_a_process_control_over_a_strategy_of_its_own():
 def test_no_part_redeclares_its_host_under_type_checking():
     offenders = []
     for path in PARTS:
-        offenders += [f"{path.name}:{where}" for where in _type_checking_blocks_in_classes(ast.parse(path.read_text()))]
+        offenders += [f"{path.name}:{where}" for where in type_checking_blocks_in_classes(ast.parse(path.read_text()))]
     assert not offenders, offenders
 
 
 def test_the_check_bites():
     tree = ast.parse("class Part:\n    if TYPE_CHECKING:\n        strategy: int\n")
-    assert _type_checking_blocks_in_classes(tree) == ["Part:2"]
+    assert type_checking_blocks_in_classes(tree) == ["Part:2"]
 
 
 def test_the_parts_work_from_the_inputs_they_are_given():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
+from tests.helpers.ast_rules import type_checking_blocks_in_classes
 from tests.helpers.models import Regressor, make_net, regression_data
 from trainforge import Trainer
 from trainforge.trainer.compat.lightning.trainer_args import LightningAttributes
@@ -17,15 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
 LOOP = REPO / "trainer" / "loop"
 # the names under which a part is handed the Trainer itself (FitCheckpoints' view, StageLoaders' owner)
 TRAINER_NAMES = {"trainer", "view", "owner"}
-
-
-def _type_checking_blocks_in_classes(tree: ast.AST) -> list:
-    found = []
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        for stmt in cls.body:
-            if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
-                found.append(f"{cls.name}:{stmt.lineno}")
-    return found
 
 
 def _private_trainer_uses(tree: ast.AST) -> list:
@@ -48,7 +40,7 @@ def test_the_trainer_mixes_in_only_lightning_attributes():
 def test_no_class_of_the_loop_redeclares_its_host_under_type_checking():
     offenders = []
     for path in [*sorted(LOOP.glob("*.py")), REPO / "trainer" / "compat" / "lightning" / "trainer_args.py"]:
-        offenders += [f"{path.name}:{where}" for where in _type_checking_blocks_in_classes(ast.parse(path.read_text()))]
+        offenders += [f"{path.name}:{where}" for where in type_checking_blocks_in_classes(ast.parse(path.read_text()))]
     assert not offenders, offenders
 
 
@@ -65,7 +57,7 @@ def test_the_checks_bite():
         "class Part:\n    if TYPE_CHECKING:\n        model: int\n    def f(self):\n        return self.view._fire\n"
     )
     tree = ast.parse(source)
-    assert _type_checking_blocks_in_classes(tree) == ["Part:2"]
+    assert type_checking_blocks_in_classes(tree) == ["Part:2"]
     assert _private_trainer_uses(tree) == ["self.view._fire:5"]
 
 
