@@ -5,6 +5,7 @@ with their launcher. A second stop signal, once the first has had its chance, en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -49,9 +50,10 @@ def _worker_pids(proc: subprocess.Popen, count: int, timeout: float) -> list:
     return pids
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_workers_stuck_in_a_collective_end_when_their_launcher_is_killed(tmp_path):
+@contextlib.contextmanager
+def _stuck_job(tmp_path):
+    """A 2-rank ``trainforge launch`` of STUCK, both ranks waiting in ``recv``: (launcher, worker pids); every
+    process is SIGKILLed at the end, whatever the test did."""
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
     proc = subprocess.Popen(
@@ -66,16 +68,9 @@ def test_workers_stuck_in_a_collective_end_when_their_launcher_is_killed(tmp_pat
     try:
         workers = _worker_pids(proc, 2, timeout=120)
         time.sleep(1)  # both in recv
-        os.killpg(proc.pid, signal.SIGTERM)  # forwarded by torchrun; the stuck workers only record it
-        time.sleep(2)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 15
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(map(_alive, workers)), f"workers {workers} outlived their SIGKILLed launcher"
+        yield proc, workers
     finally:
-        for pid in [proc.pid, *workers]:
+        for pid in [*workers, proc.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -85,21 +80,22 @@ def test_workers_stuck_in_a_collective_end_when_their_launcher_is_killed(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_stuck_in_a_collective_end_when_their_launcher_is_killed(tmp_path):
+    with _stuck_job(tmp_path) as (proc, workers):
+        os.killpg(proc.pid, signal.SIGTERM)  # forwarded by torchrun; the stuck workers only record it
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers)), f"workers {workers} outlived their SIGKILLed launcher"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_second_stop_signal_ends_a_worker_stuck_in_a_collective(tmp_path):
-    script = tmp_path / "stuck.py"
-    script.write_text(STUCK)
-    proc = subprocess.Popen(
-        procs.trainforge_launch(script, nproc=2),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=procs.test_env(),
-        start_new_session=True,
-    )
-    workers: list = []
-    try:
-        workers = _worker_pids(proc, 2, timeout=120)
-        time.sleep(1)  # both in recv
+    with _stuck_job(tmp_path) as (proc, workers):
         os.kill(workers[0], signal.SIGTERM)  # recorded by the C-level handler only: the main thread waits in gloo
         time.sleep(1.5)
         assert _alive(workers[0])
@@ -110,13 +106,6 @@ def test_a_second_stop_signal_ends_a_worker_stuck_in_a_collective(tmp_path):
         assert not _alive(workers[0]), "a worker stuck in a collective outlived a second SIGTERM"
         output, _ = proc.communicate(timeout=60)  # torchrun ends the other rank
         assert "SIGTERM again" in output and "took none: ending now" in output, output[-3000:]
-    finally:
-        for pid in [*workers, proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        proc.wait(timeout=30)
 
 
 # The main thread takes signals (a Python loop); a repeated signal is either the same request delivered
