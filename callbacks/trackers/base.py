@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover - type hints only, see docs/ARCHITECTURE.m
     from trainforge import TrainingModule
     from trainforge.callbacks.view import TrainerView
 
-MetricRecords = List[Tuple[int, Dict[str, float]]]
+MetricRecords = List[Tuple[int, Dict[str, Any]]]  # float values; a dict of floats if keeps_groups
 log = logging.getLogger("trainforge")
 
 
@@ -140,6 +140,9 @@ class TrackerCallback(Callback):
     """Base of the experiment trackers; see the module docstring for the failure policy."""
 
     name = "Tracker"
+    # A group of metrics (Accelerate's ``log({"glue": {"accuracy": 0.8}})``): a tracker that writes groups as
+    # such gets ``{"glue": {"accuracy": 0.8}}`` in its records; the others get ``{"glue/accuracy": 0.8}``.
+    keeps_groups = False
 
     def __init__(self, failure_policy: Optional[FailurePolicy] = None) -> None:
         if failure_policy is not None and not isinstance(failure_policy, FailurePolicy):
@@ -221,14 +224,10 @@ class TrackerCallback(Callback):
         if not trainer.is_global_zero:
             return
         writer = self._start(trainer)
-        values: Dict[str, float] = {}
-        for key, value in metrics.items():
-            try:
-                values[str(key)] = float(value)
-            except (TypeError, ValueError):
-                writer.count_other()  # not a number: nothing a tracker can plot
+        values = _numbers(metrics, writer, self.keeps_groups)
         if values:
-            writer.put("metrics", (int(step), values), len(values))
+            count = sum(len(v) if isinstance(v, dict) else 1 for v in values.values())
+            writer.put("metrics", (int(step), values), count)
         self._warn_first_failure()
 
     def on_train_batch_end(
@@ -366,6 +365,23 @@ class TrackerCallback(Callback):
             TrackerWarning,
             stacklevel=3,
         )
+
+
+def _numbers(metrics: Mapping[str, Any], writer: BackendWriter, keep_groups: bool) -> Dict[str, Any]:
+    """The numbers of ``metrics`` as floats; a group (a dict value) kept as a dict of floats when
+    ``keep_groups``, else flattened to ``"group/name"``. What is not a number is counted as dropped."""
+    values: Dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, Mapping):
+            group = _numbers({f"{key}/{k}": v for k, v in value.items()}, writer, False)
+            prefix = len(str(key)) + 1
+            values.update({str(key): {k[prefix:]: v for k, v in group.items()}} if keep_groups and group else group)
+            continue
+        try:
+            values[str(key)] = float(value)
+        except (TypeError, ValueError):
+            writer.count_other()  # not a number: nothing a tracker can plot
+    return values
 
 
 def _new_spill_file(folder: str, name: str) -> str:

@@ -49,6 +49,7 @@ class CometLogger(TrackerCallback):
     """Log to Comet on the main process. See the module docstring."""
 
     name = "CometLogger"
+    keeps_groups = True  # log_metrics(group) as Accelerate's CometMLTracker: the group's names, unprefixed
 
     def __init__(
         self,
@@ -151,7 +152,11 @@ class CometLogger(TrackerCallback):
 
     def _write_metrics(self, records: MetricRecords) -> None:
         for step, values in records:
-            self._experiment.log_metrics(values, step=step)
+            groups = {k: v for k, v in values.items() if isinstance(v, dict)}
+            scalars = {k: v for k, v in values.items() if k not in groups}
+            # as Accelerate's CometMLTracker: a group's names unprefixed
+            for metrics in ([scalars] if scalars else []) + list(groups.values()):
+                self._experiment.log_metrics(metrics, step=step)
 
     def _backend(self) -> Any:
         return self._experiment  # the comet_ml Experiment (Lightning's CometLogger.experiment)

@@ -3,7 +3,9 @@
 Where: ``log_dir`` if given, else ``<default_root_dir>/tensorboard/version_<n>`` with the next free
 ``n``, so that every new run is its own TensorBoard run instead of being mixed into the previous one.
 Hyperparameters go both to the HParams plugin (one session, values as numbers/strings/bools) and as a
-markdown table under the text tag ``hparams``; metrics are scalars at the LOG step. A run that ends
+markdown table under the text tag ``hparams``; metrics are scalars at the LOG step (a group,
+Accelerate's ``log({"glue": {"f1": ...}})``, goes through ``add_scalars`` as Accelerate writes it: tag
+``glue`` in a run ``<dir>/glue_f1`` per name). A run that ends
 in an exception gets the text ``status`` = FAILED.
 
 Resume: ``state_dict`` holds the directory relative to the run (a resumed fit writes to it when it
@@ -33,6 +35,7 @@ class TensorBoardLogger(TrackerCallback):
     """Log to TensorBoard event files on the main process. See the module docstring."""
 
     name = "TensorBoardLogger"
+    keeps_groups = True  # written as Accelerate's TensorBoardTracker does, with add_scalars
 
     def __init__(self, log_dir: Optional[str] = None, failure_policy: Optional[FailurePolicy] = None) -> None:
         super().__init__(failure_policy)
@@ -107,7 +110,10 @@ class TensorBoardLogger(TrackerCallback):
     def _write_metrics(self, records: MetricRecords) -> None:
         for step, values in records:
             for key, value in values.items():
-                self._summary.add_scalar(key, value, step)
+                if isinstance(value, dict):  # SummaryWriter.add_scalars: one run per name, <dir>/<key>_<name>
+                    self._summary.add_scalars(key, value, step)
+                else:
+                    self._summary.add_scalar(key, value, step)
         self._summary.flush()
 
     def _close(self, status: str) -> None:

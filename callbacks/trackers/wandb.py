@@ -121,6 +121,7 @@ class WandbLogger(TrackerCallback):
     """Log to Weights & Biases on the main process. See the module docstring."""
 
     name = "WandbLogger"
+    keeps_groups = True  # a group goes to run.log as a nested dict, as Accelerate's WandBTracker passes it
 
     def __init__(
         self,

@@ -294,3 +294,18 @@ def test_accelerator_log_with_wandb(tmp_path):
     run_id, config, rows = read_run(file)
     assert run_id == tracker.version and config["lr"] == 0.5
     assert history(rows, "loss") == [(0, 1.0), (1, 0.5), (2, 1.0 / 3)]
+
+
+def test_accelerator_log_passes_a_group_to_wandb_as_a_nested_dict(tmp_path):
+    """Accelerate's WandBTracker calls ``run.log(values)`` with the group as it is: W&B gets the nested dict
+    and stores it as nested keys (["glue", "accuracy"]; shown as glue.accuracy). Before issue 38 the group was dropped."""
+    from trainforge import Accelerator
+
+    acc = Accelerator(cpu=True, log_with="wandb", project_dir=str(tmp_path))
+    acc.init_trackers("acc-project", init_kwargs={"wandb": {"settings": QUIET, "failure_policy": PATIENT}})
+    acc.log({"glue": {"accuracy": 0.75, "f1": 0.5}, "train_loss": 1.0}, step=2)
+    acc.end_training()
+    (file,) = run_files(tmp_path)
+    _, _, rows = read_run(file)
+    (row,) = rows  # wandb stores a nested dict as nested keys (parse_run joins them with "/")
+    assert (row["glue/accuracy"], row["glue/f1"], row["train_loss"], row["trainer/global_step"]) == (0.75, 0.5, 1, 2)

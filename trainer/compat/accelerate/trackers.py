@@ -157,9 +157,11 @@ class Trackers:
     def log(
         self, values: Mapping[str, Any], step: Optional[int] = None, log_kwargs: Optional[Dict[str, Any]] = None
     ) -> None:
-        """Log ``values`` (numbers, or 0-d tensors) at ``step`` to every tracker, on the main process.
-        ``step=None``: the number of earlier ``log`` calls. Other values are counted and reported as
-        dropped at the end of the run."""
+        """Log ``values`` (numbers, or 0-d tensors, or groups of them: ``{"glue": {"accuracy": 0.8}}``) at
+        ``step`` to every tracker, on the main process. A group is written as Accelerate writes it (TensorBoard
+        ``add_scalars``, W&B the nested dict, Comet the group's names), or as ``glue/accuracy`` (MLflow, CSV).
+        ``step=None``: the number of earlier ``log`` calls. Other values are counted and reported as dropped at
+        the end of the run."""
         if not isinstance(values, Mapping):
             raise ConfigurationError(f"log(values={type(values).__name__}) must be a dict of metric name to value")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
