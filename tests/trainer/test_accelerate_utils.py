@@ -26,6 +26,7 @@ from trainforge.utils import (
     find_executable_batch_size,
     get_logger,
     set_seed,
+    should_reduce_batch_size,
     skip_first_batches,
 )
 
@@ -66,19 +67,21 @@ def test_get_logger_logs_on_the_main_process_only_unless_told(monkeypatch, caplo
         get_logger("x", log_level="LOUD")
 
 
-def test_find_executable_batch_size_halves_on_out_of_memory():
+def test_find_executable_batch_size_takes_nine_tenths_on_out_of_memory():
+    """Accelerate 1.15: ``batch_size = int(batch_size * 0.9)`` per out-of-memory error (recorded with
+    ``accelerate.utils.find_executable_batch_size`` on the same function: 64, 57, 51, 45, 40, 36, 32)."""
     tried = []
 
     @find_executable_batch_size(starting_batch_size=64)
     def train(batch_size, lr):
         tried.append(batch_size)
-        if batch_size > 16:
+        if batch_size > 40:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        if batch_size > 8:
+        if batch_size > 32:
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
         return batch_size, lr
 
-    assert train(0.1) == (8, 0.1) and tried == [64, 32, 16, 8]
+    assert train(0.1) == (32, 0.1) and tried == [64, 57, 51, 45, 40, 36, 32]
     with pytest.raises(ConfigurationError, match=r"got batch_size as its first argument.*Call train\(lr=0.1\)"):
         train(8, 0.1)
 
@@ -97,6 +100,46 @@ def test_find_executable_batch_size_halves_on_out_of_memory():
         other()
     with pytest.raises(ConfigurationError, match=r"starting_batch_size=0\) must be an int >= 1"):
         find_executable_batch_size(lambda b: b, starting_batch_size=0)
+
+
+def test_find_executable_batch_size_takes_accelerates_reduce_function_without_arguments():
+    """Accelerate 1.15's ``reduce_batch_size_fn`` takes no argument and returns the new size (recorded with
+    accelerate: the same function tried 128, 64, 32, 16)."""
+    sizes, tried = [128], []
+
+    def halve():
+        sizes.append(sizes[-1] // 2)
+        return sizes[-1]
+
+    @find_executable_batch_size(starting_batch_size=128, reduce_batch_size_fn=halve)
+    def train(batch_size):
+        tried.append(batch_size)
+        if batch_size > 20:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch_size
+
+    assert train() == 16 and tried == [128, 64, 32, 16]
+    with pytest.raises(ConfigurationError, match=r"reduce_batch_size_fn=0\.5\) must be a function returning"):
+        find_executable_batch_size(lambda b: b, reduce_batch_size_fn=0.5)
+
+
+@pytest.mark.parametrize(
+    "error, reduce",
+    [
+        (RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"), True),
+        (RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"), True),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if"), True),
+        (RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried"), True),
+        (RuntimeError("FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed"), True),
+        (RuntimeError("CUDA out of memory"), False),  # Accelerate looks for " out of memory."
+        (RuntimeError("CUDA out of memory.", 2), False),  # one argument only
+        (ValueError("CUDA out of memory."), False),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried"), True),
+    ],
+)
+def test_should_reduce_batch_size_knows_accelerates_messages(error, reduce):
+    """Recorded with ``accelerate.utils.memory.should_reduce_batch_size`` (1.15): the same answers."""
+    assert should_reduce_batch_size(error) is reduce
 
 
 def test_find_executable_batch_size_refuses_a_reduction_that_does_not_lower_the_size():

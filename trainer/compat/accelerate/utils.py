@@ -90,15 +90,20 @@ def get_logger(name: str, log_level: Optional[str] = None) -> MultiProcessAdapte
 
 
 # ---- find_executable_batch_size ----------------------------------------------------------------
+# Accelerate 1.15's list (accelerate/utils/memory.py), in a RuntimeError with one argument
 _OOM_MESSAGES = (
-    "out of memory",  # CUDA, XPU, MPS, NPU
+    " out of memory.",  # CUDA, HIP, XPU
+    "MPS backend out of memory",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",  # cuDNN's answer to batches too big for its kernels
     "DefaultCPUAllocator: can't allocate memory",
-    "CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN's answer to batches too big for its kernels
+    "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",  # HPU
 )
 
 
 def should_reduce_batch_size(exception: BaseException) -> bool:
-    """Whether ``exception`` is an out-of-memory error (of any device, or the CPU allocator)."""
+    """Whether ``exception`` is an out-of-memory error, as Accelerate tells: a RuntimeError with one argument
+    holding one of Accelerate's messages (CUDA/XPU, MPS, cuDNN, CPU allocator, HPU), or any
+    ``torch.OutOfMemoryError``."""
     if isinstance(exception, torch.OutOfMemoryError):
         return True
     return (
@@ -111,11 +116,13 @@ def should_reduce_batch_size(exception: BaseException) -> bool:
 def find_executable_batch_size(
     function: Optional[Callable[..., Any]] = None,
     starting_batch_size: int = 128,
-    reduce_batch_size_fn: Optional[Callable[[int], int]] = None,
+    reduce_batch_size_fn: Optional[Callable[..., int]] = None,
 ) -> Any:
     """Decorator (Accelerate's): call ``function(batch_size, *args)`` from ``starting_batch_size``; on an
-    out-of-memory error free memory and retry with half the batch size (or ``reduce_batch_size_fn``'s),
-    until it runs; a batch size of 0 is a RuntimeError. Call the decorated function without batch_size.
+    out-of-memory error (``should_reduce_batch_size``) free memory and retry with ``int(batch_size * 0.9)``, as
+    Accelerate 1.15 (128, 115, 103, ...), or ``reduce_batch_size_fn``'s size (Accelerate's takes no argument and
+    returns the new size; one taking the failed size is called with it), until it runs; a batch size of 0 is a
+    RuntimeError. Call the decorated function without batch_size.
     Under several processes every process calls it: after each attempt they agree (an out-of-memory error
     on any rank lowers the size on every rank; another error on one rank stops all of them), so no rank
     returns into the collectives that follow while another retries; before any process group exists they agree
@@ -133,7 +140,7 @@ def find_executable_batch_size(
         raise ConfigurationError(
             f"find_executable_batch_size(starting_batch_size={starting_batch_size!r}) must be an int >= 1"
         )
-    reduce = reduce_batch_size_fn or (lambda size: size // 2)
+    reduce = _reducer(reduce_batch_size_fn)
     batch_size = starting_batch_size
 
     @functools.wraps(function)
@@ -175,6 +182,30 @@ def find_executable_batch_size(
             batch_size = _reduced(reduce, batch_size, function)
 
     return decorator
+
+
+def _reducer(reduce_batch_size_fn: Optional[Callable[..., int]]) -> Callable[[int], int]:
+    """``reduce_batch_size_fn`` as a function of the failed size: Accelerate's default ``int(size * 0.9)``;
+    Accelerate's form, without arguments, called as it is; one taking the size called with it."""
+    if reduce_batch_size_fn is None:
+        return lambda size: int(size * 0.9)
+    if not callable(reduce_batch_size_fn):
+        raise ConfigurationError(
+            f"find_executable_batch_size(reduce_batch_size_fn={reduce_batch_size_fn!r}) must be a function "
+            "returning the next batch size (no argument, as Accelerate's, or the size that ran out of memory)"
+        )
+    try:
+        takes_size = bool(inspect.signature(reduce_batch_size_fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: give it the size
+        takes_size = True
+    if takes_size:
+        return reduce_batch_size_fn
+
+    @functools.wraps(reduce_batch_size_fn)
+    def without_size(size: int) -> int:
+        return reduce_batch_size_fn()
+
+    return without_size
 
 
 def _reduced(reduce: Callable[[int], int], batch_size: int, function: Callable[..., Any]) -> int:
