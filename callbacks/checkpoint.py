@@ -89,11 +89,12 @@ class ModelCheckpoint(Checkpointer):
             ``default_checkpoint_dir``, ``<default_root_dir>/checkpoints``; ``fit(ckpt_path="last")`` and
             ``Trainer(resume="auto")`` look there).
         filename: a template over ``epoch``, ``step`` and logged metrics, e.g. ``"{epoch}-{val/loss:.3f}"``
-            -> ``epoch=3-val_loss=0.123`` (``/`` becomes ``_``). Default None: ``"{epoch}-{step}"``, plus
-            ``-{<monitor>:.4g}`` with ``monitor``.
-        monitor: a logged metric to rank checkpoints by; the ``save_top_k`` best are kept, judged at the end
-            of each validation, or at the end of each training epoch when there is no validation loop.
-            Default None: no ranking.
+            -> ``epoch=3-val_loss=0.123`` (``/`` becomes ``_``). Default None: ``"{epoch}-{step}"``, with or
+            without ``monitor`` (Lightning's ``epoch=0-step=10``; a metric is in the name only when the template
+            asks for it).
+        monitor: a logged metric to rank checkpoints by, or ``"epoch"``/``"step"`` (the newest are the best with
+            ``mode="max"``); the ``save_top_k`` best are kept, judged at the end of each validation, or at the
+            end of each training epoch when there is no validation loop. Default None: no ranking.
         mode: ``"min"`` (default: lower ``monitor`` is better) or ``"max"``.
         save_top_k: how many checkpoints to keep: the best by ``monitor``, or without it the newest
             (default 1; -1 keeps all, 0 none). Without ``monitor`` it may only be -1, 0 or 1.
@@ -119,6 +120,14 @@ class ModelCheckpoint(Checkpointer):
             synchronously on CPU; True/False force it. Asynchronous: the loop waits only while the
             state is copied to host memory; writing, fsync, checksums and the commit run in the
             background, one save at a time, and pruning waits for the new checkpoint's commit.
+        verbose: print on rank 0 what each monitored save did (Lightning's messages: ``Epoch 3, global step 20:
+            'val_acc' reached 0.75000 (best 0.75000), saving model to '...' as top 2``, or ``was not in top
+            2``) and where each periodic save went (default False).
+        enable_version_counter: when a name is taken (by another run's checkpoint, or by a top-k checkpoint
+            this callback keeps, as ``filename="best"`` with ``save_top_k=2``), save as ``name-v1``, ``-v2``...
+            (default True, Lightning's). False: a name held by a top-k checkpoint is replaced, as Lightning
+            replaces it; a name held by another run's checkpoint is still never overwritten: the save goes to
+            ``-vN`` and fit then stops with an error naming both (nothing is lost).
         trainable_only: leave the frozen parameters (``requires_grad=False``) out of each checkpoint, with a
             record of the base it expects (refused on resume onto another). None (default): for models
             holding a ``peft.PeftModel`` only; True: any model with frozen parameters; False: never.
@@ -143,6 +152,8 @@ class ModelCheckpoint(Checkpointer):
         save_on_train_epoch_end: Optional[bool] = None,
         async_save: Optional[bool] = None,
         trainable_only: Optional[bool] = None,
+        verbose: bool = False,
+        enable_version_counter: bool = True,
     ) -> None:
         self.async_save = check_async_save(async_save, "ModelCheckpoint")
         if trainable_only is not None and not isinstance(trainable_only, bool):
@@ -189,7 +200,11 @@ class ModelCheckpoint(Checkpointer):
         if is_remote(dirpath):
             check_protocol(str(dirpath))  # an fsspec protocol that is not installed fails now
         self.dirpath = dirpath
-        self.filename = filename or ("{epoch}-{step}" + ("" if monitor is None else "-{" + monitor + ":.4g}"))
+        for flag, value in (("verbose", verbose), ("enable_version_counter", enable_version_counter)):
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"ModelCheckpoint({flag}={value!r}) must be True or False")
+        self.verbose, self.enable_version_counter = verbose, enable_version_counter
+        self.filename = filename or "{epoch}-{step}"  # Lightning's: epoch=0-step=10, with or without monitor
         _check_template(self.filename, within_epoch=every_n_steps is not None or train_time_interval is not None)
         self.auto_insert_metric_name = auto_insert_metric_name
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
@@ -217,6 +232,7 @@ class ModelCheckpoint(Checkpointer):
         self._versioned_logged = False  # the "-v1: taken by another run" warning was given
         self._grace_warned = False  # a save outlasted the launcher's stop grace (_check_stop_grace): said once
         self._unfilled: Optional[str] = None  # why the name being saved is not the template's (raised after)
+        self._kept_other_run: Optional[str] = None  # enable_version_counter=False met another run's name (ditto)
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -255,6 +271,9 @@ class ModelCheckpoint(Checkpointer):
 
     @property
     def best_model_path(self) -> Optional[str]:
+        """The best monitored checkpoint; without ``monitor``, the newest periodic save (Lightning's)."""
+        if self.monitor is None:
+            return self.periodic[-1] if self.periodic else None
         if not self.best_k:
             return None
         pick = min if self.mode == "min" else max
@@ -263,7 +282,7 @@ class ModelCheckpoint(Checkpointer):
     @property
     def best_model_score(self) -> Optional[float]:
         path = self.best_model_path
-        return None if path is None else self.best_k[path]
+        return None if path is None or self.monitor is None else self.best_k[path]
 
     @property
     def best_k_models(self) -> Dict[str, float]:
@@ -344,29 +363,49 @@ class ModelCheckpoint(Checkpointer):
             return self.save_on_train_epoch_end
         return not trainer.val_dataloaders  # no validation loop: judge training metrics
 
+    def _monitored(self, trainer: TrainerView) -> float:
+        """The monitored value: a logged metric, or (Lightning's candidates) ``epoch``/``step`` unless logged."""
+        metrics = trainer.callback_metrics
+        if self.monitor in metrics:
+            return float(metrics[self.monitor])
+        if self.monitor in ("epoch", "step"):
+            return float(trainer.current_epoch if self.monitor == "epoch" else trainer.global_step)
+        raise ConfigurationError(
+            f"ModelCheckpoint(monitor={self.monitor!r}): no such logged metric; available: "
+            f"{sorted(metrics)} (and 'epoch', 'step'). Log it with self.log({self.monitor!r}, ...)"
+        )
+
     def _save_top_k(self, trainer: TrainerView) -> None:
-        if self.monitor not in trainer.callback_metrics:
-            raise ConfigurationError(
-                f"ModelCheckpoint(monitor={self.monitor!r}): no such logged metric; available: "
-                f"{sorted(trainer.callback_metrics)}. Log it with self.log({self.monitor!r}, ...)"
-            )
-        score = trainer.strategy.broadcast(float(trainer.callback_metrics[self.monitor]), 0)
+        score = trainer.strategy.broadcast(self._monitored(trainer), 0)
         self.current_score = score
         if self.save_top_k == 0 or math.isnan(score) or not self._improves(score):
+            if self.save_top_k != 0:
+                self._say(trainer, f"{self.monitor!r} was not in top {self.save_top_k}")
             return
         # The state written into this checkpoint must already describe it (path in, eviction out),
         # so that a run resumed from it keeps pruning correctly.
-        path = self._path(trainer)
+        full = self.save_top_k != -1 and len(self.best_k) >= self.save_top_k
+        top = len(self.best_k) + 1 if self.save_top_k == -1 else self.save_top_k
+        path = self._path(trainer, replacing=self.kth_best_model_path if full else None)
         self.best_k[path] = score
         evicted = None
         if self.save_top_k != -1 and len(self.best_k) > self.save_top_k:
             pick = max if self.mode == "min" else min
             evicted = pick(self.best_k, key=self.best_k.__getitem__)
             del self.best_k[evicted]
+        best = self.best_model_score
+        self._say(
+            trainer, f"{self.monitor!r} reached {score:0.5f} (best {best:0.5f}), saving model to {path!r} as top {top}"
+        )
         self._write(trainer, path)
-        if evicted is not None and evicted not in self.periodic:
+        if evicted is not None and evicted not in self.periodic and evicted != path:
             self._delete(trainer, evicted)
         self._save_last(trainer)
+
+    def _say(self, trainer: TrainerView, what: str) -> None:
+        """``verbose``: Lightning's message, printed by rank 0."""
+        if self.verbose and trainer.is_global_zero:
+            print(f"Epoch {trainer.current_epoch:d}, global step {trainer.global_step:d}: {what}", flush=True)
 
     def _improves(self, score: float) -> bool:
         if self.save_top_k == -1 or len(self.best_k) < self.save_top_k:
@@ -379,7 +418,10 @@ class ModelCheckpoint(Checkpointer):
         self._last_time = time.monotonic()
         if trainer.global_step == self.last_saved_step and self.last_path:
             return
-        path = self._path(trainer)
+        full = self.keep_last_k and len(self.periodic) >= self.keep_last_k
+        path = self._path(trainer, replacing=self.periodic[0] if full else None)
+        if path in self.periodic:  # the same name again (enable_version_counter=False): one entry
+            self.periodic.remove(path)
         self.periodic.append(path)
         evicted = []
         while self.keep_last_k and len(self.periodic) > self.keep_last_k:
@@ -393,18 +435,27 @@ class ModelCheckpoint(Checkpointer):
     def _save_last(self, trainer: TrainerView) -> None:
         if not self.save_last or trainer.global_step == self._last_written_step:
             return
-        path = self._path(trainer, "last")
+        path = self._path(trainer, "last", replacing=self.last_model_path)
         self.last_model_path, self._last_written_step = path, trainer.global_step
         self._write(trainer, path)
 
-    def _path(self, trainer: TrainerView, name: Optional[str] = None) -> str:
+    def _path(self, trainer: TrainerView, name: Optional[str] = None, replacing: Optional[str] = None) -> str:
+        """Where the next save goes: the template's name, or ``name-v1``, ``-v2``... (Lightning's version
+        counter) while that is taken; ``replacing`` is the kept checkpoint this save evicts, whose name may be
+        reused, as Lightning reuses it."""
         directory, name = self.directory(trainer), name or self._format_name(trainer)
         free, version = name, 0
-        if trainer.is_global_zero:  # the first name not held by another run's checkpoint (or anything else)
-            while _taken(directory / free, trainer.run_id):
+        if trainer.is_global_zero:
+            while self._name_taken(directory / free, trainer, replacing):
                 version += 1
                 free = f"{name}-v{version}"
-            if version and not self._versioned_logged:
+            if version and not self.enable_version_counter:
+                self._kept_other_run = (
+                    f"ModelCheckpoint(enable_version_counter=False): {directory / name} holds another run's "
+                    "checkpoint, which is never overwritten. Move or delete it, or use another dirpath or "
+                    "filename (or enable_version_counter=True, which names this run's save -v1)"
+                )
+            elif version and not self._versioned_logged and _taken(directory / name, trainer.run_id):
                 self._versioned_logged = True
                 log.warning(
                     "ModelCheckpoint: %s is taken by another run; saving as %s (nothing is overwritten; "
@@ -413,6 +464,20 @@ class ModelCheckpoint(Checkpointer):
                     free,
                 )
         return str(directory / trainer.strategy.broadcast(free, 0))
+
+    def _name_taken(self, path: Location, trainer: TrainerView, replacing: Optional[str]) -> bool:
+        """Another run's checkpoint (or anything not ours) always; with the version counter, also a top-k
+        checkpoint this callback keeps (``filename="best"``, ``save_top_k=2``: ``best``, ``best-v1``), unless
+        this save replaces it or saves the same step again. A periodic save replaces this run's own
+        checkpoint of the same name (``filename="last"``; a resumed run continues its names)."""
+        if _taken(path, trainer.run_id):
+            return True
+        text = str(path)
+        if not self.enable_version_counter or text == replacing:
+            return False
+        if text == self.last_path and trainer.global_step == self.last_saved_step:
+            return False
+        return text in self.best_k
 
     def _write(self, trainer: TrainerView, path: str) -> None:
         self.last_saved_step, self.last_path = trainer.global_step, path
@@ -429,6 +494,10 @@ class ModelCheckpoint(Checkpointer):
                 f"{message}. Nothing is lost: this checkpoint was saved as {path}; fix filename and resume "
                 f"from it (fit(ckpt_path=...))"
             )
+        refused = trainer.strategy.broadcast(self._kept_other_run, 0)  # known on rank 0 only
+        if refused is not None:
+            self._kept_other_run = None
+            raise CheckpointError(f"{refused}. Nothing is lost: this checkpoint was saved as {path}; resume from it")
 
     def _check_stop_grace(self, trainer: TrainerView, seconds: float) -> None:
         """A stop signal's checkpoint is saved like this one; a launcher that kills the workers sooner after
