@@ -33,7 +33,7 @@ from .sampler import (
     ResumableDistributedSampler,
     WholeBatchSampler,
     as_sampler_state,
-    epoch_length,
+    saved_epoch_length,
 )
 from .split import drop_padding, split_between_processes
 from .worker_rng import WorkerStreams
@@ -221,7 +221,7 @@ class ResumableDataLoader(StatefulDataLoader):
     def _check_global_batch(self, state: Dict[str, Any]) -> None:
         s = state["sampler"]
         consumed = s["consumed"]
-        length = epoch_length(s["dataset_len"], s["num_replicas"], s["drop_last"], s["pad"])
+        length = saved_epoch_length(s)
         if consumed == 0 or consumed >= length:
             return  # at an epoch boundary any layout works
         old_global = (state["batch_size"] or 1) * state["world_size"]
@@ -493,6 +493,8 @@ def num_padding_samples(loader: Any) -> int:
     if not isinstance(sampler, DistributedSampler) or sampler.drop_last or not getattr(sampler, "pad", True):
         return 0
     n, total, replicas = len(cast(Sized, sampler.dataset)), sampler.total_size, sampler.num_replicas
+    if getattr(sampler, "block", 1) > 1:  # whole batches: the padding is the tail of the last round
+        return total - n
     batch = loader.batch_size or 1
     per_rank = total // replicas
     batches = per_rank // batch if loader.drop_last else -(-per_rank // batch)

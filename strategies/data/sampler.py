@@ -10,6 +10,14 @@ resuming costs one ``randperm`` of the dataset length, whatever the position.
 
 ``pad=False`` neither pads nor drops: the last ranks may get one sample fewer (uneven; meant for
 evaluation, where duplicates would skew metrics and no gradient all-reduce can hang).
+
+``block=b`` (``set_layout``) deals the global order out in runs of ``b`` positions instead of one:
+rank ``r`` takes ``order[p]`` for every ``p`` with ``(p // b) % W == r``, so with ``b`` its batch size
+each rank gets whole consecutive batches (Accelerate's ``BatchSamplerShard``: batch 2 on 2 processes,
+rank 0 ``[0, 1], [4, 5]``, rank 1 ``[2, 3], [6, 7]``); the epoch is then padded (by wrapping around to
+its start) or cut (``drop_last``) to a multiple of ``W * b``, a round of one batch per rank. The
+position stays global, so a resume on another number of processes keeps exactly the same order
+as long as processes x batch size (the round) is unchanged.
 """
 
 from __future__ import annotations
@@ -31,16 +39,20 @@ SAMPLER_STATE_MARKER = "trainforge_sampler"
 KEEP_POSITION = "keep_position"
 
 
-def epoch_length(num_samples: int, num_replicas: int, drop_last: bool, pad: bool = True) -> int:
-    """Global positions in one epoch: ``DistributedSampler.total_size``, or the dataset length when
-    neither padding nor dropping."""
+def epoch_length(num_samples: int, num_replicas: int, drop_last: bool, pad: bool = True, block: int = 1) -> int:
+    """Global positions in one epoch: ``DistributedSampler.total_size`` (``block=1``), a multiple of
+    ``num_replicas * block`` (one round), or the dataset length when neither padding nor dropping."""
     if not pad and not drop_last:
         return num_samples
-    if drop_last and num_samples % num_replicas != 0:
-        per_rank = math.ceil((num_samples - num_replicas) / num_replicas)
-    else:
-        per_rank = math.ceil(num_samples / num_replicas)
-    return per_rank * num_replicas
+    round_size = num_replicas * block
+    rounds = num_samples // round_size if drop_last else math.ceil(num_samples / round_size)
+    return rounds * round_size
+
+
+def rank_share(total: int, num_replicas: int, rank: int, block: int = 1) -> int:
+    """How many of ``total`` global positions rank ``rank`` takes when they are dealt in runs of ``block``."""
+    rounds, rest = divmod(total, num_replicas * block)
+    return rounds * block + min(max(rest - rank * block, 0), block)
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -80,14 +92,21 @@ class ResumableDistributedSampler(DistributedSampler):
             drop_last=drop_last,
         )
         self.pad = pad
-        n = len(dataset)
-        self.total_size = epoch_length(n, num_replicas, drop_last, pad)
-        self.num_samples = len(range(rank, self.total_size, num_replicas))
+        self.set_layout(block=1, drop_last=drop_last, pad=pad)
         self._consumed = 0  # global position when no iteration is under way
         self._resume_at = 0  # one-shot start of the next __iter__, set by load_state_dict
         self._it: Optional[Iterator[int]] = None  # this rank's indices of the iteration under way
         self._start = self._end = self._count = 0
         self._order_state: Optional[torch.Tensor] = None  # this epoch's permutation generator state
+
+    def set_layout(self, *, block: int, drop_last: bool, pad: bool) -> None:
+        """Deal the order out in runs of ``block`` positions (see the module's docstring), pad or drop the
+        epoch's end to whole rounds; before the first iteration."""
+        if not isinstance(block, int) or block < 1:
+            raise ConfigurationError(f"block={block!r} must be an integer >= 1 (a per-process batch size)")
+        self.block, self.drop_last, self.pad = block, drop_last, pad
+        self.total_size = epoch_length(len(cast(Sized, self.dataset)), self.num_replicas, drop_last, pad, block)
+        self.num_samples = rank_share(self.total_size, self.num_replicas, self.rank, block)
 
     # -- order ----------------------------------------------------------------------------
     def global_order(self) -> list:
@@ -118,10 +137,18 @@ class ResumableDistributedSampler(DistributedSampler):
         # more than once while restoring, without pulling from it.
         start = min(self._resume_at, self.total_size)
         order = self.global_order()
-        mine = order[start + self.rank : len(order) : self.num_replicas]
+        mine = self._mine(order, start)
         self._consumed, self._start, self._end, self._count = start, start, len(order), len(mine)
         self._it = iter(mine)
         return itertools.chain(self._clear_resume_offset(), self._it)
+
+    def _mine(self, order: list, start: int) -> list:
+        """This rank's indices of ``order`` from global position ``start`` (a multiple of the round)."""
+        step, block = self.num_replicas * self.block, self.block
+        if block == 1:
+            return order[start + self.rank : len(order) : step]
+        first = start + self.rank * block
+        return list(itertools.chain.from_iterable(order[p : p + block] for p in range(first, len(order), step)))
 
     def _clear_resume_offset(self) -> Iterator[int]:
         self._resume_at = 0
@@ -156,6 +183,7 @@ class ResumableDistributedSampler(DistributedSampler):
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "pad": self.pad,
+            "block": self.block,
             "order_state": self._order_state,
         }
 
@@ -187,13 +215,16 @@ class ResumableDistributedSampler(DistributedSampler):
             return  # already applied by ResumableDataLoader.load_state_dict
         self.check_compatible(state)
         consumed, old_replicas = int(state["consumed"]), int(state["num_replicas"])
-        finished = consumed >= epoch_length(state["dataset_len"], old_replicas, state["drop_last"], state["pad"])
-        if not finished and consumed % self.num_replicas != 0:
+        finished = consumed >= saved_epoch_length(state)
+        round_size = self.num_replicas * self.block
+        if not finished and consumed % round_size != 0:
+            what = "processes" if self.block == 1 else f"processes x batch size ({self.num_replicas} x {self.block})"
             raise ConfigurationError(
-                f"cannot continue at global sample {consumed} with num_replicas={self.num_replicas}: "
-                f"the position must be a multiple of the number of processes so every rank gets the "
-                f"same count. Resume with a number of processes that divides {consumed} (it was "
-                f"saved with {old_replicas})"
+                f"cannot continue at global sample {consumed} with num_replicas={self.num_replicas}"
+                f"{'' if self.block == 1 else f' and whole batches of {self.block}'}: the position must be a "
+                f"multiple of the {what} so every rank gets whole batches of the same samples as the saved run. "
+                f"Resume with a number of processes (and batch size) whose product divides {consumed} (it was "
+                f"saved with {old_replicas} process(es))"
             )
         self.epoch = int(state["epoch"])
         self._order_state = state.get("order_state")
@@ -207,7 +238,15 @@ class ResumableDistributedSampler(DistributedSampler):
         if self._it is None:
             return self._consumed
         taken = self._count - operator.length_hint(self._it)
-        return min(self._start + taken * self.num_replicas, self._end)
+        rounds = -(-taken // self.block)  # a rank's short last run still ends the round
+        return min(self._start + rounds * self.block * self.num_replicas, self._end)
+
+
+def saved_epoch_length(state: Dict[str, Any]) -> int:
+    """The epoch length of a saved sampler state (states written before ``block`` existed: 1)."""
+    return epoch_length(
+        state["dataset_len"], int(state["num_replicas"]), state["drop_last"], state["pad"], int(state.get("block", 1))
+    )
 
 
 def as_sampler_state(obj: Any) -> Optional[Dict[str, Any]]:

@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from ..errors import ConfigurationError
-from .sampler import epoch_length
+from .sampler import saved_epoch_length
 
 __all__ = ["RecordingCollate", "RestoreWorkerStreams", "WorkerBatch", "WorkerStreams", "capture", "restore"]
 
@@ -210,7 +210,7 @@ class WorkerStreams:
         finished = bool(state["loader"].get("_iterator_finished"))  # torchdata's iterator ran out
         if "sampler" in state:  # ours: or no batch of the epoch is left
             s = state["sampler"]
-            left = epoch_length(s["dataset_len"], s["num_replicas"], s["drop_last"], s["pad"]) - s["consumed"]
+            left = saved_epoch_length(s) - s["consumed"]
             finished = finished or left < (loader.global_batch_size if loader.drop_last else 1)
         restore = same_layout and not (finished and loader.num_workers > 0 and not loader.persistent_workers)
         self.pending = saved if restore and saved and not _rereads(state["loader"]) else None

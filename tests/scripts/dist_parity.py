@@ -1,5 +1,6 @@
 """Launched on 2 processes: a raw DDP loop, the Trainer (strategy auto -> DDP) and the Accelerator,
-same seed and sampler, with accumulation 1 and 2. Rank 0 writes each run's weights to OUT_DIR."""
+same seed and sampler, with accumulation 1 and 2. Rank 0 writes each run's weights to OUT_DIR. The Trainer
+shards as Lightning's DistributedSampler (``RandomShard``), the Accelerator as Accelerate (``AccelerateShard``)."""
 
 import copy
 import os
@@ -41,12 +42,36 @@ class RandomShard(torch.utils.data.Sampler):
         return iter(order[self.rank :: self.world])
 
 
-def raw_ddp(net, accum):
+class AccelerateShard(RandomShard):
+    """The order Accelerate 1.15 gives a shuffled DataLoader on several processes (BatchSamplerShard and its
+    synchronized generator), written out; trainforge's Accelerator follows it. Built where the loader is prepared:
+    a generator seeded by one draw of the global RNG. At each epoch start: the worker base seed from the global RNG,
+    rank 0's generator state on every rank, two randperm from it (RandomSampler's); the epoch cut into rounds of
+    one batch per rank, rank r taking the r-th batch of each, the last round completed by wrapping around to the
+    epoch's start."""
+
+    def __init__(self, n, rank, world):
+        super().__init__(n, rank, world)
+        self.g = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64).random_()))
+        self.total = -(-n // (BATCH * world)) * BATCH * world
+
+    def __iter__(self):
+        torch.empty((), dtype=torch.int64).random_()  # the worker base seed
+        state = self.g.get_state()
+        dist.broadcast(state, 0)
+        self.g.set_state(state)
+        order = torch.randperm(self.n, generator=self.g).tolist()
+        torch.randperm(self.n, generator=self.g)
+        order = [order[p % self.n] for p in range(self.total)]
+        return iter([order[p] for p in range(self.total) if p // BATCH % self.world == self.rank])
+
+
+def raw_ddp(net, accum, shard=RandomShard):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(net)
     ds = regression_data()
     loader = DataLoader(
-        ds, batch_size=BATCH, sampler=RandomShard(len(ds), rank, world), generator=torch.Generator()
+        ds, batch_size=BATCH, sampler=shard(len(ds), rank, world), generator=torch.Generator()
     )  # the sampler makes the global draws
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for epoch in range(EPOCHS):
@@ -100,6 +125,8 @@ def main(out_dir):
         results[f"raw_accum{accum}"] = raw_ddp(copy.deepcopy(initial), accum)
         seed_everything(1)
         results[f"trainer_accum{accum}"] = via_trainer(copy.deepcopy(initial), accum, os.path.join(out_dir, "root"))
+        seed_everything(1)
+        results[f"raw_accelerate_accum{accum}"] = raw_ddp(copy.deepcopy(initial), accum, AccelerateShard)
         seed_everything(1)
         results[f"accelerator_accum{accum}"] = via_accelerator(copy.deepcopy(initial), accum)
     if dist.get_rank() == 0:

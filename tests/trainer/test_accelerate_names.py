@@ -158,16 +158,20 @@ def test_dataloader_configuration_every_field_honoured_or_refused():
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2))
     assert loader.state_dict() is not None  # use_stateful_dataloader: every prepared loader is resumable
     Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
-    with pytest.raises(ConfigurationError, match=r"use_seedable_sampler=True\) is not supported.*generator="):
-        DataLoaderConfiguration(use_seedable_sampler=True)
-    with pytest.raises(ConfigurationError, match=r"data_seed=3\) is not supported"):
-        DataLoaderConfiguration(data_seed=3)
+    # use_seedable_sampler: epoch e is the permutation of data_seed + e (Accelerate's SeedableRandomSampler)
+    seeded = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=3))
+    loader = seeded.prepare(DataLoader(torch.arange(7), batch_size=7, shuffle=True))
+    for epoch in (0, 1):
+        expected = torch.randperm(7, generator=torch.Generator().manual_seed(3 + epoch)).tolist()
+        assert [batch.tolist() for batch in loader] == [expected]
+    with pytest.raises(ConfigurationError, match=r"data_seed='3'\) must be an int or None"):
+        DataLoaderConfiguration(data_seed="3")
     with pytest.raises(ConfigurationError, match=r"non_blocking='x'\) must be True or False"):
         DataLoaderConfiguration(non_blocking="x")
     accelerates = types.SimpleNamespace(
-        even_batches=True, split_batches=False, dispatch_batches=None, use_seedable_sampler=True
+        even_batches=True, split_batches=False, dispatch_batches=None, use_seedable_sampler="yes"
     )
-    with pytest.raises(ConfigurationError, match="use_seedable_sampler=True"):  # Accelerate's own object too
+    with pytest.raises(ConfigurationError, match="use_seedable_sampler='yes'"):  # Accelerate's own object too
         Accelerator(dataloader_config=accelerates)
 
 

@@ -34,7 +34,7 @@ from trainforge.strategies.errors import ConfigurationError
 from trainforge.strategies.materialize import init_module_context
 from trainforge.strategies.precision import Precision
 from trainforge.trainer.accelerator.collectives import Collectives
-from trainforge.trainer.accelerator.data import DataPreparer, LoaderOptions, data_options
+from trainforge.trainer.accelerator.data import DataPreparer, LoaderOptions, check_sharding, data_options
 from trainforge.trainer.accelerator.forwarding import autocast_forward, bound_step
 from trainforge.trainer.accelerator.process_control import ProcessControl
 from trainforge.trainer.accelerator.token_loss import ItemWindow
@@ -89,6 +89,10 @@ class Accelerator:
             step (``trainer/accelerator/batch_dispatch.py``); False: each process reads its own share
             (an IterableDataset's stream is split by ``strategies/data/iterable.py``). Default None:
             True for an IterableDataset on several processes, as Accelerate.
+        data_sharding: How a prepared map-style loader is split between processes: ``"batches"`` (default,
+            Accelerate's ``BatchSamplerShard``: each process takes whole batches in turn, the shuffle
+            generator seeded at ``prepare`` and synchronised from rank 0) or ``"samples"`` (torch's
+            ``DistributedSampler``, as Lightning: sample ``i`` to rank ``i % W``; what the Trainer uses).
         dataloader_config: A ``trainforge.utils.DataLoaderConfiguration`` (or Accelerate's) giving
             ``even_batches``, ``split_batches`` and ``dispatch_batches``; its values win over the three
             arguments. Default None.
@@ -138,6 +142,7 @@ class Accelerator:
         even_batches: bool = True,
         split_batches: bool = False,
         dispatch_batches: Optional[bool] = None,
+        data_sharding: str = "batches",
         dataloader_config: Any = None,
         project_dir: Optional[str] = None,
         project_config: Any = None,
@@ -168,6 +173,9 @@ class Accelerator:
             others=accelerate_only,
         )
         loader_options = data_options(*compat.loader_arguments(even_batches, split_batches, dispatch_batches))
+        self.data_sharding = check_sharding(data_sharding)
+        # Accelerate's SeedableRandomSampler (DataLoaderConfiguration(use_seedable_sampler, data_seed))
+        self.use_seedable_sampler, self.data_seed = compat.seedable_arguments()
         # and log_with, checked against the logging directory
         project_dir, automatic_checkpoint_naming, total_limit = compat.project_arguments(
             project_dir, automatic_checkpoint_naming, total_limit
@@ -230,7 +238,7 @@ class Accelerator:
         """The parts the Accelerator's methods call, each given what it works on."""
         self._processes = ProcessControl(self.strategy)
         self._collectives = Collectives(self.strategy, self.gradient_state)
-        self._data = DataPreparer(self.strategy, self.gradient_state, self.precision)
+        self._data = DataPreparer(self.strategy, self.gradient_state, self.precision, self.data_sharding)
         self._item_window = ItemWindow(self.strategy)
         self._trackers = Trackers(compat.log_with, compat.logging_dir, self.strategy.is_global_zero)
         # The part's barrier is the process-control part's, not this object's bound method: a part holding the
@@ -437,7 +445,10 @@ class Accelerator:
                 prepared sets the run's micro-batch size.
         """
         options = LoaderOptions(self.even_batches, self.split_batches, self.dispatch_batches)
-        prepared, batch_size = self._data.prepare(loader, options, self.seed, self.run_settings.device_placement)
+        seedable = (self.use_seedable_sampler, self.data_seed)
+        prepared, batch_size = self._data.prepare(
+            loader, options, self.seed, self.run_settings.device_placement, seedable=seedable
+        )
         if self.run_settings.micro_batch_size is None:
             # the first loader prepared is the training one
             self.update_run_settings(micro_batch_size=batch_size)

@@ -1,6 +1,16 @@
 """How the Accelerator prepares a DataLoader (``DataPreparer``, a part it builds): sharded and resumable
 (``strategies/data/``), or dispatched from rank 0 (``trainer/accelerator/batch_dispatch.py``), with Accelerate's
-``even_batches``/``split_batches``/``dispatch_batches`` options."""
+``even_batches``/``split_batches``/``dispatch_batches`` options.
+
+Sharding (``data_sharding``): ``"batches"`` (the Accelerator's default) follows Accelerate 1.15's
+``BatchSamplerShard`` on several processes: each process takes whole consecutive batches of the epoch's order in
+turn (batch 2 on 2 processes: rank 0 ``[0, 1], [4, 5]``, rank 1 ``[2, 3], [6, 7]``; with ``split_batches`` each takes
+its contiguous slice of every batch), the epoch padded by wrapping around to its start (``even_batches``) or cut to
+whole rounds (``drop_last``); a shuffled loader whose sampler has no generator gets one seeded by a draw from the
+global RNG when it is prepared, synchronised from rank 0 at each pass (Accelerate's synchronized generator).
+``"samples"`` (the Trainer's, as Lightning's ``DistributedSampler``) deals samples out one at a time
+(``order[r::W]``). Either way the position saved is global, so a resume is exact on another number of processes
+when processes x per-process batch is unchanged (``strategies/data/sampler.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Tuple
 
 import torch
 
-from trainforge.strategies.errors import ConfigurationError
+from trainforge.strategies.errors import ConfigurationError, invalid_choice
 from trainforge.trainer.accelerator.wrappers import PreparedDataLoader
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,14 +40,23 @@ class DataPreparer:
     """Prepares loaders for ``strategy``'s processes; the loaders it returns share ``gradient_state``
     (end of data, padding) with the Accelerator and move batches as ``precision`` says."""
 
-    def __init__(self, strategy: Strategy, gradient_state: GradientState, precision: Precision) -> None:
+    def __init__(
+        self, strategy: Strategy, gradient_state: GradientState, precision: Precision, sharding: str = "batches"
+    ) -> None:
         self.strategy, self.gradient_state, self.precision = strategy, gradient_state, precision
+        self.whole_batches = check_sharding(sharding) == "batches"
 
     def prepare(
-        self, loader: torch.utils.data.DataLoader, options: LoaderOptions, seed: int, device_placement: bool
+        self,
+        loader: torch.utils.data.DataLoader,
+        options: LoaderOptions,
+        seed: int,
+        device_placement: bool,
+        seedable: Tuple[bool, Optional[int]] = (False, None),
     ) -> Tuple[PreparedDataLoader, Optional[int]]:
         """The prepared loader, and the batch size of one process's micro-batch (the run's
-        ``micro_batch_size`` when this is the first loader prepared)."""
+        ``micro_batch_size`` when this is the first loader prepared). ``seedable``: Accelerate's
+        ``(use_seedable_sampler, data_seed)``."""
         even, split, _ = options
         world = self.strategy.world_size
         dispatch = self._dispatches(loader, options)
@@ -49,8 +68,7 @@ class DataPreparer:
             if split or not even:
                 loader = _rebuilt(loader, world, split)
             sharded = self.strategy.setup_dataloader(loader, seed=seed)
-            if not even and hasattr(sharded.sampler, "pad"):
-                _unpadded(sharded.sampler)
+            _lay_out(sharded, loader.drop_last, even, self.whole_batches)
             if not even and sharded.kind == "stream":
                 sharded.dataset.even_batches = False  # a split stream's last round is not completed
         # The random draws a plain DataLoader makes when an epoch starts (worker base seed, shuffle
@@ -61,6 +79,12 @@ class DataPreparer:
         # draw what a plain DataLoader's would (see PreparedDataLoader).
         sharded.generator = torch.Generator()
         sampler = loader.sampler if loader.batch_size is not None else getattr(loader.batch_sampler, "sampler", None)
+        use_seedable, data_seed = seedable
+        order_seed = None
+        if use_seedable and isinstance(sampler, torch.utils.data.RandomSampler):  # Accelerate's SeedableRandomSampler
+            order_seed = data_seed if data_seed is not None else torch.initial_seed()
+        elif self.whole_batches and world > 1 and not dispatch and sharded.kind != "stream":
+            _synchronized_generator(sampler)
         prepared = PreparedDataLoader(
             sharded,
             self.strategy.root_device if device_placement else torch.device("cpu"),  # cpu: nothing moved
@@ -68,6 +92,7 @@ class DataPreparer:
             self.precision,
             base_generator=loader.generator,
             order_generator=getattr(sampler, "generator", None),
+            order_seed=order_seed,
             broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
             dispatcher=self._dispatcher(sharded, split, even) if dispatch else None,
             gather_object=self.strategy.all_gather_object if world > 1 else None,
@@ -157,10 +182,41 @@ def data_options(even_batches: Any, split_batches: Any, dispatch_batches: Any, c
     return even_batches, split_batches, dispatch_batches
 
 
-def _unpadded(sampler: Any) -> None:
-    """``even_batches=False``: no duplicated samples; the last ranks may get one sample (batch) fewer."""
-    from trainforge.strategies.data.sampler import epoch_length
+SHARDINGS = ("batches", "samples")
 
-    sampler.pad = False
-    sampler.total_size = epoch_length(len(sampler.dataset), sampler.num_replicas, sampler.drop_last, False)
-    sampler.num_samples = len(range(sampler.rank, sampler.total_size, sampler.num_replicas))
+
+def check_sharding(sharding: Any) -> str:
+    if sharding not in SHARDINGS:
+        raise invalid_choice(
+            "data_sharding",
+            sharding,
+            SHARDINGS,
+            "'batches' gives each process whole batches (Accelerate), 'samples' deals samples out one at a time "
+            "(torch's DistributedSampler, Lightning)",
+        )
+    return sharding
+
+
+def _lay_out(sharded: Any, drop_last: bool, even: bool, whole_batches: bool) -> None:
+    """Our sampler's layout: whole batches per rank, the epoch padded by wrapping around (``even``) or cut to
+    whole rounds (``drop_last``), as Accelerate; or samples dealt one at a time, unpadded when not ``even``
+    (``even_batches=False``: no duplicated samples, the last ranks may get one sample, or batch, fewer)."""
+    sampler = sharded.sampler
+    if sharded.kind != "map" or not callable(getattr(sampler, "set_layout", None)):
+        return
+    if whole_batches and sampler.num_replicas > 1:  # one process: the loader as it is (Accelerate leaves it)
+        sampler.set_layout(block=sharded.batch_size or 1, drop_last=drop_last, pad=even)
+    elif not even:
+        sampler.set_layout(block=1, drop_last=sampler.drop_last, pad=False)
+
+
+def _synchronized_generator(sampler: Any) -> None:
+    """Accelerate's ``prepare_data_loader`` on several processes: a sampler with a ``generator`` attribute left
+    None (a plain ``RandomSampler``) is given a generator seeded by one draw from the global RNG, then
+    synchronised from rank 0 at each pass (``PreparedDataLoader`` broadcasts its state). Set on the user's
+    sampler, as Accelerate does, so that a loader prepared twice draws once."""
+    if sampler is None or not hasattr(sampler, "generator") or sampler.generator is not None:
+        return
+    generator = torch.Generator()
+    generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+    sampler.generator = generator

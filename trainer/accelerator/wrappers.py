@@ -114,6 +114,7 @@ class PreparedDataLoader:
         precision: Any,
         base_generator: Optional[torch.Generator] = None,
         order_generator: Optional[torch.Generator] = None,
+        order_seed: Optional[int] = None,
         broadcast: Optional[Callable[[Any], Any]] = None,
         dispatcher: Any = None,
         gather_object: Optional[Callable[[Any], List[Any]]] = None,
@@ -129,6 +130,9 @@ class PreparedDataLoader:
         # The user's DataLoader generator and RandomSampler generator (None: the global torch RNG).
         self.base_generator, self.order_generator, self.broadcast = base_generator, order_generator, broadcast
         self._generators_after: List[torch.Tensor] = []  # the user's generators after the epoch-start draws
+        # use_seedable_sampler: epoch e's permutation from a generator seeded with order_seed + e (Accelerate's
+        # SeedableRandomSampler, which reseeds the sampler's generator, the user's when it has one)
+        self.order_seed = order_seed
         self._skip = 0  # skip_first_batches: batches the next pass starts into the epoch
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -173,8 +177,10 @@ class PreparedDataLoader:
             total = -1
         state = self.gradient_state
         state.padding = 0 if contiguous else num_padding_samples(self.loader)
-        state.remainder = -1 if contiguous else samples_in_last_batch(self.loader)
-        state.padding_order = "contiguous" if contiguous else "strided"
+        # whole batches per rank (Accelerate's sharding): the padding is the tail of the gathered last step
+        whole = contiguous or getattr(getattr(self.loader, "sampler", None), "block", 1) > 1
+        state.remainder = -1 if whole else samples_in_last_batch(self.loader)
+        state.padding_order = "contiguous" if whole else "strided"
         device = self.device
         move = device.type != "cpu"  # loaders yield CPU tensors: nothing to move on a CPU run
         convert = self.precision.convert_input if self.precision.input_dtype is not None else None
@@ -310,19 +316,7 @@ class PreparedDataLoader:
         base = int(torch.empty((), dtype=torch.int64).random_(generator=self.base_generator).item())
         sampler: Any = getattr(self.loader, "sampler", None)
         if getattr(sampler, "shuffle", False) and callable(getattr(sampler, "set_order_state", None)):
-            g = self.order_generator
-            if g is None:
-                g = torch.Generator()
-                g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
-                state = g.get_state()
-            else:
-                state = g.get_state()
-                n = len(sampler.dataset)
-                torch.randperm(n, generator=g)
-                torch.randperm(n, generator=g)
-            if self.broadcast is not None:  # every rank shards rank 0's permutation
-                state = self.broadcast(state)
-            sampler.set_order_state(state)
+            sampler.set_order_state(self._order_state(len(sampler.dataset)))
         rank = getattr(self.loader, "rank", 0)
         if rank == 0:
             self.loader.generator.set_state(before)
@@ -331,16 +325,37 @@ class PreparedDataLoader:
         users = [g for g in (self.base_generator, self.order_generator) if g is not None]
         self._generators_after = [g.get_state() for i, g in enumerate(users) if g not in users[:i]]
 
+    def _order_state(self, n: int) -> torch.Tensor:
+        """The state of the generator this epoch's permutation of ``n`` samples comes from (rank 0's), the user's
+        generator left where RandomSampler leaves it (two ``randperm``)."""
+        g = self.order_generator
+        if self.order_seed is not None:  # SeedableRandomSampler: reseeded for each epoch, the same on every rank
+            g = g if g is not None else torch.Generator()
+            g.manual_seed(self.order_seed + self.epoch)
+        elif g is None:  # RandomSampler without a generator: one drawn from the global RNG
+            g = torch.Generator()
+            g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+            state = g.get_state()
+            return self.broadcast(state) if self.broadcast is not None else state
+        elif self.broadcast is not None:  # rank 0's generator on every rank (Accelerate synchronises it)
+            g.set_state(self.broadcast(g.get_state()))
+        state = g.get_state()
+        torch.randperm(n, generator=g)
+        torch.randperm(n, generator=g)
+        return state
+
     def release_workers(self) -> None:
         """Stop DataLoader workers left running by a pass that ended early (``ResumableDataLoader``)."""
         if self.dispatcher is None:
             self.loader.release_workers()
 
-    def skip_first_batches(self, num_batches: int) -> PreparedDataLoader:
+    def skip_first_batches(self, num_batches: int, open_window: int = 0) -> PreparedDataLoader:
         """Start the next pass ``num_batches`` into the epoch. After ``load_state`` (which restored the
         position already) the count a ported Accelerate script computes is checked against the restored
-        position instead: the same batch of the epoch, or ``0`` when the checkpoint was saved on the
-        epoch's last batch (the script then starts the next epoch), is a logged no-op; any other an error."""
+        position instead: the same batch of the epoch, ``0`` when the checkpoint was saved on the
+        epoch's last batch (the script then starts the next epoch), or the first batch of the accumulation
+        window the checkpoint was written ``open_window`` micro-batches into (the checkpoint holds their
+        gradients: see ``Accelerator.skip_first_batches``) is a logged no-op; any other an error."""
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ConfigurationError(f"skip_first_batches(num_batches={num_batches!r}) must be an int >= 0")
         if self._resumed and self.batch_in_epoch > 0:

@@ -246,6 +246,7 @@ class Trainer(LightningAttributes):
             seed=seed or 0,
             accelerator=accelerator,
             dispatch_batches=False,
+            data_sharding="samples",  # Lightning's DistributedSampler: sample i to rank i % W
         )
         self.strategy = self.accelerator.strategy
         # a URL: checkpoints only

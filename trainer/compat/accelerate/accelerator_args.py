@@ -105,6 +105,11 @@ class AccelerateOptions:
             return config.even_batches, config.split_batches, config.dispatch_batches, None
         return even, split, dispatch, config
 
+    def seedable_arguments(self) -> Tuple[bool, Optional[int]]:
+        """(use_seedable_sampler, data_seed) of the DataLoaderConfiguration, ours or Accelerate's."""
+        config = self.dataloader_config
+        return bool(getattr(config, "use_seedable_sampler", False)), getattr(config, "data_seed", None)
+
     def project_arguments(self, project_dir: Any, automatic: Any, total_limit: Any) -> Tuple[Any, Any, Any]:
         """(project_dir, automatic_checkpoint_naming, total_limit); sets ``logging_dir``."""
         config = self.project_config

@@ -27,9 +27,11 @@ class DataLoaderConfiguration:
     ``even_batches`` act as in Accelerate. ``non_blocking``: host-to-device copies are non-blocking on
     CUDA whatever it says (the batch is used on the same stream, so this is safe), and
     ``use_stateful_dataloader``: every prepared loader is resumable (``save_state`` records its
-    position), so both are accepted. ``use_seedable_sampler``/``data_seed`` are refused: a prepared
-    loader draws each epoch's order from the DataLoader's generator or the global RNG, as a plain
-    DataLoader does, so seed that instead."""
+    position), so both are accepted. ``use_seedable_sampler``: a shuffled loader's epoch ``e`` is the
+    permutation of a generator seeded with ``data_seed + e`` (``data_seed`` None: ``torch.initial_seed()`` when
+    the loader is prepared), as Accelerate's ``SeedableRandomSampler``; without it a prepared loader draws each
+    epoch's order as Accelerate does (the DataLoader's generator, the global RNG on one process, a generator
+    seeded from it when prepared on several)."""
 
     split_batches: bool = False
     dispatch_batches: Optional[bool] = None
@@ -49,13 +51,13 @@ def check_loader_extras(use_seedable_sampler: Any, data_seed: Any, non_blocking:
     for name, value in (("non_blocking", non_blocking), ("use_stateful_dataloader", stateful)):
         if not isinstance(value, bool):
             raise ConfigurationError(f"DataLoaderConfiguration({name}={value!r}) must be True or False")
-    if use_seedable_sampler is not False or data_seed is not None:
-        given = "use_seedable_sampler=True" if use_seedable_sampler is not False else f"data_seed={data_seed!r}"
+    if not isinstance(use_seedable_sampler, bool):
         raise ConfigurationError(
-            f"DataLoaderConfiguration({given}) is not supported: trainforge draws each epoch's order from "
-            "the DataLoader's generator (or the global RNG), as a plain DataLoader, and restores it exactly "
-            "with load_state. For an order fixed by a seed pass "
-            "DataLoader(..., generator=torch.Generator().manual_seed(seed)), or call set_seed(seed)"
+            f"DataLoaderConfiguration(use_seedable_sampler={use_seedable_sampler!r}) must be True or False"
+        )
+    if data_seed is not None and (isinstance(data_seed, bool) or not isinstance(data_seed, int)):
+        raise ConfigurationError(
+            f"DataLoaderConfiguration(data_seed={data_seed!r}) must be an int or None (None: torch.initial_seed())"
         )
 
 
