@@ -2,9 +2,10 @@
 arithmetic of ``--resume_from_checkpoint .../step_<n>`` and ``skip_first_batches``, as upstream), on a
 tiny model and local data, shuffled, dropout on. ``--backend accelerate`` runs the same on HF Accelerate
 (for comparison by hand; trainforge never depends on it). The main process writes the final weights to
-OUTPUT_DIR/final.pt and prints ``FINAL completed_steps=<n>``."""
+OUTPUT_DIR/final.pt and prints ``FINAL completed_steps=<n>`` and ``WEIGHTS <sha256 of their bytes>``."""
 
 import argparse
+import hashlib
 import math
 import os
 import sys
@@ -22,6 +23,11 @@ p.add_argument("--checkpointing_steps", default=None)  # an int, or "epoch"
 p.add_argument("--resume_from_checkpoint", default=None)
 p.add_argument("--samples", type=int, default=48)
 p.add_argument("--per_device_train_batch_size", type=int, default=4)
+# "plain": save when `completed_steps % checkpointing_steps == 0` without `and accelerator.sync_gradients`, as
+# earlier versions of run_clm_no_trainer.py and many copies of it do: step_<n> is then written again on the next
+# micro-batch (inside an accumulation window), and that is the checkpoint a resume reads
+p.add_argument("--save_check", default="sync", choices=["sync", "plain"])
+p.add_argument("--skip_offset", type=int, default=0)  # tests: a skip count other than the script's
 args = p.parse_args()
 
 if args.backend == "accelerate":
@@ -81,6 +87,7 @@ if args.resume_from_checkpoint:
         starting_epoch = resume_step // len(train_dataloader)
         completed_steps = resume_step // args.gradient_accumulation_steps
         resume_step -= starting_epoch * len(train_dataloader)
+        resume_step += args.skip_offset
 
 for epoch in range(starting_epoch, args.num_train_epochs):
     model.train()
@@ -100,7 +107,7 @@ for epoch in range(starting_epoch, args.num_train_epochs):
         if (
             isinstance(checkpointing_steps, int)
             and completed_steps % checkpointing_steps == 0
-            and accelerator.sync_gradients
+            and (accelerator.sync_gradients or args.save_check == "plain")
         ):
             accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
         if completed_steps >= max_train_steps:
@@ -113,4 +120,8 @@ if accelerator.is_main_process:
     weights = accelerator.unwrap_model(model).state_dict()
     torch.save({k: v.detach().cpu().clone() for k, v in weights.items()}, os.path.join(args.output_dir, "final.pt"))
     print(f"FINAL completed_steps={completed_steps}")
+    print(
+        "WEIGHTS "
+        + hashlib.sha256(b"".join(weights[k].detach().cpu().numpy().tobytes() for k in sorted(weights))).hexdigest()
+    )
 accelerator.end_training()

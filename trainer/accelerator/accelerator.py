@@ -818,13 +818,17 @@ class Accelerator:
         """The loader whose next pass starts ``num_batches`` into the epoch, without loading them
         (Accelerate). A loader restored by ``load_state`` already continues where it was saved: asking
         to skip that same position again (or 0 after a checkpoint saved on an epoch's last batch, as
-        run_clm_no_trainer.py computes it) is a no-op, logged; anything else an error.
+        run_clm_no_trainer.py computes it) is a no-op, logged. So is a skip to the first batch of the
+        accumulation window a checkpoint was written in (``save_state`` after a micro-batch that did not step,
+        as scripts that test only ``completed_steps % checkpointing_steps`` do; the script's count,
+        ``step * gradient_accumulation_steps``, is the window's start): the checkpoint holds that window's
+        gradients, so the run continues exactly as the uninterrupted one. Anything else is an error.
 
         Args:
             dataloader: A prepared loader.
             num_batches: Batches of the epoch to skip. Default 0.
         """
-        return dataloader.skip_first_batches(num_batches)
+        return dataloader.skip_first_batches(num_batches, open_window=self.step)
 
     def save_model(
         self, model: nn.Module, save_directory: str, max_shard_size: Any = None, adapter_only: Optional[bool] = None

@@ -369,6 +369,12 @@ class PreparedDataLoader:
                 done = f"the end of epoch {epoch} (batch {at} of {at}); the next pass starts epoch {epoch + 1}"
             elif num_batches == at:
                 done = f"batch {at} of epoch {epoch}; the next pass continues from there"
+            elif open_window > 0 and num_batches == at - open_window:
+                done = (
+                    f"batch {at} of epoch {epoch}, {open_window} micro-batch(es) into the accumulation window that "
+                    f"starts after batch {num_batches}; the checkpoint holds their gradients, so the next pass "
+                    "continues from there"
+                )
             else:
                 raise ConfigurationError(
                     f"skip_first_batches({num_batches}) does not match the checkpoint: load_state restored this "
