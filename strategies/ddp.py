@@ -23,7 +23,8 @@ log = logging.getLogger("trainforge")
 _DDP_ARGS = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "device_ids"}
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-COMM_HOOKS = ("fp16", "bf16")
+COMM_HOOKS = ("fp16", "bf16", "power_sgd", "batched_power_sgd")  # torch's built-in DDP communication hooks
+COMM_WRAPPERS = ("fp16", "bf16")  # compress what a hook sends (torch's default_hooks.*_compress_wrapper)
 
 
 def check_timeout(timeout: Any, owner: str) -> timedelta:
@@ -38,6 +39,90 @@ def check_timeout(timeout: Any, owner: str) -> timedelta:
     if timeout.total_seconds() <= 0:
         raise ConfigurationError(f"{owner}(timeout={timeout!r}) must be positive")
     return timeout
+
+
+_POWER_SGD = ("power_sgd", "batched_power_sgd")
+
+
+def check_comm_hook(hook: Any, state: Any, wrapper: Any) -> None:
+    """``comm_hook`` / ``comm_hook_state`` / ``comm_wrapper``, checked at construction: a known hook name or a
+    callable, a wrapper only around a hook, PowerSGD options only for a PowerSGD hook."""
+    if hook is not None and not callable(hook) and hook not in COMM_HOOKS:
+        raise invalid_choice("comm_hook", hook, COMM_HOOKS, "or pass a DDP communication hook callable")
+    if wrapper is not None and wrapper not in COMM_WRAPPERS:
+        raise invalid_choice("comm_wrapper", wrapper, COMM_WRAPPERS, "or None (what the hook sends, uncompressed)")
+    if wrapper is not None and hook is None:
+        raise ConfigurationError(
+            f"comm_wrapper={wrapper!r} compresses what a communication hook sends, and comm_hook is None: pass "
+            f"comm_hook='power_sgd' (or another hook) with it, or comm_hook={wrapper!r} to compress the gradients"
+        )
+    if hook in ("fp16", "bf16") and state is not None:
+        raise ConfigurationError(
+            f"comm_hook_state={state!r} with comm_hook={hook!r}: the {hook} hook takes no state; its options are "
+            "PowerSGD's (comm_hook='power_sgd'), or a callable comm_hook's own state"
+        )
+    if hook in _POWER_SGD and state is not None:
+        _check_power_sgd_state(hook, state)
+    if hook == "batched_power_sgd" and not _batched_power_sgd_works():
+        raise ConfigurationError(
+            f"comm_hook='batched_power_sgd': torch {torch.__version__}'s batched_powerSGD_hook fails at its first "
+            "compressed step (it orthogonalizes one matrix with a function that takes batches of them). Use "
+            "comm_hook='power_sgd' (the same compression, one matrix per gradient)"
+        )
+
+
+def _batched_power_sgd_works() -> bool:
+    """Whether torch's batched PowerSGD hook can run: it calls ``_orthogonalize`` on one 2-D matrix, which some
+    torch versions (2.13) accept only as a batch (3-D)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(2, 1))
+    except AssertionError:
+        return False
+    return True
+
+
+def _check_power_sgd_state(hook: str, state: Any) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    if isinstance(state, PowerSGDState):
+        return
+    if not isinstance(state, dict):
+        raise ConfigurationError(
+            f"comm_hook_state={state!r} with comm_hook={hook!r} must be a dict of PowerSGDState options "
+            "(e.g. {'matrix_approximation_rank': 1, 'start_powerSGD_iter': 1000}) or a PowerSGDState"
+        )
+    options = [p for p in inspect.signature(PowerSGDState).parameters if p != "process_group"]
+    unknown = sorted(set(state) - set(options))
+    if unknown:
+        raise ConfigurationError(
+            f"comm_hook_state={state!r} with comm_hook={hook!r}: {unknown} not PowerSGDState options; "
+            f"it takes {', '.join(options)}"
+        )
+
+
+def comm_hook_and_state(hook: Any, state: Any, wrapper: Optional[str]) -> tuple:
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook`` (names checked by ``check_comm_hook``);
+    a PowerSGD state is built here from its options, as Accelerate's ``PowerSGDState(None, **options)``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    builtin = {
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+        "power_sgd": powerSGD_hook.powerSGD_hook,
+        "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
+    }
+    function = builtin[hook] if isinstance(hook, str) else hook
+    if hook in _POWER_SGD and not isinstance(state, powerSGD_hook.PowerSGDState):
+        try:
+            state = powerSGD_hook.PowerSGDState(None, **(state or {}))
+        except (TypeError, ValueError) as err:
+            raise ConfigurationError(f"comm_hook_state={state!r} for comm_hook={hook!r}: {err}") from None
+    if wrapper is not None:
+        wrap = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+        function = wrap[wrapper](function)
+    return state, function
 
 
 def _elastic_store(env: Any, timeout: timedelta) -> dict:
@@ -182,9 +267,14 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
             which allows its optimizations (default False).
         gradient_as_bucket_view: gradients are views into DDP's communication buckets, saving one copy of
             the gradients' memory (default False).
-        comm_hook: compress gradients for the all-reduce: ``"fp16"`` or ``"bf16"`` (NCCL only), or a DDP
-            communication hook callable ``(state, bucket) -> Future``. Default None: no hook, full precision.
-        comm_hook_state: the ``state`` handed to a callable ``comm_hook`` (default None).
+        comm_hook: the DDP communication hook, one of torch's by name: ``"fp16"`` or ``"bf16"`` (gradients
+            compressed for the all-reduce), ``"power_sgd"`` or ``"batched_power_sgd"`` (PowerSGD low-rank
+            compression), or a hook callable ``(state, bucket) -> Future``. Default None: no hook, full precision.
+        comm_hook_state: the ``state`` handed to a callable ``comm_hook``; for ``"power_sgd"`` and
+            ``"batched_power_sgd"`` a dict of ``PowerSGDState`` options (``matrix_approximation_rank``,
+            ``start_powerSGD_iter``, ...) or a ``PowerSGDState`` (default None: PowerSGD's defaults).
+        comm_wrapper: ``"fp16"`` or ``"bf16"``: wrap ``comm_hook`` so what it sends is compressed to that type
+            (torch's ``fp16_compress_wrapper``/``bf16_compress_wrapper``, Accelerate's ``comm_wrapper``).
         process_group_backend: the ``torch.distributed`` backend of the process group this strategy starts
             (default None: ``"nccl"`` on CUDA, ``"gloo"`` on the CPU, else the backend registered for the device
             type). Not used when a process group already exists.
@@ -215,14 +305,14 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
         gradient_as_bucket_view: bool = False,
         comm_hook: Optional[Union[str, Callable]] = None,
         comm_hook_state: Any = None,
+        comm_wrapper: Optional[str] = None,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = timedelta(minutes=30),
         activation_checkpointing: Any = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(device, activation_checkpointing)
-        if isinstance(comm_hook, str) and comm_hook not in COMM_HOOKS:
-            raise invalid_choice("comm_hook", comm_hook, COMM_HOOKS, "or pass a DDP communication hook callable")
+        check_comm_hook(comm_hook, comm_hook_state, comm_wrapper)
         unknown = sorted(set(ddp_kwargs) - _DDP_ARGS)
         if unknown:
             raise ConfigurationError(
@@ -236,7 +326,7 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             **ddp_kwargs,
         )
-        self.comm_hook, self.comm_hook_state = comm_hook, comm_hook_state
+        self.comm_hook, self.comm_hook_state, self.comm_wrapper = comm_hook, comm_hook_state, comm_wrapper
         self.backend, self.timeout = process_group_backend, timeout
 
     def setup_environment(self, accelerator: str = "auto") -> None:
@@ -257,18 +347,16 @@ class DDPStrategy(ProcessGroupMixin, Strategy):
     def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
         if self.comm_hook is None:
             return
-        if self.comm_hook == "bf16" and dist.get_backend() != "nccl":
+        try:
+            ddp.register_comm_hook(*comm_hook_and_state(self.comm_hook, self.comm_hook_state, self.comm_wrapper))
+        except TypeError as err:  # torch refuses its bf16 hooks without NCCL 2.10+ (CUDA) or XCCL (XPU)
+            if "BF16" not in str(err):
+                raise
+            given = "comm_wrapper" if self.comm_wrapper == "bf16" else "comm_hook"
             raise ConfigurationError(
-                f"comm_hook='bf16' compresses gradients with NCCL only; this process group "
-                f"uses {dist.get_backend()!r}. Use comm_hook='fp16' here, or run on CUDA GPUs"
-            )
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        builtin = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
-        hook = (
-            builtin[self.comm_hook] if isinstance(self.comm_hook, str) else self.comm_hook
-        )  # names checked in __init__
-        ddp.register_comm_hook(self.comm_hook_state, hook)
+                f"{given}='bf16': torch compresses gradients to bf16 only with CUDA and NCCL 2.10+ or XPU and "
+                f"XCCL; this process group uses {dist.get_backend()!r} ({err}). Use {given}='fp16' here"
+            ) from None
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module

@@ -8,6 +8,7 @@ from trainforge.trainer.compat.accelerate.accelerator_args import release_memory
 from trainforge.trainer.compat.accelerate.dataclasses import (
     AutocastKwargs,
     DataLoaderConfiguration,
+    DDPCommunicationHookType,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     FP8RecipeKwargs,
@@ -60,3 +61,4 @@ __all__ = [
     "should_reduce_batch_size",
     "skip_first_batches",
 ]
+    "DDPCommunicationHookType",

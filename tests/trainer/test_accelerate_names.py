@@ -218,8 +218,8 @@ def test_kwargs_handlers_reach_the_strategy():
         options.strategy_arguments(Strategy(), {})
     with pytest.raises(ConfigurationError, match="device_placement=False with strategy 'deepspeed'"):
         _options(device_placement=False).strategy_arguments("deepspeed", {})
-    with pytest.raises(ConfigurationError, match=r"comm_hook='power_sgd'\): choose one of no, fp16, bf16.*DDPStrategy"):
-        DistributedDataParallelKwargs(comm_hook="power_sgd")
+    with pytest.raises(ConfigurationError, match=r"comm_hook='sgd'\): choose one of no, fp16, bf16, power_sgd.*DDPStr"):
+        DistributedDataParallelKwargs(comm_hook="sgd")
     with pytest.raises(ConfigurationError, match=r"init_method='tcp://h:1'\) is not supported.*trainforge launch"):
         InitProcessGroupKwargs(init_method="tcp://h:1")
     with pytest.raises(ConfigurationError, match=r"timeout=30\) must be a datetime.timedelta"):

@@ -254,6 +254,8 @@ class Accelerator:
     is_main_process = property(lambda self: self.strategy.is_global_zero)
     is_local_main_process = property(lambda self: self.strategy.local_rank == 0)
     is_last_process = property(lambda self: self.strategy.global_rank == self.strategy.world_size - 1)
+    # Accelerate's: several processes (self.state.use_distributed)
+    use_distributed = property(lambda self: self.strategy.world_size > 1)
     sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
 
     @property

@@ -63,6 +63,8 @@ from trainforge.trainer.loop.manual import ManualOptimization
 from trainforge.trainer.loop.metric_logging import MetricLogging
 from trainforge.trainer.loop.module_hooks import (
     bind_module_hook,
+    callback_hook_names,
+    lightning_order,
     validation_loaders,
     warn_unknown_callback_hooks,
     warn_unknown_hooks,
@@ -78,6 +80,16 @@ from trainforge.trainer.loop.settings import (
     resolve_root_dirs,
 )
 from trainforge.trainer.loop.stage_loaders import StageLoaders, as_list, check_loader
+from trainforge.trainer.loop.step_hooks import (
+    ClosureOptimizer,
+    StepClosure,
+    StepOverrides,
+    add_module_callbacks,
+    batch_transfer,
+    configure_model,
+    keep_on_host,
+    step_overrides,
+)
 from trainforge.trainer.module.hparams import logged_hparams
 from trainforge.trainer.module.training_module import TrainingModule
 
@@ -286,6 +298,13 @@ class Trainer(LightningAttributes):
         # callbacks/base.py's StepGuard among the callbacks, and whether the module clips itself: set per fit
         self._step_guard: Any = None
         self._custom_clipping = False
+        # the module's step hooks (trainer/loop/step_hooks.py), its batch-transfer hooks, and the loss of the
+        # last forward_backward (what an optimizer_closure returns): set per stage
+        self._hooks = StepOverrides(optimizer_step=False, backward=False)
+        self._transfer: Any = None
+        self._closure_loss: Any = None
+        # the module's on_train_batch_start returned -1: the rest of the epoch is skipped (Lightning)
+        self._skip_epoch = False
 
     def _build_parts(self) -> None:
         """The parts the Trainer is built from, each given what it uses (none reads the Trainer's ``_`` names)."""
@@ -320,8 +339,10 @@ class Trainer(LightningAttributes):
     callback_metrics = property(lambda self: self._logging.callback_metrics)
     # what was last sent to the trackers
     logged_metrics = property(lambda self: self._logging.logged_metrics)
-    # the values logged with prog_bar=True
-    progress_bar_metrics = property(lambda self: dict(self._logging.stores["train"].prog_bar))
+    # the values logged with prog_bar=True, training's and evaluation's (Lightning's)
+    progress_bar_metrics = property(
+        lambda self: {**self._logging.stores["train"].prog_bar, **self._logging.stores["val"].prog_bar}
+    )
 
     @property
     def hparams(self) -> Dict[str, Any]:
@@ -348,30 +369,44 @@ class Trainer(LightningAttributes):
 
     # ---- events ----------------------------------------------------------------------------------
     def _fire(self, event: Event, *args: Any) -> None:
-        """The one dispatch point: the module first, then the callbacks in order."""
+        """The one dispatch point: the callbacks and the module, in Lightning's order at each event."""
         for hook in self._listeners[event]:
             hook(self, self.module, *args)
 
     def _build_listeners(self) -> None:
-        """Per event, the bound hooks of the targets that override it (no-op hooks are skipped): the
-        module's with Lightning's signatures (``trainer/loop/module_hooks.py``), bound once here."""
+        """Per event, the bound hooks of the targets that override it (no-op hooks are skipped), in
+        Lightning's order (``lightning_order``): the module's with Lightning's signatures
+        (``trainer/loop/module_hooks.py``), bound once here; a callback's ``setup``/``teardown``
+        (Lightning's names) with its ``on_setup``/``on_teardown``."""
         listeners, module_name = {}, type(self.module).__name__
         reset_profilers(self.callbacks)
         for event in Event:
             module_hook = bind_module_hook(self.module, event)
-            targets = ([(f"{module_name}.{event.value}", module_hook)] if module_hook is not None else []) + [
-                (f"{type(cb).__name__}.{event.value}", getattr(cb, event.value))
+            if event is Event.BATCH_START and module_hook is not None:
+                # Lightning: the module's on_train_batch_start returning -1 ends the epoch there
+                module_hook = self._reads_skip(module_hook)
+            module_targets = [(f"{module_name}.{event.value}", module_hook)] if module_hook is not None else []
+            callback_targets = [
+                ((f"{type(cb).__name__}.{name}", getattr(cb, name)), cb.monitors_metrics)
                 for cb in self.callbacks
-                if _overrides(cb, event.value)
+                for name in callback_hook_names(event)
+                if _overrides(cb, name)
             ]
             # wrapped only when a profiler is installed
-            listeners[event] = instrument(targets, self.callbacks)
+            listeners[event] = instrument(lightning_order(event, module_targets, callback_targets), self.callbacks)
         self._listeners = listeners
 
     # ---- fit -------------------------------------------------------------------------------------
     def fit(
         self,
         model: TrainingModule,
+    def _reads_skip(self, hook: Any) -> Any:
+        def read(trainer: Any, module: Any, *args: Any) -> None:
+            result = hook(trainer, module, *args)
+            self._skip_epoch = isinstance(result, int) and result == -1
+
+        return read
+
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
         datamodule: Any = None,
@@ -459,7 +494,7 @@ class Trainer(LightningAttributes):
         )
         # a layout chosen from the model decides the shards
         self.strategy.plan_layout(module, train_loader)
-        self.train_dataloader = acc.prepare_data_loader(train_loader)
+        self.train_dataloader = keep_on_host(acc.prepare_data_loader(train_loader), self._transfer)
         if self.compile:
             for child in module.children():
                 child.compile()
@@ -474,7 +509,13 @@ class Trainer(LightningAttributes):
         self._loss.start(module)
         # none without validation_step
         val_loaders = validation_loaders(module, val_loaders, self._pipelined)
-        self.val_dataloaders = [acc.prepare_data_loader(dl) for dl in as_list(val_loaders)]
+        self._hooks = step_overrides(module, self.strategy)
+        if self._hooks.backward:
+            # Lightning's backward hook replaces loss.backward() (reset at the end of fit)
+            self.strategy.precision.module_backward = module.backward
+        self.val_dataloaders = [
+            keep_on_host(acc.prepare_data_loader(dl), self._transfer) for dl in as_list(val_loaders)
+        ]
         self.num_training_batches = _count_training_batches(self.train_dataloader, self.config)
         check_same_batch_count(self.strategy, self.num_training_batches)
 
@@ -521,6 +562,7 @@ class Trainer(LightningAttributes):
     @property
     def _fit_module(self) -> TrainingModule:
         """The module being fitted (attached by ``fit`` before the loop runs)."""
+        self.strategy.precision.module_backward = None
         module = self.module
         if module is None:
             raise ConfigurationError("no module is attached: the loop runs inside fit(module, ...)")
@@ -578,8 +620,19 @@ class Trainer(LightningAttributes):
             # the epoch's last batch: by count, or (a loader without length) when the data ended
             p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches or self._data_ended)
             validated = validation_due(self.config, p, self.val_dataloaders, self.num_training_batches)
+        transfer = self._transfer
             if validated:
+            if transfer is not None:
+                # the module's on_before_batch_transfer/transfer_batch_to_device/on_after_batch_transfer
+                batch = transfer(batch, 0)
                 self._validate()
+            if self._skip_epoch:
+                # on_train_batch_start returned -1: this batch is not trained, the epoch ends (Lightning)
+                self._skip_epoch, p.epoch_end_pending = False, 1
+                # counted as fetched; a partial window's gradients are zeroed by the next window
+                p.batch_idx += 1
+                self.accelerator.step = 0
+                break
             # all ranks stop at one step on a signal
             self.stop_signals.poll(self.strategy, p.global_step)
             self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
@@ -620,19 +673,40 @@ class Trainer(LightningAttributes):
         if not self._fit_module.automatic_optimization:
             self._last_output = self._manual.run_step(batch, batch_idx)
             return
-        # the one step path: the strategy's forward_backward
+        if self._skip_epoch:
+            return
+        # Lightning zeroes the gradients before the backward of a window's first batch
+        first = acc.step == 0
         with acc.accumulate(self.model):
-            output = self.strategy.forward_backward(
-                self.model, self._training_step, batch, batch_idx, backward=lambda out: self._backward(out, batch_idx)
-            )
-            if self._pipelined:
-                self._after_pipeline_step(output, batch_idx)
-            if acc.sync_gradients:
-                self._optimizer_step()
+            if acc.sync_gradients and self._hooks.optimizer_step:
+                self._module_optimizer_step(batch, batch_idx, first)
+            else:
+                self._forward_backward(batch, batch_idx, first)
+                if acc.sync_gradients:
+                    self._optimizer_step()
         p.accumulation_step = acc.step
 
-    def _backward(self, output: Any, batch_idx: int) -> None:
-        """After the forward of an ordinary strategy: the loss in ``output``, BEFORE_BACKWARD, backward."""
+    def _forward_backward(self, batch: Any, batch_idx: int, first: bool) -> Any:
+        """training_step and backward through the strategy (the one step path); the loss, detached."""
+        if self._pipelined and first:
+            # the schedule runs the backward inside
+            self._zero_grad(batch_idx)
+        self._closure_loss = None
+        output = self.strategy.forward_backward(
+            self.model,
+            self._training_step,
+            batch,
+            batch_idx,
+            backward=lambda out: self._backward(out, batch_idx, first),
+        )
+        if self._pipelined:
+            self._after_pipeline_step(output, batch_idx)
+            return output.detach()
+        return self._closure_loss
+
+    def _backward(self, output: Any, batch_idx: int, first: bool) -> None:
+        """After the forward of an ordinary strategy: the loss in ``output``, zero_grad on a window's first
+        batch, BEFORE_BACKWARD, backward (Lightning's order)."""
         loss = self._loss.loss_of(output, batch_idx)
         self._last_output = output
         if loss is None:
@@ -641,8 +715,11 @@ class Trainer(LightningAttributes):
         if guard is not None:
             # decided for every rank at the optimizer step
             guard.record(loss)
+        if first:
+            self._zero_grad(batch_idx)
         if guard is not None or self._loss.check(loss, batch_idx):
             self._fire(Event.BEFORE_BACKWARD, loss)
+        self._closure_loss = loss.detach()
             # a summed loss's count
             items = output.get(ITEMS_KEY) if isinstance(output, dict) else None
             self.accelerator.backward(loss, self.model, num_items=items)
@@ -654,6 +731,13 @@ class Trainer(LightningAttributes):
         is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
         self._last_output = loss
         self._fit_module.log("train/loss", loss)
+    def _zero_grad(self, batch_idx: int) -> None:
+        """BEFORE_ZERO_GRAD, then the module's ``optimizer_zero_grad`` (``optimizer.zero_grad()``)."""
+        # the user's optimizer: the prepared one zeroes only on a sync step (Accelerate's rule)
+        optimizer = self.optimizer.optimizer
+        self._fire(Event.BEFORE_ZERO_GRAD, optimizer)
+        self._fit_module.optimizer_zero_grad(self.current_epoch, batch_idx, optimizer)
+
         if self._step_guard is not None:
             self._step_guard.record(loss)
         if self._step_guard is not None or self._loss.check(loss, batch_idx):
@@ -668,24 +752,55 @@ class Trainer(LightningAttributes):
         acc.end_item_window(self.model)
         guard = self._step_guard
         decision = "step" if guard is None else guard.decide(self.strategy, self.global_step, self.is_global_zero)
+    def _module_optimizer_step(self, batch: Any, batch_idx: int, first: bool) -> None:
+        """The module's own ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)`` (Lightning's):
+        the closure runs the batch; ``optimizer.step`` the loop's step. A step counts when the hook returns."""
+        closure = StepClosure(lambda: self._forward_backward(batch, batch_idx, first))
+        stepped: List[bool] = []
+        optimizer = ClosureOptimizer(self.optimizer, lambda: stepped.append(self._guarded_step()))
+        self._fit_module.optimizer_step(self.current_epoch, batch_idx, optimizer, closure)
+        if not closure.calls:
+            raise ConfigurationError(
+                f"{type(self._fit_module).__name__}.optimizer_step did not run optimizer_closure (batch {batch_idx}): "
+                "training_step and backward run inside it; call optimizer.step(closure=optimizer_closure), or "
+                "optimizer_closure() when you skip the step"
+            )
+        if stepped and not stepped[-1]:
+            # the step guard skipped or rolled back: no step counts, as on the default path
+            return
+        self._count_step()
+
         if guard is not None and decision != "step":
+        if self._guarded_step():
+            self._count_step()
+
+    def _guarded_step(self) -> bool:
+        """The window's optimizer step, unless the step guard skips it or rolls back (then False)."""
             # every rank together: no optimizer or scheduler step, the batches count
             optimizer.zero_grad()
             if decision == "rollback":
                 # the newest checkpoint's weights; the data goes on
                 self._checkpoints.roll_back(guard, self._checkpoint_parts())
             self._logging.emit(guard.metrics())
-            return
+            return False
         if acc.precision.scaler is not None:
             acc.precision.unscale_(optimizer)
         self._fire(Event.BEFORE_OPTIMIZER_STEP, optimizer)
         self._clip_gradients(optimizer)
         # what the prepared optimizer does on a sync step
         self.strategy.optimizer_step(optimizer)
-        self._fire(Event.BEFORE_ZERO_GRAD, optimizer)
-        optimizer.zero_grad()
+        return True
+
+    def _count_step(self) -> None:
+        """After an optimizer step: global_step + 1, the "step" schedulers, the step's metrics."""
         self.progress.global_step += 1
-        step_schedulers(self.lr_scheduler_configs, "step", self.global_step, self.callback_metrics)
+        step_schedulers(
+            self.lr_scheduler_configs,
+            "step",
+            self.global_step,
+            self.callback_metrics,
+            self._fit_module.lr_scheduler_step,
+        )
         if self.progress.global_step % self.config.log_every_n_steps == 0:
             self._loss.raise_if_flagged()
             self._logging.emit_step_metrics()
@@ -710,7 +825,13 @@ class Trainer(LightningAttributes):
             # ended by should_stop: a checkpoint written at EPOCH_END resumes at the next epoch (Lightning)
             p.batch_idx = int(self.num_training_batches)
         self._logging.emit(self._logging.stores["train"].pop_epoch_metrics(self.strategy))
-        step_schedulers(self.lr_scheduler_configs, "epoch", self.current_epoch + 1, self.callback_metrics)
+        step_schedulers(
+            self.lr_scheduler_configs,
+            "epoch",
+            self.current_epoch + 1,
+            self.callback_metrics,
+            self._fit_module.lr_scheduler_step,
+        )
         # a checkpoint written from here on already includes the epoch's end
         p.epoch_end_pending = 0
         self._logging.fire_epoch_end(Event.EPOCH_END)
@@ -723,6 +844,9 @@ class Trainer(LightningAttributes):
         """``num_sanity_val_steps`` validation batches before training, so a broken validation_step
         fails in seconds. Callbacks see ``trainer.stage == "sanity_check"`` (and ``sanity_checking``)."""
         n = self.num_sanity_val_steps
+        if self.accelerator.step == 0:
+            # at a window boundary: Lightning's hook frees the gradients before validation
+            self._fit_module.on_validation_model_zero_grad()
         if n == 0 or not self.val_dataloaders or self.config.limit_val_batches == 0:
             return
         self.stage = "sanity_check"
@@ -804,7 +928,7 @@ class Trainer(LightningAttributes):
             self.model = self._evaluation.prepare_model(module, self.model, loaders)
             self._eval_inputs.load_weights(path, self.model)
             before = dict(self.callback_metrics)
-            prepared = [self.accelerator.prepare_data_loader(dl) for dl in loaders]
+            prepared = [keep_on_host(self.accelerator.prepare_data_loader(dl), self._transfer) for dl in loaders]
             self._evaluation.run(module, self.model, prepared, step_name)
             self._fire(Event.TEARDOWN, stage)
         except BaseException as exc:
@@ -959,10 +1083,13 @@ class Trainer(LightningAttributes):
             if datamodule is not None:
                 self._loaders.setup_datamodule(datamodule, stage)
             self._fire(Event.SETUP, stage)
-            module = self.module
-            if module is not None and type(module).configure_model is not TrainingModule.configure_model:
-                module.configure_model()
+            if module is not None:
+                configure_model(module)
+                self._transfer = batch_transfer(module, datamodule, self.strategy.root_device, self.strategy)
+                self._evaluation.transfer = self._transfer
+        module = self.module
         except BaseException as exc:
+            self._loaders.prepare_data(datamodule, module)
             self._fire(Event.EXCEPTION, exc)
             self._fire(Event.TEARDOWN, stage)
             raise

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, NoReturn, Optional
 
+from trainforge.strategies.ddp import check_comm_hook
 from trainforge.strategies.errors import ConfigurationError
 from trainforge.trainer.loop.profiling import ProfileKwargs  # Accelerator.profile()
 
@@ -114,15 +115,41 @@ class KwargsHandler:
         }
 
 
-COMM_HOOKS = ("no", "fp16", "bf16")
+class DDPCommunicationHookType(str, enum.Enum):
+    """Accelerate's names of torch's DDP communication hooks (``DistributedDataParallelKwargs(comm_hook=...,
+    comm_wrapper=...)``); a string of the same value is taken too."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMM_HOOKS = tuple(h.value for h in DDPCommunicationHookType)
+
+
+def _hook_name(value: Any, field_name: str, choices: tuple) -> Optional[str]:
+    name = str(getattr(value, "value", value)).lower()  # Accelerate's enum or a str
+    if name not in choices:
+        raise ConfigurationError(
+            f"DistributedDataParallelKwargs({field_name}={value!r}): choose one of {', '.join(choices)} "
+            "(DDPCommunicationHookType). For your own hook pass strategy=DDPStrategy(comm_hook=<hook callable>, "
+            "comm_hook_state=<its state>) to the Accelerator"
+        )
+    return None if name == "no" else name
 
 
 @dataclass
 class DistributedDataParallelKwargs(KwargsHandler):
     """Passed to ``DistributedDataParallel`` when the run uses DDP (several processes; on one there is
-    no DDP, as in Accelerate). ``comm_hook``: ``"no"``, ``"fp16"`` or ``"bf16"``; PowerSGD and
-    ``comm_wrapper``/``comm_state_option`` are refused (pass ``DDPStrategy(comm_hook=<callable>,
-    comm_hook_state=...)`` as ``strategy=`` instead)."""
+    no DDP, as in Accelerate). ``comm_hook`` (``DDPCommunicationHookType``): torch's ``fp16``/``bf16``
+    compression or ``power_sgd``/``batched_power_sgd`` hook, registered as Accelerate registers it;
+    ``comm_wrapper`` (``fp16``/``bf16``) wraps it; ``comm_state_option``: the ``PowerSGDState`` options. What
+    Accelerate would ignore (a wrapper without a hook, options for a hook without state) is refused."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -136,26 +163,29 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_state_option: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        hook = str(getattr(self.comm_hook, "value", self.comm_hook)).lower()  # Accelerate's enum or a str
-        if hook not in COMM_HOOKS:
+        hook = _hook_name(self.comm_hook, "comm_hook", COMM_HOOKS)
+        wrapper = _hook_name(self.comm_wrapper, "comm_wrapper", ("no", "fp16", "bf16"))
+        if not isinstance(self.comm_state_option, dict):
             raise ConfigurationError(
-                f"DistributedDataParallelKwargs(comm_hook={self.comm_hook!r}): choose one of {', '.join(COMM_HOOKS)}. "
-                "For PowerSGD or your own hook pass strategy=DDPStrategy(comm_hook=<hook callable>, "
-                "comm_hook_state=<its state>) to the Accelerator"
+                f"DistributedDataParallelKwargs(comm_state_option={self.comm_state_option!r}) must be a dict of "
+                "PowerSGDState options"
             )
-        self.comm_hook = hook
-        if str(getattr(self.comm_wrapper, "value", self.comm_wrapper)).lower() != "no" or self.comm_state_option:
+        try:
+            check_comm_hook(hook, self.comm_state_option or None, wrapper)
+        except ConfigurationError as err:
             raise ConfigurationError(
-                "DistributedDataParallelKwargs(comm_wrapper=..., comm_state_option=...) is not supported: pass "
-                "strategy=DDPStrategy(comm_hook=<hook callable>, comm_hook_state=<its state>) to the Accelerator"
-            )
+                f"DistributedDataParallelKwargs: {err}".replace("comm_hook_state", "comm_state_option")
+            ) from None
+        self.comm_hook, self.comm_wrapper = hook or "no", wrapper or "no"
 
     def strategy_kwargs(self) -> Dict[str, Any]:
         """``DDPStrategy``'s keyword arguments for these settings."""
         kwargs = self.to_kwargs()
-        hook = kwargs.pop("comm_hook", "no")
-        if hook != "no":
-            kwargs["comm_hook"] = hook
+        for name in ("comm_hook", "comm_wrapper"):
+            if kwargs.pop(name, "no") != "no":
+                kwargs[name] = getattr(self, name)
+        if kwargs.pop("comm_state_option", None):
+            kwargs["comm_hook_state"] = dict(self.comm_state_option)
         return kwargs
 
 
@@ -206,7 +236,7 @@ class InitProcessGroupKwargs(KwargsHandler):
 HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
 
 
-def _refusing(name: str, instead: str) -> type:
+def refusing(name: str, instead: str) -> type:
     """A class named like Accelerate's that refuses to be built, saying what trainforge uses instead."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
@@ -215,37 +245,37 @@ def _refusing(name: str, instead: str) -> type:
     return type(name, (), {"__init__": __init__, "__doc__": f"Refused (Accelerate's): {instead}"})
 
 
-DeepSpeedPlugin = _refusing(
+DeepSpeedPlugin = refusing(
     "DeepSpeedPlugin",
     "Pass strategy=DeepSpeedStrategy(stage=..., offload_optimizer=..., config=...) "
     "(trainforge.strategies.DeepSpeedStrategy) or strategy='deepspeed' to the Accelerator",
 )
-FullyShardedDataParallelPlugin = _refusing(
+FullyShardedDataParallelPlugin = refusing(
     "FullyShardedDataParallelPlugin",
     "Pass strategy=FSDPStrategy(sharding_strategy=..., auto_wrap_policy=..., cpu_offload=...) "
     "(trainforge.strategies.FSDPStrategy) or strategy='fsdp' to the Accelerator",
 )
-MegatronLMPlugin = _refusing(
+MegatronLMPlugin = refusing(
     "MegatronLMPlugin",
     "Pass strategy=MegatronStrategy(tensor_parallel_size=..., pipeline_parallel_size=...) "
     "(trainforge.strategies.MegatronStrategy) to the Accelerator",
 )
-GradientAccumulationPlugin = _refusing(
+GradientAccumulationPlugin = refusing(
     "GradientAccumulationPlugin",
     "Pass Accelerator(gradient_accumulation_steps=<num_steps>): gradients sync on the window's last "
     "micro-batch and at the end of the dataloader, and a prepared scheduler steps once per optimizer step",
 )
-AutocastKwargs = _refusing(
+AutocastKwargs = refusing(
     "AutocastKwargs",
     "Mixed precision comes from Accelerator(mixed_precision=...); for other autocast settings wrap the "
     "code in torch.autocast(device_type, dtype=..., cache_enabled=...) yourself",
 )
-FP8RecipeKwargs = _refusing(
+FP8RecipeKwargs = refusing(
     "FP8RecipeKwargs",
     "Accelerator(mixed_precision='fp8') trains with torchao's float8 recipe (tensorwise scaling); "
     "it takes no recipe arguments",
 )
-TorchDynamoPlugin = _refusing(
+TorchDynamoPlugin = refusing(
     "TorchDynamoPlugin",
     "Call model = torch.compile(model, backend=..., mode=...) before accelerator.prepare(model)",
 )
