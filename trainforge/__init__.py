@@ -7,8 +7,10 @@ folders are installed as ``trainforge.trainer``, ``trainforge.callbacks`` and
 
 from trainforge import trainer as _trainer
 from trainforge.trainer import *  # noqa: F403 - the names listed in trainforge.trainer.__all__
+from trainforge.trainer.compat.accelerate import top_level as _accelerate
+from trainforge.trainer.compat.accelerate.top_level import *  # noqa: F403 - Accelerate's top-level names
 
 __version__ = "0.1.0"
 
-# One list of the public names: trainforge.trainer's, plus the version.
-__all__ = [*_trainer.__all__, "__version__"]
+# One list of the public names: trainforge.trainer's, Accelerate's top-level ones, plus the version.
+__all__ = [*_trainer.__all__, *_accelerate.__all__, "__version__"]
