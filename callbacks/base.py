@@ -45,6 +45,10 @@ class Callback:
     tracker runs)."""
 
     restore_on_rollback: bool = False
+    #: Lightning's "monitoring callback" (checkpointing, early stopping): it runs after the module's hook at
+    #: each event (trainer/loop/module_hooks.py, ``lightning_order``), so it sees what the module logged there
+    #: and a checkpoint it writes holds what the module's hook did.
+    monitors_metrics: bool = False
 
     @property
     def state_key(self) -> str:
@@ -57,6 +61,12 @@ class Callback:
         pass
 
     def on_setup(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None: ...
+    def setup(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
+        """Lightning's name for ``on_setup``: both run (this one after ``on_setup``)."""
+
+    def teardown(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
+        """Lightning's name for ``on_teardown``: both run (this one after ``on_teardown``)."""
+
     def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None: ...
     def on_train_epoch_start(self, trainer: TrainerView, module: TrainingModule) -> None: ...
     def on_train_batch_start(
@@ -173,6 +183,7 @@ class Checkpointer(Callback):
     restore one). ``ModelCheckpoint`` (callbacks/checkpoint.py) is the built-in one; by default it
     writes under ``trainer.default_checkpoint_dir``, the Trainer's setting."""
 
+    monitors_metrics = True
     #: The global step of the newest checkpoint this callback wrote (-1: none yet) and its path.
     last_saved_step: int = -1
     last_path: Optional[str] = None

@@ -53,6 +53,8 @@ class EarlyStopping(Callback):
             that asks to stop, and by rank 0).
     """
 
+    monitors_metrics = True
+
     def __init__(
         self,
         monitor: str,

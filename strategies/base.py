@@ -95,6 +95,9 @@ class Strategy:
     redirect_forward = False
     #: The backend divides the loss by the accumulation steps itself (DeepSpeed's ``engine.backward``).
     handles_accumulation = False
+    #: The backend runs the backward itself (DeepSpeed's ``engine.backward``): a module's ``backward`` hook
+    #: cannot replace ``loss.backward()`` there.
+    own_backward = False
     #: The backend scales fp16 losses itself (DeepSpeed): the precision's grad scaler is not used.
     loss_scaling_in_backend = False
     #: Floating inputs are cast to this dtype (parameters kept in half precision by the backend), or None.

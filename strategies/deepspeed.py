@@ -184,6 +184,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
     redirect_forward = True  # the engine's forward runs ZeRO-3's parameter gathering hooks
     handles_accumulation = True  # engine.backward divides by gradient_accumulation_steps
     loss_scaling_in_backend = True  # the config's fp16 section scales the loss
+    own_backward = True  # engine.backward: a module's backward hook cannot replace it
 
     def __init__(
         self,

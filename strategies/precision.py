@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Any, ContextManager, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, Optional
 
 import torch
 from torch import nn
@@ -53,6 +53,8 @@ class Precision:
         self.name = normalize_precision(precision)
         self.device = torch.device(device)
         self.skipped_steps = 0  # optimizer steps skipped by the grad scaler (inf/nan gradients)
+        # set by the Trainer for a fit whose module overrides ``backward`` (trainer/loop/step_hooks.py)
+        self.module_backward: Optional[Callable[[torch.Tensor], None]] = None
         self.step_was_skipped = False  # the last optimizer step was one of them
         self.scaler: Optional[torch.amp.GradScaler] = None
         # Floating inputs are cast to this dtype (the parameters' own, where autocast does not reach):
@@ -106,7 +108,12 @@ class Precision:
         return apply_to_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        if self.module_backward is not None:
+            # the module's Lightning ``backward(loss)`` hook, given the scaled loss as in Lightning
+            self.module_backward(scaled)
+        else:
+            scaled.backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale gradients once per step, before clipping or inspecting them."""

@@ -52,10 +52,10 @@ def test_fit_event_order_matches_documented_loop(tmp_path):
     trainer.fit(module, DataLoader(data, batch_size=8), DataLoader(data, batch_size=16))
     step = [
         "on_train_batch_start",
+        "on_before_zero_grad",  # Lightning's place: before the backward of a window's first batch
         "on_before_backward",
         "on_after_backward",
         "on_before_optimizer_step",
-        "on_before_zero_grad",
         "on_log",
     ]
     validation = [
@@ -80,7 +80,7 @@ def test_fit_event_order_matches_documented_loop(tmp_path):
         + ["on_train_epoch_end", "on_train_end", "on_fit_end", "on_teardown"]
     )
     assert rec.events == expected
-    # the module receives the same events, and before the callbacks (one mechanism, module first)
+    # the module receives the same events, after the callbacks (Lightning 2.6's order)
     assert module.events == ["on_fit_start", "on_train_batch_end", "on_train_batch_end"]
 
 

@@ -188,7 +188,8 @@ def load_state(acc: Accelerator, path: Path, parts: CheckpointParts) -> tuple[Di
         parts.progress.load_state_dict(state["progress"])
     saved_callbacks = state.get("callbacks", {})
     for cb in parts.callbacks:
-        if cb.state_key in saved_callbacks:
+        if saved_callbacks.get(cb.state_key):
+            # an empty state is not loaded (Lightning)
             cb.load_state_dict(saved_callbacks[cb.state_key])
     fresh = [cb.state_key for cb in parts.callbacks if cb.state_key not in saved_callbacks and cb.state_dict()]
     if fresh and strategy.is_global_zero:

@@ -35,6 +35,24 @@ def restore_modes(modes: Dict[nn.Module, bool]) -> None:
         m.training = training
 
 
+def _mode_hook(module: TrainingModule, step_name: str, mode: str) -> Callable[[], None]:
+    """Lightning's ``on_validation_model_<mode>`` (also for the sanity check) or ``on_test_model_<mode>``."""
+    stage = "test" if step_name == "test_step" else "validation"
+    return getattr(module, f"on_{stage}_model_{mode}")
+
+
+def _restore(module: TrainingModule, step_name: str, modes: Dict[nn.Module, bool]) -> None:
+    """After the loop: the module's ``on_<stage>_model_train`` when it overrides it (Lightning), else each
+    submodule's mode as it was before."""
+    from trainforge.trainer.loop.step_hooks import overridden
+
+    stage = "test" if step_name == "test_step" else "validation"
+    if overridden(module, f"on_{stage}_model_train"):
+        _mode_hook(module, step_name, "train")()
+    else:
+        restore_modes(modes)
+
+
 _LIMITS = {"validation_step": "limit_val_batches", "test_step": "limit_test_batches"}
 
 
@@ -66,6 +84,8 @@ class Evaluation:
     ) -> None:
         self.accelerator, self.strategy, self.config = accelerator, accelerator.strategy, config
         self.fire, self.logging, self.callbacks = fire, logging, callbacks
+        # the module's batch-transfer hooks for the stage (trainer/loop/step_hooks.py), or None
+        self.transfer: Optional[Callable[[Any, int], Any]] = None
 
     def prepare_model(self, module: TrainingModule, model: Any, loaders: Any = ()) -> Any:
         """The prepared model to evaluate ``module`` with: ``model`` when it already wraps it."""
@@ -92,7 +112,8 @@ class Evaluation:
         start, epoch_start, batch_start, batch_end, epoch_end, end = EVAL_EVENTS[step_name]
         logging = self.logging
         modes, logging.running = module_modes(module), "val"
-        module.eval()
+        # Lightning's on_validation_model_eval / on_test_model_eval (default: eval mode)
+        _mode_hook(module, step_name, "eval")()
         check_dataloader_idx(module, self.callbacks, step_name, (batch_start.value, batch_end.value), len(loaders))
         logging.loader_of = {}
         self.fire(start)
@@ -112,7 +133,7 @@ class Evaluation:
         logging.fire_epoch_end(epoch_end, drop=sanity)
         logging.fire_epoch_end(end, drop=sanity)
         logging.running = "train"
-        restore_modes(modes)
+        _restore(module, step_name, modes)
 
     def _run_loader(
         self,
@@ -137,9 +158,12 @@ class Evaluation:
         limit = limited(loader_length(loader), getattr(self.config, name), name)
         if max_batches is not None and max_batches >= 0:
             limit = min(limit, max_batches)
+        transfer = self.transfer
         for batch_idx, batch in enumerate(loader):
             if batch_idx >= limit:
                 break
+            if transfer is not None:
+                batch = transfer(batch, dataloader_idx)
             self.logging.batch = batch
             self.fire(batch_start, batch, batch_idx, *extra)
             out = self.strategy.evaluate_batch(model, loader_step, batch, batch_idx)
@@ -157,7 +181,7 @@ class Evaluation:
         check_dataloader_idx(module, self.callbacks, "predict_step", (batch_start.value, batch_end.value), len(loaders))
         outputs: List[List[Any]] = []
         modes = module_modes(module)
-        module.eval()
+        module.on_predict_model_eval()
         self.fire(start)
         self.fire(epoch_start)
         step = self.accelerator.step_function(model, "predict_step")
@@ -177,10 +201,16 @@ class Evaluation:
         extra = (dataloader_idx,) if loader_count > 1 else ()
         outputs: List[Any] = []
         prepared = self.accelerator.prepare_data_loader(loader)
+        transfer = self.transfer
+        if transfer is not None:
+            # the module's hooks move the batches
+            prepared.device = torch.device("cpu")
         limit = limited(loader_length(prepared), self.config.limit_predict_batches, "limit_predict_batches")
         for batch_idx, batch in enumerate(prepared):
             if batch_idx >= limit:
                 break
+            if transfer is not None:
+                batch = transfer(batch, dataloader_idx)
             self.fire(batch_start, batch, batch_idx, *extra)
             with self.accelerator.autocast():
                 out = step(batch, batch_idx, *extra)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -266,9 +266,23 @@ def validation_due(config: LoopConfig, progress: Progress, loaders: List[Any], n
     return done % every == 0
 
 
-def step_schedulers(configs: List[Dict[str, Any]], interval: str, count: int, metrics: Dict[str, Any]) -> None:
+def _step_scheduler(scheduler: Any, metric: Any) -> None:
+    if metric is None:
+        scheduler.step()
+    else:
+        scheduler.step(metric)
+
+
+def step_schedulers(
+    configs: List[Dict[str, Any]],
+    interval: str,
+    count: int,
+    metrics: Dict[str, Any],
+    step: Callable[[Any, Any], None] = _step_scheduler,
+) -> None:
     """Step the schedulers of ``interval`` ("step" or "epoch") due at ``count``; a ReduceLROnPlateau
-    with the value of its monitored metric among ``metrics``."""
+    with the value of its monitored metric among ``metrics``. ``step(scheduler, metric)`` steps one: the
+    module's ``lr_scheduler_step`` (Lightning's hook), by default ``scheduler.step([metric])``."""
     for cfg in configs:
         if cfg["interval"] != interval or count % cfg["frequency"] != 0:
             continue
@@ -276,7 +290,7 @@ def step_schedulers(configs: List[Dict[str, Any]], interval: str, count: int, me
         plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         # parse_optimizers sets it (Lightning's key)
         if not cfg.get("reduce_on_plateau", plateau):
-            scheduler.step()
+            step(scheduler, None)
             continue
         key = cfg.get("monitor")
         if key not in metrics:
@@ -288,7 +302,7 @@ def step_schedulers(configs: List[Dict[str, Any]], interval: str, count: int, me
                 raise ConfigurationError(message + " ('strict': False skips such steps with a warning)")
             warnings.warn(message + "; this scheduler step is skipped ('strict': False)", UserWarning)
             continue
-        scheduler.step(float(metrics[key]))
+        step(scheduler, float(metrics[key]))
 
 
 def warn_skips(skipped_by_scaler: int, skipped_nonfinite: int, is_global_zero: bool) -> None:

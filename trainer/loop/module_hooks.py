@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from trainforge.callbacks.events import Event
+from trainforge.trainer.loop.step_hooks import LoopHooks
 
 #: Event -> the module's method name, where it differs from the callback's (Lightning's names).
 _RENAMED = {Event.SETUP: "setup", Event.TEARDOWN: "teardown"}
@@ -22,6 +23,29 @@ _CALLBACK_ONLY = {Event.LOG, Event.EXCEPTION, Event.SANITY_CHECK_START, Event.SA
 
 def module_hook_name(event: Event) -> Optional[str]:
     return None if event in _CALLBACK_ONLY else _RENAMED.get(event, event.value)
+
+
+#: A callback's methods for an event: the event's own name, and Lightning's callback name where it differs.
+_CALLBACK_NAMES = {Event.SETUP: ("on_setup", "setup"), Event.TEARDOWN: ("on_teardown", "teardown")}
+
+
+def callback_hook_names(event: Event) -> Tuple[str, ...]:
+    return _CALLBACK_NAMES.get(event, (event.value,))
+
+
+Listener = Tuple[str, Callable[..., Any]]
+
+
+def lightning_order(event: Event, module: List[Listener], callbacks: List[Tuple[Listener, bool]]) -> List[Listener]:
+    """One event's listeners in Lightning 2.6's order: the callbacks (in their order), then the module; the
+    module first at LOAD_CHECKPOINT. The monitoring callbacks (``callbacks``' flag: checkpointing, early
+    stopping) run after the module, as Lightning runs them at ``on_train_epoch_end``; here at every event, so
+    that a checkpoint written at BATCH_END holds what the module's ``on_train_batch_end`` did (exact resume)."""
+    plain = [listener for listener, monitors in callbacks if not monitors]
+    monitoring = [listener for listener, monitors in callbacks if monitors]
+    if event is Event.LOAD_CHECKPOINT:
+        return module + plain + monitoring
+    return plain + module + monitoring
 
 
 class ModuleHooks:
@@ -175,7 +199,10 @@ def warn_unknown_hooks(module: Any) -> None:
     unknown = sorted(
         name
         for name in dir(type(module))
-        if name.startswith("on_") and name not in MODULE_HOOKS and callable(getattr(type(module), name))
+        if name.startswith("on_")
+        and name not in MODULE_HOOKS
+        and name not in vars(LoopHooks)
+        and callable(getattr(type(module), name))
     )
     if unknown:
         warnings.warn(

@@ -28,15 +28,29 @@ class StageLoaders:
         self.strategy, self.owner = strategy, owner
         self.datamodule: Any = None
 
+    def prepare_data(self, datamodule: Any, module: Any) -> None:
+        """Lightning's ``prepare_data``: the datamodule's (once, when it is new to this Trainer), then the
+        module's (at every stage, when it defines one), on local rank 0 of each node; the others wait."""
+        from trainforge.trainer.loop.step_hooks import overridden
+
+        calls = []
+        if datamodule is not None and datamodule is not self.datamodule:
+            calls.append(datamodule.prepare_data)
+        if module is not None and overridden(module, "prepare_data"):
+            calls.append(module.prepare_data)
+        if not calls:
+            return
+        if self.strategy.local_rank == 0:
+            for call in calls:
+                call()
+        self.strategy.barrier()
+
     def setup_datamodule(self, datamodule: Any, stage: str) -> None:
+        """The datamodule's ``setup(stage)``, once per datamodule (its ``prepare_data`` ran before)."""
         if datamodule is self.datamodule:
             return
         self.datamodule = datamodule
         datamodule.trainer = self.owner
-        if self.strategy.local_rank == 0:
-            # once per node; the other processes wait
-            datamodule.prepare_data()
-        self.strategy.barrier()
         datamodule.setup(stage)
 
     def loaders_for(
@@ -49,6 +63,7 @@ class StageLoaders:
         method = _LOADER_METHODS[stage]
         source = datamodule if datamodule is not None else module
         if datamodule is not None:
+            self.prepare_data(datamodule, None)
             self.setup_datamodule(datamodule, "fit" if stage == "validate" and fitting else stage)
         if not callable(getattr(source, method, None)):
             if not required:

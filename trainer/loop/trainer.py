@@ -396,10 +396,6 @@ class Trainer(LightningAttributes):
             listeners[event] = instrument(lightning_order(event, module_targets, callback_targets), self.callbacks)
         self._listeners = listeners
 
-    # ---- fit -------------------------------------------------------------------------------------
-    def fit(
-        self,
-        model: TrainingModule,
     def _reads_skip(self, hook: Any) -> Any:
         def read(trainer: Any, module: Any, *args: Any) -> None:
             result = hook(trainer, module, *args)
@@ -411,6 +407,10 @@ class Trainer(LightningAttributes):
         val_dataloaders: Any = None,
         datamodule: Any = None,
         ckpt_path: Optional[str] = None,
+    # ---- fit -------------------------------------------------------------------------------------
+    def fit(
+        self,
+        model: TrainingModule,
     ) -> None:
         """Train ``model``: setup, resume, the sanity check, then the epochs until ``max_epochs``,
         ``max_steps``, ``trainer.should_stop`` or a stop signal (then every rank saves the same step and
@@ -505,10 +505,6 @@ class Trainer(LightningAttributes):
         if self._pipelined:
             _check_pipelined(self.compile, manual)
         self._prepare_model_and_optimizers(module, manual)
-        self._manual.bind(module, self.model, self._prepared_optimizers, self._training_step)
-        self._loss.start(module)
-        # none without validation_step
-        val_loaders = validation_loaders(module, val_loaders, self._pipelined)
         self._hooks = step_overrides(module, self.strategy)
         if self._hooks.backward:
             # Lightning's backward hook replaces loss.backward() (reset at the end of fit)
@@ -517,6 +513,10 @@ class Trainer(LightningAttributes):
             keep_on_host(acc.prepare_data_loader(dl), self._transfer) for dl in as_list(val_loaders)
         ]
         self.num_training_batches = _count_training_batches(self.train_dataloader, self.config)
+        self._manual.bind(module, self.model, self._prepared_optimizers, self._training_step)
+        self._loss.start(module)
+        # none without validation_step
+        val_loaders = validation_loaders(module, val_loaders, self._pipelined)
         check_same_batch_count(self.strategy, self.num_training_batches)
 
     def _prepare_model_and_optimizers(self, module: TrainingModule, manual: bool) -> None:
@@ -614,18 +614,12 @@ class Trainer(LightningAttributes):
         p, loader = self.progress, self.train_dataloader
         loader.set_epoch(p.epoch)
         self._fire(Event.EPOCH_START)
-        for batch in loader:
-            self._train_batch(batch, p.batch_idx)
-            p.batch_idx += 1
-            # the epoch's last batch: by count, or (a loader without length) when the data ended
-            p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches or self._data_ended)
-            validated = validation_due(self.config, p, self.val_dataloaders, self.num_training_batches)
         transfer = self._transfer
-            if validated:
+        for batch in loader:
             if transfer is not None:
                 # the module's on_before_batch_transfer/transfer_batch_to_device/on_after_batch_transfer
                 batch = transfer(batch, 0)
-                self._validate()
+            self._train_batch(batch, p.batch_idx)
             if self._skip_epoch:
                 # on_train_batch_start returned -1: this batch is not trained, the epoch ends (Lightning)
                 self._skip_epoch, p.epoch_end_pending = False, 1
@@ -639,6 +633,12 @@ class Trainer(LightningAttributes):
             # free them before the next batch arrives
             self._logging.batch = self._last_output = batch = None
             if not validated and self._stopping_and_validates():
+            p.batch_idx += 1
+            # the epoch's last batch: by count, or (a loader without length) when the data ended
+            p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches or self._data_ended)
+            validated = validation_due(self.config, p, self.val_dataloaders, self.num_training_batches)
+            if validated:
+                self._validate()
                 # Lightning validates, then stops
                 self._validate()
             if self._stops.finished(self.should_stop) or p.epoch_end_pending:
@@ -717,20 +717,14 @@ class Trainer(LightningAttributes):
             guard.record(loss)
         if first:
             self._zero_grad(batch_idx)
+        self._closure_loss = loss.detach()
         if guard is not None or self._loss.check(loss, batch_idx):
             self._fire(Event.BEFORE_BACKWARD, loss)
-        self._closure_loss = loss.detach()
             # a summed loss's count
             items = output.get(ITEMS_KEY) if isinstance(output, dict) else None
             self.accelerator.backward(loss, self.model, num_items=items)
             self._fire(Event.AFTER_BACKWARD)
 
-    def _after_pipeline_step(self, loss: torch.Tensor, batch_idx: int) -> None:
-        """Pipeline parallelism: the strategy's schedule ran forward, ``module.loss_fn`` and backward
-        of every micro-batch (training_step is not called); the batch loss, the same on every rank,
-        is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
-        self._last_output = loss
-        self._fit_module.log("train/loss", loss)
     def _zero_grad(self, batch_idx: int) -> None:
         """BEFORE_ZERO_GRAD, then the module's ``optimizer_zero_grad`` (``optimizer.zero_grad()``)."""
         # the user's optimizer: the prepared one zeroes only on a sync step (Accelerate's rule)
@@ -744,14 +738,14 @@ class Trainer(LightningAttributes):
             self._fire(Event.AFTER_BACKWARD)
         else:
             for opt in self.optimizers:
+    def _after_pipeline_step(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """Pipeline parallelism: the strategy's schedule ran forward, ``module.loss_fn`` and backward
+        of every micro-batch (training_step is not called); the batch loss, the same on every rank,
+        is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
+        self._last_output = loss
+        self._fit_module.log("train/loss", loss)
                 opt.zero_grad()
 
-    def _optimizer_step(self) -> None:
-        acc, optimizer = self.accelerator, self.optimizer.optimizer
-        # summed losses: the window's count (if its last backward was skipped)
-        acc.end_item_window(self.model)
-        guard = self._step_guard
-        decision = "step" if guard is None else guard.decide(self.strategy, self.global_step, self.is_global_zero)
     def _module_optimizer_step(self, batch: Any, batch_idx: int, first: bool) -> None:
         """The module's own ``optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)`` (Lightning's):
         the closure runs the batch; ``optimizer.step`` the loop's step. A step counts when the hook returns."""
@@ -770,7 +764,7 @@ class Trainer(LightningAttributes):
             return
         self._count_step()
 
-        if guard is not None and decision != "step":
+    def _optimizer_step(self) -> None:
         if self._guarded_step():
             self._count_step()
 
@@ -782,6 +776,12 @@ class Trainer(LightningAttributes):
                 # the newest checkpoint's weights; the data goes on
                 self._checkpoints.roll_back(guard, self._checkpoint_parts())
             self._logging.emit(guard.metrics())
+        acc, optimizer = self.accelerator, self.optimizer.optimizer
+        # summed losses: the window's count (if its last backward was skipped)
+        acc.end_item_window(self.model)
+        guard = self._step_guard
+        decision = "step" if guard is None else guard.decide(self.strategy, self.global_step, self.is_global_zero)
+        if guard is not None and decision != "step":
             return False
         if acc.precision.scaler is not None:
             acc.precision.unscale_(optimizer)
@@ -1067,6 +1067,7 @@ class Trainer(LightningAttributes):
         _check_module(module, stage)
         object.__setattr__(module, "_trainer", self)
         self.module, self.stage, self.should_stop = module, stage, False
+        add_module_callbacks(self.callbacks, module)
         self._logging.module = module
         if stage == "fit":
             warn_unknown_hooks(module)
@@ -1086,10 +1087,10 @@ class Trainer(LightningAttributes):
             if module is not None:
                 configure_model(module)
                 self._transfer = batch_transfer(module, datamodule, self.strategy.root_device, self.strategy)
-                self._evaluation.transfer = self._transfer
         module = self.module
-        except BaseException as exc:
+                self._evaluation.transfer = self._transfer
             self._loaders.prepare_data(datamodule, module)
+        except BaseException as exc:
             self._fire(Event.EXCEPTION, exc)
             self._fire(Event.TEARDOWN, stage)
             raise

@@ -16,6 +16,8 @@ from trainforge.strategies.errors import ConfigurationError, TrainforgeError, ch
 from trainforge.trainer.checkpoint.module_checkpoint import class_only, init_arguments, load_weights, read_checkpoint
 from trainforge.trainer.loop.manual import ManualOptimizer
 from trainforge.trainer.loop.module_hooks import ModuleHooks
+from trainforge.trainer.loop.step_hooks import LoopHooks
+from trainforge.trainer.module.export import export_onnx, export_torchscript, module_all_gather
 from trainforge.trainer.module.hparams import AttributeDict, HyperparametersMixin
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 M = TypeVar("M", bound="TrainingModule")
 
 
-class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
+class TrainingModule(ModuleHooks, LoopHooks, HyperparametersMixin, nn.Module):
     """The model to train, its steps and its optimizers: an ``nn.Module`` that the ``Trainer`` runs.
 
     Subclass it; implement ``training_step(batch, batch_idx)``, which returns the loss (a tensor, a dict with
@@ -100,7 +102,7 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
     # ---- what users call -----------------------------------------------------------------------
     @property
     def trainer(self) -> Trainer:
-        if self._trainer is None:
+        if self._trainer is None and not self.__dict__.get("_jit_is_scripting"):
             raise TrainforgeError(
                 f"{type(self).__name__} is not attached to a Trainer; "
                 "self.trainer, self.log and friends work inside Trainer.fit/validate/test/predict"
@@ -223,6 +225,45 @@ class TrainingModule(ModuleHooks, HyperparametersMixin, nn.Module):
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the global-zero process only (every process when not attached to a Trainer)."""
+        if self._trainer is None or self._trainer.is_global_zero:
+            print(*args, **kwargs)
+
+    def all_gather(self, data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+        """Every tensor of ``data`` from all processes, stacked on a new first dim of size world_size
+        (one process: unchanged, as in Lightning); ``sync_grads``: gradients flow back to each rank's part."""
+        return module_all_gather(self, data, group, sync_grads)
+
+    def freeze(self) -> None:
+        """No parameter requires gradients, and the module is in eval mode."""
+        for param in self.parameters():
+            param.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Every parameter requires gradients, and the module is in train mode."""
+        for param in self.parameters():
+            param.requires_grad = True
+        self.train()
+
+    def to_torchscript(
+        self, file_path: Any = None, method: str = "script", example_inputs: Any = None, **kwargs: Any
+    ) -> Any:
+        """The module as TorchScript (``torch.jit.script`` or, with ``method="trace"``, ``torch.jit.trace``
+        on ``example_inputs`` or ``self.example_input_array``), saved to ``file_path`` when given."""
+        return export_torchscript(self, file_path, method, example_inputs, **kwargs)
+
+    def to_onnx(self, file_path: Any, input_sample: Any = None, **kwargs: Any) -> Any:
+        """``torch.onnx.export`` of the module on ``input_sample`` (default ``self.example_input_array``)."""
+        return export_onnx(self, file_path, input_sample, **kwargs)
+
+    def to_tensorrt(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigurationError(
+            f"{type(self).__name__}.to_tensorrt: trainforge does not build TensorRT engines; compile the trained "
+            "module with torch_tensorrt.compile(module, inputs=[...]) (pip install torch-tensorrt) instead"
+        )
 
     def clip_gradients(
         self,
