@@ -1,7 +1,9 @@
 """The lifecycle events of a run, in the order the Trainer fires them.
 
-``Trainer.fit`` is, written as pseudocode (each ``EVENT`` line is one dispatch, first to the
-``TrainingModule`` and then to every callback in order)::
+``Trainer.fit`` is, written as pseudocode (each ``EVENT`` line is one dispatch in Lightning 2.6's order:
+the callbacks in their order, then the ``TrainingModule``; at LOAD_CHECKPOINT the module first; the
+monitoring callbacks, ``Callback.monitors_metrics``: checkpointing and early stopping, always after the
+module)::
 
     SETUP(stage="fit")
     [LOAD_CHECKPOINT(checkpoint)]                  # when resuming (RNG is restored after TRAIN_START)
@@ -14,13 +16,15 @@
         for batch_idx, batch in train_loader:      # resumes mid-epoch at the exact next batch
             BATCH_START(batch, batch_idx)
             loss = module.training_step(batch, batch_idx)     # under autocast
+            [BEFORE_ZERO_GRAD(optimizer), module.optimizer_zero_grad(...)]   # a window's first batch
             BEFORE_BACKWARD(loss)
             accelerator.backward(loss)             # gradient sync skipped inside accumulation
             AFTER_BACKWARD
             if this micro-batch completes an accumulation window (or the epoch):
                 BEFORE_OPTIMIZER_STEP(optimizer)   # gradients unscaled, not yet clipped
-                clip, optimizer.step(), BEFORE_ZERO_GRAD(optimizer), zero_grad(), global_step += 1,
-                scheduler.step() ("step")
+                clip, optimizer.step(), global_step += 1, scheduler.step() ("step")
+                (a module overriding optimizer_step runs the lines from training_step to here through its
+                optimizer_closure and optimizer.step: trainer/loop/step_hooks.py)
                 [LOG(metrics, step)]               # every ``log_every_n_steps``
             if validation is due:                  # val_check_interval, check_val_every_n_epoch
                 VALIDATION_START, VALIDATION_EPOCH_START
