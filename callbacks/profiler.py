@@ -168,7 +168,6 @@ _PHASES = {
 _CLOSES = {
     "on_before_backward": ("[loop] training_step",),
     "on_after_backward": ("[loop] backward",),
-    "on_before_zero_grad": ("[loop] optimizer_step",),
     "on_validation_end": ("[loop] validation",),
     "on_train_batch_end": ("[loop] training_step", "[loop] backward", "[loop] optimizer_step", "[loop] training_batch"),
 }
@@ -345,9 +344,6 @@ class PyTorchProfiler(HookProfiler):
     def on_before_optimizer_step(self, trainer: TrainerView, module: TrainingModule, optimizer: Any) -> None:
         if self.profiler is not None:
             self._enter(_PHASES["on_before_optimizer_step"])
-
-    def on_before_zero_grad(self, trainer: TrainerView, module: TrainingModule, optimizer: Any) -> None:
-        self._exit(_CLOSES["on_before_zero_grad"])
 
     def on_validation_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self.profiler is not None:
