@@ -403,14 +403,14 @@ class Trainer(LightningAttributes):
 
         return read
 
-        train_dataloaders: Any = None,
-        val_dataloaders: Any = None,
-        datamodule: Any = None,
-        ckpt_path: Optional[str] = None,
     # ---- fit -------------------------------------------------------------------------------------
     def fit(
         self,
         model: TrainingModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: Any = None,
+        ckpt_path: Optional[str] = None,
     ) -> None:
         """Train ``model``: setup, resume, the sanity check, then the epochs until ``max_epochs``,
         ``max_steps``, ``trainer.should_stop`` or a stop signal (then every rank saves the same step and
@@ -509,14 +509,14 @@ class Trainer(LightningAttributes):
         if self._hooks.backward:
             # Lightning's backward hook replaces loss.backward() (reset at the end of fit)
             self.strategy.precision.module_backward = module.backward
-        self.val_dataloaders = [
-            keep_on_host(acc.prepare_data_loader(dl), self._transfer) for dl in as_list(val_loaders)
-        ]
-        self.num_training_batches = _count_training_batches(self.train_dataloader, self.config)
         self._manual.bind(module, self.model, self._prepared_optimizers, self._training_step)
         self._loss.start(module)
         # none without validation_step
         val_loaders = validation_loaders(module, val_loaders, self._pipelined)
+        self.val_dataloaders = [
+            keep_on_host(acc.prepare_data_loader(dl), self._transfer) for dl in as_list(val_loaders)
+        ]
+        self.num_training_batches = _count_training_batches(self.train_dataloader, self.config)
         check_same_batch_count(self.strategy, self.num_training_batches)
 
     def _prepare_model_and_optimizers(self, module: TrainingModule, manual: bool) -> None:
@@ -556,13 +556,13 @@ class Trainer(LightningAttributes):
         for loader in [self.train_dataloader, *self.val_dataloaders]:
             if isinstance(loader, PreparedDataLoader):
                 loader.release_workers()
+        self.strategy.precision.module_backward = None
         self._checkpoints.end_run()
 
     # ---- the training loop -----------------------------------------------------------------------
     @property
     def _fit_module(self) -> TrainingModule:
         """The module being fitted (attached by ``fit`` before the loop runs)."""
-        self.strategy.precision.module_backward = None
         module = self.module
         if module is None:
             raise ConfigurationError("no module is attached: the loop runs inside fit(module, ...)")
@@ -627,18 +627,18 @@ class Trainer(LightningAttributes):
                 p.batch_idx += 1
                 self.accelerator.step = 0
                 break
-            # all ranks stop at one step on a signal
-            self.stop_signals.poll(self.strategy, p.global_step)
-            self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
-            # free them before the next batch arrives
-            self._logging.batch = self._last_output = batch = None
-            if not validated and self._stopping_and_validates():
             p.batch_idx += 1
             # the epoch's last batch: by count, or (a loader without length) when the data ended
             p.epoch_end_pending = int(p.batch_idx >= self.num_training_batches or self._data_ended)
             validated = validation_due(self.config, p, self.val_dataloaders, self.num_training_batches)
             if validated:
                 self._validate()
+            # all ranks stop at one step on a signal
+            self.stop_signals.poll(self.strategy, p.global_step)
+            self._fire(Event.BATCH_END, self._last_output, batch, p.batch_idx - 1)
+            # free them before the next batch arrives
+            self._logging.batch = self._last_output = batch = None
+            if not validated and self._stopping_and_validates():
                 # Lightning validates, then stops
                 self._validate()
             if self._stops.finished(self.should_stop) or p.epoch_end_pending:
@@ -667,13 +667,13 @@ class Trainer(LightningAttributes):
         acc.check_checkpoint()
         self._logging.batch, self._logging.running = batch, "train"
         self._fire(Event.BATCH_START, batch, batch_idx)
+        if self._skip_epoch:
+            return
         # A loader without length flagged its last batch itself (it reads one ahead)
         self._data_ended = self.num_training_batches == float("inf") and acc.gradient_state.end_of_dataloader
         acc.gradient_state.end_of_dataloader = batch_idx + 1 >= self.num_training_batches or self._data_ended
         if not self._fit_module.automatic_optimization:
             self._last_output = self._manual.run_step(batch, batch_idx)
-            return
-        if self._skip_epoch:
             return
         # Lightning zeroes the gradients before the backward of a window's first batch
         first = acc.step == 0
@@ -709,15 +709,15 @@ class Trainer(LightningAttributes):
         batch, BEFORE_BACKWARD, backward (Lightning's order)."""
         loss = self._loss.loss_of(output, batch_idx)
         self._last_output = output
+        if first:
+            self._zero_grad(batch_idx)
         if loss is None:
             return
+        self._closure_loss = loss.detach()
         guard = self._step_guard
         if guard is not None:
             # decided for every rank at the optimizer step
             guard.record(loss)
-        if first:
-            self._zero_grad(batch_idx)
-        self._closure_loss = loss.detach()
         if guard is not None or self._loss.check(loss, batch_idx):
             self._fire(Event.BEFORE_BACKWARD, loss)
             # a summed loss's count
@@ -732,18 +732,18 @@ class Trainer(LightningAttributes):
         self._fire(Event.BEFORE_ZERO_GRAD, optimizer)
         self._fit_module.optimizer_zero_grad(self.current_epoch, batch_idx, optimizer)
 
-        if self._step_guard is not None:
-            self._step_guard.record(loss)
-        if self._step_guard is not None or self._loss.check(loss, batch_idx):
-            self._fire(Event.AFTER_BACKWARD)
-        else:
-            for opt in self.optimizers:
     def _after_pipeline_step(self, loss: torch.Tensor, batch_idx: int) -> None:
         """Pipeline parallelism: the strategy's schedule ran forward, ``module.loss_fn`` and backward
         of every micro-batch (training_step is not called); the batch loss, the same on every rank,
         is logged as ``train/loss``. BEFORE_BACKWARD does not fire (the backward is inside the schedule)."""
         self._last_output = loss
         self._fit_module.log("train/loss", loss)
+        if self._step_guard is not None:
+            self._step_guard.record(loss)
+        if self._step_guard is not None or self._loss.check(loss, batch_idx):
+            self._fire(Event.AFTER_BACKWARD)
+        else:
+            for opt in self.optimizers:
                 opt.zero_grad()
 
     def _module_optimizer_step(self, batch: Any, batch_idx: int, first: bool) -> None:
@@ -770,18 +770,18 @@ class Trainer(LightningAttributes):
 
     def _guarded_step(self) -> bool:
         """The window's optimizer step, unless the step guard skips it or rolls back (then False)."""
-            # every rank together: no optimizer or scheduler step, the batches count
-            optimizer.zero_grad()
-            if decision == "rollback":
-                # the newest checkpoint's weights; the data goes on
-                self._checkpoints.roll_back(guard, self._checkpoint_parts())
-            self._logging.emit(guard.metrics())
         acc, optimizer = self.accelerator, self.optimizer.optimizer
         # summed losses: the window's count (if its last backward was skipped)
         acc.end_item_window(self.model)
         guard = self._step_guard
         decision = "step" if guard is None else guard.decide(self.strategy, self.global_step, self.is_global_zero)
         if guard is not None and decision != "step":
+            # every rank together: no optimizer or scheduler step, the batches count
+            optimizer.zero_grad()
+            if decision == "rollback":
+                # the newest checkpoint's weights; the data goes on
+                self._checkpoints.roll_back(guard, self._checkpoint_parts())
+            self._logging.emit(guard.metrics())
             return False
         if acc.precision.scaler is not None:
             acc.precision.unscale_(optimizer)
@@ -838,15 +838,15 @@ class Trainer(LightningAttributes):
         p.epoch, p.batch_idx = p.epoch + 1, 0
 
     def _validate(self) -> None:
+        if self.accelerator.step == 0:
+            # at a window boundary: Lightning's hook frees the gradients before validation
+            self._fit_module.on_validation_model_zero_grad()
         self._evaluation.run(self._fit_module, self.model, self.val_dataloaders, "validation_step")
 
     def _sanity_check(self) -> None:
         """``num_sanity_val_steps`` validation batches before training, so a broken validation_step
         fails in seconds. Callbacks see ``trainer.stage == "sanity_check"`` (and ``sanity_checking``)."""
         n = self.num_sanity_val_steps
-        if self.accelerator.step == 0:
-            # at a window boundary: Lightning's hook frees the gradients before validation
-            self._fit_module.on_validation_model_zero_grad()
         if n == 0 or not self.val_dataloaders or self.config.limit_val_batches == 0:
             return
         self.stage = "sanity_check"
@@ -1080,16 +1080,16 @@ class Trainer(LightningAttributes):
         module's ``setup(stage)``, the callbacks' ``on_setup``), then the module's
         ``configure_model()``; only then are its loaders asked for, the model placed and its
         optimizers built, so layers created in ``setup`` or ``configure_model`` are trained."""
+        module = self.module
         try:
+            self._loaders.prepare_data(datamodule, module)
             if datamodule is not None:
                 self._loaders.setup_datamodule(datamodule, stage)
             self._fire(Event.SETUP, stage)
             if module is not None:
                 configure_model(module)
                 self._transfer = batch_transfer(module, datamodule, self.strategy.root_device, self.strategy)
-        module = self.module
                 self._evaluation.transfer = self._transfer
-            self._loaders.prepare_data(datamodule, module)
         except BaseException as exc:
             self._fire(Event.EXCEPTION, exc)
             self._fire(Event.TEARDOWN, stage)
