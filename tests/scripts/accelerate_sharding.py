@@ -13,7 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 BACKEND = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else "trainforge"
 if BACKEND == "accelerate":
@@ -42,6 +42,21 @@ CASES = [
     (13, 3, True, False, True, False, 99),  # SeedableRandomSampler: epoch e is the permutation of seed 99 + e
     (13, 4, True, True, True, False, "initial"),  # data_seed None: torch.initial_seed() when prepared
 ]
+# dispatch_batches (rank 0 reads, every rank gets its slice): (dataset length, batch_size, split_batches, kind);
+# "stream" is an IterableDataset (dispatched by default, as Accelerate), "shuffled" a shuffled map-style dataset
+DISPATCH_CASES = [
+    (11, 2, False, "stream"),  # the last group [8, 9, 10] completed with the epoch's first row: rank 1 [10, 0]
+    (11, 4, True, "stream"),
+    (11, 2, False, "shuffled"),  # only rank 0's sampler draws from the global RNG
+]
+
+
+class Stream(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
 
 
 class Indices(Dataset):
@@ -78,14 +93,33 @@ def run_case(accelerator, case):
     return {"epochs": epochs, "len": len(prepared), "draw": torch.rand(1).item()}
 
 
+def run_dispatch_case(case):
+    n, batch_size, split, kind = case
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=split))
+    if kind == "shuffled":  # map-style: dispatched when asked
+        accelerator = Accelerator(
+            cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=split, dispatch_batches=True)
+        )
+    set_seed(1234)
+    dataset = Stream(n) if kind == "stream" else Indices(n)
+    prepared = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=kind == "shuffled"))
+    epochs = [[batch.tolist() for batch in prepared] for _ in range(2)]
+    return {"epochs": epochs, "draw": torch.rand(1).item()}
+
+
+def gathered(results, cases):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, results)
+    return [[every[r][i] for r in range(len(every))] for i in range(len(cases))]
+
+
 def main():
     accelerator = Accelerator(cpu=True)
-    results = [run_case(accelerator, case) for case in CASES]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
+    results = gathered([run_case(accelerator, case) for case in CASES], CASES)
+    dispatched = gathered([run_dispatch_case(case) for case in DISPATCH_CASES], DISPATCH_CASES)
     if dist.get_rank() == 0:
-        results = [[gathered[r][i] for r in range(len(gathered))] for i in range(len(CASES))]
         print("CASES " + json.dumps({"specs": CASES, "results": results}))
+        print("DISPATCH " + json.dumps({"specs": DISPATCH_CASES, "results": dispatched}))
     accelerator.wait_for_everyone()
 
 

@@ -30,6 +30,8 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 # output on Accelerate (each rank's batches of epoch 0 and, after set_epoch(5), of epoch 5, and the next global
 # RNG draw)
 ACCELERATE_CASES = "0654b228be2949e0a7669d5179f960ce79554a9104e15d8d6a366a87147f1adf"
+# the same of its DISPATCH output (dispatch_batches: an IterableDataset, a shuffled map-style dataset)
+ACCELERATE_DISPATCH = "e1938de6970ed80934463a0e95ee529eb1af6349ea32791c5feaf3c3ed5f3a89"
 # len() of the prepared loader on rank 0 and rank 1, per case, on Accelerate
 ACCELERATE_LENS = [
     [2, 2],
@@ -86,13 +88,16 @@ def epoch_orders(n, shuffle, data_seed=None, seed=1234):
 @pytest.fixture(scope="module")
 def cases():
     proc = forklaunch.launch(SCRIPTS / "accelerate_sharding.py", nproc=2, timeout=120)
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("CASES "))
-    out = json.loads(line[len("CASES ") :])
-    return out["specs"], out["results"]
+    found = {}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("CASES", "DISPATCH"):
+            found[key] = json.loads(value)
+    return found["CASES"]["specs"], found["CASES"]["results"], found["DISPATCH"]["results"]
 
 
 def test_each_rank_gets_whole_batches_by_accelerates_rule(cases):
-    specs, results = cases
+    specs, results, _ = cases
     assert results[0][0]["epochs"][0] == [[0, 1], [4, 5]] and results[0][1]["epochs"][0] == [[2, 3], [6, 7]]
     for spec, ranks in zip(specs, results):
         n, batch_size, shuffle, split, even, drop_last = spec[:6]
@@ -103,7 +108,7 @@ def test_each_rank_gets_whole_batches_by_accelerates_rule(cases):
 
 
 def test_batches_and_random_draws_are_accelerates_recorded_ones(cases):
-    _, results = cases
+    _, results, _ = cases
     core = [[{k: v for k, v in rank.items() if k != "len"} for rank in case] for case in results]
     assert hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest() == ACCELERATE_CASES
     lens = [[rank["len"] for rank in case] for case in results]
@@ -111,6 +116,16 @@ def test_batches_and_random_draws_are_accelerates_recorded_ones(cases):
     # (13 samples, batch 4: [12]) gives rank 1 three batches; Accelerate's len() says 4 there, trainforge the count.
     assert lens[9] == [4, 3] and ACCELERATE_LENS[9] == [4, 4]
     assert lens[:9] + lens[10:] == ACCELERATE_LENS[:9] + ACCELERATE_LENS[10:]
+
+
+def test_dispatched_batches_are_accelerates(cases):
+    """dispatch_batches (an IterableDataset's default): the last group is completed with the epoch's first rows,
+    and only rank 0's sampler draws from the global RNG (the other ranks' streams are left as Accelerate leaves
+    them)."""
+    _, _, dispatched = cases
+    stream = dispatched[0]
+    assert [rank["epochs"][0] for rank in stream] == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [10, 0]]]
+    assert hashlib.sha256(json.dumps(dispatched, sort_keys=True).encode()).hexdigest() == ACCELERATE_DISPATCH
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -199,9 +199,12 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
     r0, r1 = torch.load(out, weights_only=True)
     everything = list(range(11))
     # Split (with and without workers, naive or worker-aware datasets) and dispatch: each sample on one
-    # rank; the padded last step repeats the last round's start; gather_for_metrics returns each once.
-    expected = ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 10, 6]])
+    # rank; the padded last step repeats the last round's start when split, the epoch's first rows when
+    # dispatched (as Accelerate's DataLoaderDispatcher); gather_for_metrics returns each once.
+    split_expected = ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 10, 6]])
+    dispatched_expected = ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 10, 0]])
     for key in ("split_naive", "split_naive_workers", "split_aware_workers", "dispatch_default"):
+        expected = dispatched_expected if key.startswith("dispatch") else split_expected
         assert (r0[key][0], r1[key][0]) == expected, key
         assert r0[key][1] == r1[key][1] == everything, key
     # even_batches=False: no duplicates, the last rank's last batch is short (split and dispatched alike)
@@ -215,10 +218,10 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
     )
     # split_batches: rank 0 reads one batch of 4 and each rank takes 2 rows; the last 3 rows are padded
     assert r0["dispatch_split_batches"][0] == [[0, 1], [4, 5], [8, 9]]
-    assert r1["dispatch_split_batches"][0] == [[2, 3], [6, 7], [10, 8]]
+    assert r1["dispatch_split_batches"][0] == [[2, 3], [6, 7], [10, 0]]
     assert r0["dispatch_split_batches"][1] == everything
     # nested dicts/lists of tensors are dispatched; a map-style dataset too (last group of 2 rows: 1 each)
-    assert r1["dispatch_nested"][1] == {"x": [[6.0, 6.0], [4.0, 4.0]], "pair": [[6, 4], [-6, -4]]}
+    assert r1["dispatch_nested"][1] == {"x": [[6.0, 6.0], [0.0, 0.0]], "pair": [[6, 0], [-6, 0]]}  # + first row
     assert r0["dispatch_nested"][0]["pair"] == [[0, 1], [0, -1]]
     assert r0["dispatch_map"] == ([[0, 1], [4, 5], [8]], list(range(10)))
     assert r1["dispatch_map"][0] == [[2, 3], [6, 7], [9]]

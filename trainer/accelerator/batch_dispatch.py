@@ -7,8 +7,9 @@ the result (first the layout: nesting, shapes and dtypes; then the tensors, on t
 ``r`` keeps rows ``[r * n, (r + 1) * n)``, so the rank-major gather of a step is the stream's order.
 
 The last group (``R`` rows, not a multiple of the ranks): ``even_batches=True`` gives every rank
-``ceil(R / world)`` rows, completing the group by repeating its own rows from its start (Accelerate
-repeats the epoch's first rows); the duplicates are counted so ``gather_for_metrics`` drops them.
+``ceil(R / world)`` rows, completing the group with the epoch's first rows, as Accelerate (``first_rows``,
+kept in the loader's saved state so a resumed epoch pads alike); the duplicates are counted so
+``gather_for_metrics`` drops them.
 ``even_batches=False`` gives the last ranks fewer rows, or no batch. With the loader's
 ``drop_last=True`` an incomplete last group is dropped. Batches hold tensors, possibly nested in
 dicts, lists and tuples; anything else is refused (it cannot be split by rows).
@@ -104,6 +105,9 @@ class BatchDispatcher:
         self.broadcast, self.split_batches, self.even_batches = broadcast, split_batches, even_batches
         self.drop_last = bool(getattr(loader, "drop_last", False))
         self.state_of = state_of
+        #: The first ``world_size`` rows of the epoch's first group, one tensor per leaf in ``_layout``'s order
+        #: (what Accelerate pads the last group with); None until this epoch's first group arrives.
+        self.first_rows: Optional[List[torch.Tensor]] = None
 
     def __iter__(self) -> Iterator[Tuple[Any, int, Optional[Dict[str, Any]]]]:
         iterator = iter(self.loader) if self.rank == 0 else None
@@ -113,13 +117,16 @@ class BatchDispatcher:
             if batch is None:
                 return
             rows = _rows_of(batch)
+            if self.first_rows is None:
+                leaves: List[torch.Tensor] = []
+                _layout(batch, leaves)
+                self.first_rows = [leaf[:world].clone() for leaf in leaves]
             per = -(-rows // world)
             start = self.rank * per
             padding = 0
             if rows % world and self.even_batches:
                 padding = per * world - rows
-                index = torch.arange(start, start + per, device=self.device) % rows
-                piece = _apply(batch, lambda t: t.index_select(0, index))
+                piece = _apply(_padded(batch, self.first_rows, padding), lambda t: t[start : start + per])
             else:
                 end = min(rows, start + per)
                 if end <= start:
@@ -171,6 +178,17 @@ class BatchDispatcher:
             ]
         tensors = [self.broadcast(t) for t in tensors]
         return _rebuild(header, tensors), state
+
+
+def _padded(batch: Any, first_rows: List[torch.Tensor], padding: int) -> Any:
+    """``batch`` with ``padding`` more rows, taken from the epoch's first rows (cycled when they are fewer)."""
+    tensors: List[torch.Tensor] = []
+    layout = _layout(batch, tensors)
+    extended = []
+    for tensor, first in zip(tensors, first_rows):
+        index = torch.arange(padding, device=first.device) % first.shape[0]
+        extended.append(torch.cat([tensor, first.index_select(0, index).to(tensor.device)]))
+    return _rebuild(layout, extended)
 
 
 def _collect(layout: Any, leaves: List[_Leaf]) -> None:

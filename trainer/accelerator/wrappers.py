@@ -159,12 +159,11 @@ class PreparedDataLoader:
             self.epoch, self._resumed, self.batch_in_epoch = epoch, False, 0
 
     def __iter__(self) -> Iterator[Any]:  # noqa: PLR0915 - a generator: its loader state lives in one frame
-        from trainforge.strategies.data.loader import num_padding_samples, samples_in_last_batch, set_loader_epoch
+        from trainforge.strategies.data.loader import num_padding_samples, samples_in_last_batch
 
         if not self._resumed or self.batch_in_epoch == 0:  # a new epoch (also one resumed at its start)
             self.batch_in_epoch = 0
-            set_loader_epoch(self.loader, self.epoch)  # sampler, batch sampler or dataset
-            self._draw_epoch_randomness()
+            self._start_epoch()
             if self._skip:
                 self._start_at(self._skip)
         self._skip = 0
@@ -296,6 +295,14 @@ class PreparedDataLoader:
                 "same on every process (per epoch, e.g. in set_epoch), not per rank"
             )
 
+    def _start_epoch(self) -> None:
+        from trainforge.strategies.data.loader import set_loader_epoch
+
+        set_loader_epoch(self.loader, self.epoch)  # sampler, batch sampler or dataset
+        if self.dispatcher is not None:
+            self.dispatcher.first_rows = None  # the new epoch's first rows pad its last group
+        self._draw_epoch_randomness()
+
     def _draw_epoch_randomness(self) -> None:
         """What iterating a plain ``DataLoader(shuffle=True, generator=g)`` draws, in torch's order: the
         worker base seed from ``g`` (else the global RNG), then RandomSampler's permutation from its
@@ -334,7 +341,8 @@ class PreparedDataLoader:
             g.manual_seed(self.order_seed + self.epoch)
         elif g is None:  # RandomSampler without a generator: one drawn from the global RNG
             g = torch.Generator()
-            g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+            if self.dispatcher is None or self.dispatcher.rank == 0:  # dispatched: only the reading rank's sampler
+                g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
             state = g.get_state()
             return self.broadcast(state) if self.broadcast is not None else state
         elif self.broadcast is not None:  # rank 0's generator on every rank (Accelerate synchronises it)
@@ -411,12 +419,15 @@ class PreparedDataLoader:
         from trainforge.strategies.data.loader import loader_state_dict
 
         position = copy.deepcopy(self._held_state) if self._held_state is not None else loader_state_dict(self.loader)
-        return {
+        state = {
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "loader": position,
             "user_generators": list(self._generators_after),
         }
+        if self.dispatcher is not None and self.dispatcher.first_rows is not None:
+            state["dispatch_first_rows"] = [t.detach().cpu() for t in self.dispatcher.first_rows]
+        return state
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
         from trainforge.strategies.data.loader import load_loader_state
@@ -425,6 +436,9 @@ class PreparedDataLoader:
             world_size, rank = 1, 0
         load_loader_state(self.loader, state["loader"], world_size=world_size, rank=rank)
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        if self.dispatcher is not None:  # what a resumed epoch pads its last group with
+            first = state.get("dispatch_first_rows")
+            self.dispatcher.first_rows = [t.to(self.dispatcher.device) for t in first] if first else None
         users = [g for g in (self.base_generator, self.order_generator) if g is not None]
         users = [g for i, g in enumerate(users) if g not in users[:i]]
         saved = state.get("user_generators", [])
