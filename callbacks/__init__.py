@@ -25,6 +25,7 @@ _EXPORTS = {
     "RNGSync": "trainforge.callbacks.rng_sync",
     "ModelSummary": "trainforge.callbacks.model_summary",
     "WeightAveraging": "trainforge.callbacks.weight_averaging",
+    "BaseFinetuning": "trainforge.callbacks.finetuning",
     "LossSpikes": "trainforge.callbacks.loss_spikes",
     "EMAWeightAveraging": "trainforge.callbacks.weight_averaging",
     "TrackerCallback": "trainforge.callbacks.trackers.base",

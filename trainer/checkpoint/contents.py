@@ -165,6 +165,9 @@ def load_state(acc: Accelerator, path: Path, parts: CheckpointParts) -> tuple[Di
     _check_parts(path, meta, state, parts)
     _check_needed_callbacks(path, state, parts)
     partial_grads = read_partial_gradients(acc, path, state, parts.model)  # checked before anything is restored
+    # callbacks first: one that reshapes the optimizers (BaseFinetuning's added parameter groups) does so before
+    # their saved states are loaded into them
+    _load_callbacks(path, meta, state, parts, strategy.is_global_zero)
     if parts.model is not None:
         load_model_state(strategy, path, meta, parts.model, [o.optimizer for o in parts.optimizers])
     sched_states = convert_scheduler_states(
@@ -186,19 +189,6 @@ def load_state(acc: Accelerator, path: Path, parts: CheckpointParts) -> tuple[Di
         opt.step_count = int(state["progress"].get("global_step", 0))
     if parts.progress is not None:
         parts.progress.load_state_dict(state["progress"])
-    saved_callbacks = state.get("callbacks", {})
-    for cb in parts.callbacks:
-        if saved_callbacks.get(cb.state_key):
-            # an empty state is not loaded (Lightning)
-            cb.load_state_dict(saved_callbacks[cb.state_key])
-    fresh = [cb.state_key for cb in parts.callbacks if cb.state_key not in saved_callbacks and cb.state_dict()]
-    if fresh and strategy.is_global_zero:
-        log.warning(
-            "trainforge: %s holds no state for callback(s) %s (written by %s); they start fresh",
-            path,
-            ", ".join(fresh),
-            _writer_name(meta),
-        )
     if parts.datamodule is not None and "datamodule" in state:
         parts.datamodule.load_state_dict(state["datamodule"])
     rng, loader_states = _read_rank_state(path, meta, strategy)
@@ -213,6 +203,24 @@ def load_state(acc: Accelerator, path: Path, parts: CheckpointParts) -> tuple[Di
             len(parts.loaders),
         )
     return state, rng
+
+
+def _load_callbacks(
+    path: Path, meta: Dict[str, Any], state: Dict[str, Any], parts: CheckpointParts, announce: bool
+) -> None:
+    saved_callbacks = state.get("callbacks", {})
+    for cb in parts.callbacks:
+        if saved_callbacks.get(cb.state_key):
+            # an empty state is not loaded (Lightning)
+            cb.load_state_dict(saved_callbacks[cb.state_key])
+    fresh = [cb.state_key for cb in parts.callbacks if cb.state_key not in saved_callbacks and cb.state_dict()]
+    if fresh and announce:
+        log.warning(
+            "trainforge: %s holds no state for callback(s) %s (written by %s); they start fresh",
+            path,
+            ", ".join(fresh),
+            _writer_name(meta),
+        )
 
 
 def _clock(acc: Accelerator, parts: CheckpointParts) -> Optional[Dict[str, Any]]:
