@@ -26,6 +26,8 @@ _EXPORTS = {
     "ModelSummary": "trainforge.callbacks.model_summary",
     "WeightAveraging": "trainforge.callbacks.weight_averaging",
     "BaseFinetuning": "trainforge.callbacks.finetuning",
+    "RichModelSummary": "trainforge.callbacks.rich_display",
+    "RichProgressBar": "trainforge.callbacks.rich_display",
     "LossSpikes": "trainforge.callbacks.loss_spikes",
     "EMAWeightAveraging": "trainforge.callbacks.weight_averaging",
     "TrackerCallback": "trainforge.callbacks.trackers.base",

@@ -37,24 +37,24 @@ def _params(module: nn.Module) -> Tuple[int, int]:
     return sum(p.numel() for p in seen), sum(p.numel() for p in seen if p.requires_grad)
 
 
-def summarize(module: nn.Module, max_depth: int = 1) -> str:
-    """The summary table of ``module`` as text (see the module docstring)."""
+def summary_rows(module: nn.Module, max_depth: int = 1) -> List[Tuple[str, str, str, str, str]]:
+    """The table's rows: (index, name, type, parameter count, mode), one per submodule down to ``max_depth``."""
     rows: List[Tuple[str, str, str, str, str]] = []
     for name, sub in module.named_modules():
         depth = name.count(".") + 1
         if not name or (max_depth != -1 and depth > max_depth):
             continue
         rows.append((str(len(rows)), name, type(sub).__name__, human_count(_params(sub)[0]), _mode(sub)))
-    header = ("", "Name", "Type", "Params", "Mode")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    line = "-" * (sum(widths) + 3 * (len(widths) - 1))
-    lines = [" | ".join(c.ljust(w) for c, w in zip(header, widths)), line]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return rows
+
+
+def summary_totals(module: nn.Module) -> List[Tuple[str, str]]:
+    """(value, label) of the lines under the table: parameter counts, size, modules in train and eval mode."""
     total, trainable = _params(module)
     size_mb = sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values()) / 1e6
     subs = [m for name, m in module.named_modules() if name]
     train = sum(m.training for m in subs)
-    totals = [
+    return [
         (human_count(trainable), "Trainable params"),
         (human_count(total - trainable), "Non-trainable params"),
         (human_count(total), "Total params"),
@@ -62,7 +62,17 @@ def summarize(module: nn.Module, max_depth: int = 1) -> str:
         (str(train), "Modules in train mode"),
         (str(len(subs) - train), "Modules in eval mode"),
     ]
-    return "\n".join(lines + [line] + [f"{value:<10} {label}" for value, label in totals])
+
+
+def summarize(module: nn.Module, max_depth: int = 1) -> str:
+    """The summary table of ``module`` as text (see the module docstring)."""
+    rows = summary_rows(module, max_depth)
+    header = ("", "Name", "Type", "Params", "Mode")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    line = "-" * (sum(widths) + 3 * (len(widths) - 1))
+    lines = [" | ".join(c.ljust(w) for c, w in zip(header, widths)), line]
+    lines += [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines + [line] + [f"{value:<10} {label}" for value, label in summary_totals(module)])
 
 
 def _mode(module: nn.Module) -> str:
