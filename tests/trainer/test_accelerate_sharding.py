@@ -96,6 +96,7 @@ def cases():
     return found["CASES"]["specs"], found["CASES"]["results"], found["DISPATCH"]["results"]
 
 
+@pytest.mark.slow
 def test_each_rank_gets_whole_batches_by_accelerates_rule(cases):
     specs, results, _ = cases
     assert results[0][0]["epochs"][0] == [[0, 1], [4, 5]] and results[0][1]["epochs"][0] == [[2, 3], [6, 7]]
@@ -107,6 +108,7 @@ def test_each_rank_gets_whole_batches_by_accelerates_rule(cases):
             assert got == expected, f"case {spec}, epoch {epoch}"
 
 
+@pytest.mark.slow
 def test_batches_and_random_draws_are_accelerates_recorded_ones(cases):
     _, results, _ = cases
     core = [[{k: v for k, v in rank.items() if k != "len"} for rank in case] for case in results]
@@ -118,6 +120,7 @@ def test_batches_and_random_draws_are_accelerates_recorded_ones(cases):
     assert lens[:9] + lens[10:] == ACCELERATE_LENS[:9] + ACCELERATE_LENS[10:]
 
 
+@pytest.mark.slow
 def test_dispatched_batches_are_accelerates(cases):
     """dispatch_batches (an IterableDataset's default): the last group is completed with the epoch's first rows,
     and only rank 0's sampler draws from the global RNG (the other ranks' streams are left as Accelerate leaves
@@ -128,6 +131,7 @@ def test_dispatched_batches_are_accelerates(cases):
     assert hashlib.sha256(json.dumps(dispatched, sort_keys=True).encode()).hexdigest() == ACCELERATE_DISPATCH
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [False, True])
 def test_a_two_process_accelerate_program_ends_with_accelerates_weights(split):
     args = ["--split_batches"] if split else []
