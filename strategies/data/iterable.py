@@ -18,11 +18,12 @@ a dataset that can skip data without reading it should shard itself and opt out
 The end of the stream (``R`` samples in the last, incomplete round):
 
 - ``drop_last=True``: the incomplete round is dropped (as Accelerate), every rank the same batches;
-- ``even_batches=True`` (default): the round is completed by repeating its own samples from its
-  start, so every rank gets a full last batch; the number of duplicates travels with the batch
-  (``TaggedBatch.padding``) so the loop can drop them from gathered metrics. Accelerate repeats
-  the epoch's first samples instead; repeating the round's keeps no epoch-long buffer and nothing
-  extra in the resumable state;
+- ``even_batches=True`` (default): the round is completed with the stream's first samples (its first
+  round, as Accelerate's ``IterableDatasetShard``; the round's own when it is the first), so every rank
+  gets a full last batch; the number of duplicates travels with the batch (``TaggedBatch.padding``) so
+  the loop can drop them from gathered metrics. Every reader keeps the first round it read; a Stateful
+  dataset resumed past it reads it again at the end, from its state at the epoch's start (kept in the
+  resumable state), and is then put back where it ended;
 - ``even_batches=False``: no duplicates; the last rank(s) get a short last batch or one batch fewer.
 
 Every reader must see the same stream: seed any shuffling per epoch (``set_epoch`` is forwarded),
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 import torch
@@ -161,6 +163,8 @@ class ShardedIterableDataset(IterableDataset):
         self.chunk = batch_size or 1  # batch_size=None: the dataset's items are the batches
         self._start_round = 0  # where the next iteration starts (a restored position)
         self._round = 0  # the round after the last one this reader handed out
+        self._first_round: Optional[List[Any]] = None  # the stream's first round (the last one's padding)
+        self._epoch_start: Any = None  # a Stateful dataset's state when this epoch's stream began
 
     def set_epoch(self, epoch: int) -> None:
         if callable(getattr(self.dataset, "set_epoch", None)):
@@ -182,6 +186,8 @@ class ShardedIterableDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         start, self._start_round = self._start_round, 0
         self._round = start
+        if start == 0:
+            self._first_round, self._epoch_start = None, self._dataset_state()
         per_round, chunk = self.chunk * self.world_size, self.chunk
         lo, hi = self.rank * chunk, (self.rank + 1) * chunk
         source = _read_as_one_worker(self.dataset)
@@ -191,14 +197,19 @@ class ShardedIterableDataset(IterableDataset):
             mine = round_index % workers == worker
             buffer: List[Any] = []
             count = 0
+            first: Optional[List[Any]] = [] if round_index == 0 else None
             for sample in source:
                 count += 1
                 if round_index == start and count == 1:
                     mark = fingerprint(sample)
                 if mine:
                     buffer.append(sample)
+                if first is not None:
+                    first.append(sample)
                 if count == per_round:
                     break
+            if first:
+                self._first_round = first
             if count == 0:
                 return
             if mine:
@@ -208,7 +219,8 @@ class ShardedIterableDataset(IterableDataset):
                     if self.drop_last:
                         return
                     if self.even_batches:
-                        extra = [buffer[i % count] for i in range(per_round - count)]
+                        pad_from = self._padding_source(per_round) or buffer
+                        extra = [pad_from[i % len(pad_from)] for i in range(per_round - count)]
                         padding = sum(1 if self.batch_size is not None else batch_size_of(x) for x in extra)
                         buffer = buffer + extra
                 for sample in buffer[lo:hi]:
@@ -218,16 +230,36 @@ class ShardedIterableDataset(IterableDataset):
                 return
             round_index += 1
 
+    def _dataset_state(self) -> Any:
+        return None  # a stream without state: a resume reads it again from its start, first round included
+
+    def _padding_source(self, per_round: int) -> Optional[List[Any]]:
+        """The stream's first round (what the last round is completed with), None when this round is the first."""
+        return self._first_round
+
 
 class StatefulShardedIterableDataset(ShardedIterableDataset):
     """For a Stateful dataset: resumes at the saved round without reading what came before."""
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"round": self._round, "dataset": self.dataset.state_dict()}
+        return {"round": self._round, "dataset": self.dataset.state_dict(), "epoch_start": self._epoch_start}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.dataset.load_state_dict(state["dataset"])
         self._start_round = self._round = int(state["round"])
+        self._first_round, self._epoch_start = None, state.get("epoch_start")
+
+    def _dataset_state(self) -> Any:
+        return self.dataset.state_dict()
+
+    def _padding_source(self, per_round: int) -> Optional[List[Any]]:
+        """Resumed past the first round: read it again from the epoch's start, then put the dataset back."""
+        if self._first_round is None and self._epoch_start is not None:
+            ended = self.dataset.state_dict()
+            self.dataset.load_state_dict(self._epoch_start)
+            self._first_round = list(itertools.islice(_read_as_one_worker(self.dataset), per_round))
+            self.dataset.load_state_dict(ended)
+        return self._first_round
 
 
 def shard_iterable(dataset: Any, **kwargs: Any) -> ShardedIterableDataset:

@@ -42,12 +42,17 @@ CASES = [
     (13, 3, True, False, True, False, 99),  # SeedableRandomSampler: epoch e is the permutation of seed 99 + e
     (13, 4, True, True, True, False, "initial"),  # data_seed None: torch.initial_seed() when prepared
 ]
-# dispatch_batches (rank 0 reads, every rank gets its slice): (dataset length, batch_size, split_batches, kind);
-# "stream" is an IterableDataset (dispatched by default, as Accelerate), "shuffled" a shuffled map-style dataset
+# IterableDatasets and dispatch_batches (rank 0 reads, every rank gets its slice): (dataset length, batch_size,
+# split_batches, kind); "stream" is an IterableDataset (dispatched by default, as Accelerate), "shuffled" a
+# shuffled map-style dataset dispatched, "split" an IterableDataset with dispatch_batches=False (each rank reads
+# the stream and keeps its batches: Accelerate's IterableDatasetShard)
 DISPATCH_CASES = [
     (11, 2, False, "stream"),  # the last group [8, 9, 10] completed with the epoch's first row: rank 1 [10, 0]
     (11, 4, True, "stream"),
     (11, 2, False, "shuffled"),  # only rank 0's sampler draws from the global RNG
+    (11, 2, False, "split"),  # the last round [8, 9, 10] completed with the first round's start: rank 1 [10, 0]
+    (11, 4, True, "split"),
+    (3, 2, False, "split"),  # the first round is the last: completed with itself
 ]
 
 
@@ -95,13 +100,11 @@ def run_case(accelerator, case):
 
 def run_dispatch_case(case):
     n, batch_size, split, kind = case
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=split))
-    if kind == "shuffled":  # map-style: dispatched when asked
-        accelerator = Accelerator(
-            cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=split, dispatch_batches=True)
-        )
+    dispatch = {"stream": None, "shuffled": True, "split": False}[kind]  # map-style: dispatched when asked
+    config = DataLoaderConfiguration(split_batches=split, dispatch_batches=dispatch)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
     set_seed(1234)
-    dataset = Stream(n) if kind == "stream" else Indices(n)
+    dataset = Indices(n) if kind == "shuffled" else Stream(n)
     prepared = accelerator.prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=kind == "shuffled"))
     epochs = [[batch.tolist() for batch in prepared] for _ in range(2)]
     return {"epochs": epochs, "draw": torch.rand(1).item()}

@@ -30,8 +30,8 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 # output on Accelerate (each rank's batches of epoch 0 and, after set_epoch(5), of epoch 5, and the next global
 # RNG draw)
 ACCELERATE_CASES = "0654b228be2949e0a7669d5179f960ce79554a9104e15d8d6a366a87147f1adf"
-# the same of its DISPATCH output (dispatch_batches: an IterableDataset, a shuffled map-style dataset)
-ACCELERATE_DISPATCH = "e1938de6970ed80934463a0e95ee529eb1af6349ea32791c5feaf3c3ed5f3a89"
+# the same of its DISPATCH output (IterableDatasets dispatched and split, a shuffled map-style dataset dispatched)
+ACCELERATE_DISPATCH = "236ec5da44e15887a9f6e9e1eeb8be8d7ad6c7fea92901c8abc47020c159fa9d"
 # len() of the prepared loader on rank 0 and rank 1, per case, on Accelerate
 ACCELERATE_LENS = [
     [2, 2],
@@ -121,13 +121,14 @@ def test_batches_and_random_draws_are_accelerates_recorded_ones(cases):
 
 
 @pytest.mark.slow
-def test_dispatched_batches_are_accelerates(cases):
+def test_iterable_and_dispatched_batches_are_accelerates(cases):
     """dispatch_batches (an IterableDataset's default): the last group is completed with the epoch's first rows,
     and only rank 0's sampler draws from the global RNG (the other ranks' streams are left as Accelerate leaves
-    them)."""
+    them); dispatch_batches=False: the stream's last round is completed with its first round
+    (IterableDatasetShard)."""
     _, _, dispatched = cases
-    stream = dispatched[0]
-    assert [rank["epochs"][0] for rank in stream] == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [10, 0]]]
+    for stream in (dispatched[0], dispatched[3]):
+        assert [rank["epochs"][0] for rank in stream] == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [10, 0]]]
     assert hashlib.sha256(json.dumps(dispatched, sort_keys=True).encode()).hexdigest() == ACCELERATE_DISPATCH
 
 

@@ -74,16 +74,16 @@ def _ranks(dataset_fn, world, **kwargs):
     "n,batch,world,workers,aware",
     [(11, 3, 2, 0, False), (11, 3, 3, 2, False), (20, 2, 2, 2, True), (3, 2, 3, 0, False)],
 )
-def test_split_reads_each_sample_once_padding_repeats_the_last_rounds_start(n, batch, world, workers, aware):
-    """Accelerate IterableDatasetShard: batch-level round robin; the last round is completed so every
-    rank gets the same full batches. With workers (a dataset that splits itself between them or not)
-    nothing is read twice."""
+def test_split_reads_each_sample_once_padding_repeats_the_epochs_start(n, batch, world, workers, aware):
+    """Accelerate IterableDatasetShard: batch-level round robin; the last round is completed with the
+    stream's first samples so every rank gets the same full batches. With workers (a dataset that splits
+    itself between them or not) nothing is read twice."""
     per_rank = _ranks(lambda: Count(n, aware), world, batch_size=batch, num_workers=workers)
     assert len({len(r) for r in per_rank}) == 1 and all(len(b) == batch for r in per_rank for b in r)
     step_major = [x for step in zip(*per_rank) for b in step for x in b]  # the rank-major gather of each step
     assert step_major[:n] == list(range(n))  # stream order; the duplicates are the tail
-    start = n - n % (batch * world) if n % (batch * world) else n  # the last (incomplete) round's first sample
-    assert step_major[n:] == [start + i % (n - start) for i in range(len(step_major) - n)]
+    first_round = min(n, batch * world)  # the stream's first round (the incomplete one itself when it is first)
+    assert step_major[n:] == [i % first_round for i in range(len(step_major) - n)]
     uneven = _ranks(lambda: Count(n, aware), world, batch_size=batch, num_workers=workers, even_batches=False)
     assert sorted(x for r in uneven for b in r for x in b) == list(range(n))
     dropped = _ranks(lambda: Count(n, aware), world, batch_size=batch, num_workers=workers, drop_last=True)
@@ -100,7 +100,7 @@ def test_split_length_batch_size_none_and_opt_out():
             )
             assert len(loader) == len(list(loader))
     items = _ranks(lambda: Count(5), 2, batch_size=None)
-    assert items == [[0, 2, 4], [1, 3, 4]]  # the last round [4] completed by its own start
+    assert items == [[0, 2, 4], [1, 3, 0]]  # the last round [4] completed with the first one's start
     own = Count(4)
     own.shards_by_rank = True
     loader = prepare_dataloader(DataLoader(own, batch_size=2), rank=1, world_size=2)
@@ -108,7 +108,8 @@ def test_split_length_batch_size_none_and_opt_out():
 
 
 def test_split_stream_resumes_without_rereading_a_stateful_dataset():
-    """The position of a Stateful dataset is restored (no re-reading); the loader's own state_dict."""
+    """The position of a Stateful dataset is restored (no re-reading); the loader's own state_dict. The last
+    round is completed with the first one, read again from the dataset's state at the epoch's start."""
     loader = prepare_dataloader(DataLoader(Resumable(13), batch_size=2, num_workers=0), rank=1, world_size=2)
     it = iter(loader)
     seen = [next(it).tolist(), next(it).tolist()]
@@ -117,8 +118,8 @@ def test_split_stream_resumes_without_rereading_a_stateful_dataset():
     again = prepare_dataloader(DataLoader(stream, batch_size=2), rank=1, world_size=2)
     again.load_state_dict(state)
     rest = [b.tolist() for b in again]
-    assert seen == [[2, 3], [6, 7]] and rest == [[10, 11], [12, 12]]
-    assert stream.reads == 13 - 8  # read from sample 8 on, nothing before
+    assert seen == [[2, 3], [6, 7]] and rest == [[10, 11], [1, 2]]  # [12] + the first round's [0, 1, 2]
+    assert stream.reads == 13 - 8 + 4  # read from sample 8 on, then the first round (4 samples) for the padding
 
 
 @pytest.mark.parametrize(
@@ -199,12 +200,10 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
     r0, r1 = torch.load(out, weights_only=True)
     everything = list(range(11))
     # Split (with and without workers, naive or worker-aware datasets) and dispatch: each sample on one
-    # rank; the padded last step repeats the last round's start when split, the epoch's first rows when
-    # dispatched (as Accelerate's DataLoaderDispatcher); gather_for_metrics returns each once.
-    split_expected = ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 10, 6]])
-    dispatched_expected = ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 10, 0]])
+    # rank; the padded last step repeats the epoch's first samples (as Accelerate's IterableDatasetShard and
+    # DataLoaderDispatcher); gather_for_metrics returns each once.
+    expected = ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 10, 0]])
     for key in ("split_naive", "split_naive_workers", "split_aware_workers", "dispatch_default"):
-        expected = dispatched_expected if key.startswith("dispatch") else split_expected
         assert (r0[key][0], r1[key][0]) == expected, key
         assert r0[key][1] == r1[key][1] == everything, key
     # even_batches=False: no duplicates, the last rank's last batch is short (split and dispatched alike)
@@ -227,7 +226,8 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
     assert r1["dispatch_map"][0] == [[2, 3], [6, 7], [9]]
     # save_state mid-epoch, load_state into fresh objects: the rest is the uninterrupted run's; a Stateful
     # dataset is not read again (split: every rank reads from sample 8; dispatched: only rank 0 reads)
-    for mode, reads in (("split", (15, 15)), ("dispatch", (15, 0))):
+    # (split: the first round, 4 samples, read again for the last one's padding)
+    for mode, reads in (("split", (19, 19)), ("dispatch", (15, 0))):
         for rec, read in zip((r0, r1), reads):
             first, rest, stream_reads = rec[f"{mode}_resumed"]
             assert first + rest == rec[f"{mode}_uninterrupted"], mode
@@ -241,7 +241,7 @@ def test_two_processes_split_dispatch_gather_resume_and_trainer(tmp_path):
         assert "shards_by_rank = True" in rec["by_rank"]
     # The Trainer takes the same path (split by default), with a loader that has no length: the
     # epoch ends when the data does, the last batch is flagged, validation sees its share.
-    for rec, batches in ((r0, [[0, 1, 2], [6, 7, 8]]), (r1, [[3, 4, 5], [9, 10, 6]])):
+    for rec, batches in ((r0, [[0, 1, 2], [6, 7, 8]]), (r1, [[3, 4, 5], [9, 10, 0]])):
         t = rec["trainer"]
         assert t["seen"] == [(e, b) for e in (0, 1) for b in batches]
         assert t["ends"] == [False, True, False, True] and (t["epoch"], t["global_step"]) == (2, 4)
