@@ -46,6 +46,7 @@ class BaseFinetuning(Callback):
         self._internal_optimizer_metadata: Dict[int, List[Dict[str, Any]]] = {}
         self._restarting = False
         self._attached: Optional[tuple] = None  # (trainer, module) from setup: a resume rebuilds groups with them
+        self._unsynced: List[nn.Parameter] = []  # frozen when DDP wrapped the model: DDP never averages their grads
 
     # ---- what a subclass overrides ----------------------------------------------------------------
     def freeze_before_training(self, pl_module: TrainingModule) -> None:
@@ -153,14 +154,20 @@ class BaseFinetuning(Callback):
 
     # ---- hooks ------------------------------------------------------------------------------------
     def on_setup(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
-        if any(cls.__name__ == "DeepSpeedStrategy" for cls in type(trainer.strategy).__mro__):
-            raise ConfigurationError(
-                f"{type(self).__name__} (BaseFinetuning) cannot run under DeepSpeed, which builds its own optimizer "
-                "from the parameters at setup and takes no groups added later (Lightning refuses it too): use "
-                "strategy='ddp' or 'fsdp', or leave this callback out"
-            )
+        _check_strategy(self, trainer)
         self._attached = (trainer, module)
         self.freeze_before_training(module)
+        # the model is wrapped after setup: DDP leaves out what is frozen now, and never averages its gradients
+        self._unsynced = [p for p in module.parameters() if not p.requires_grad] if trainer.world_size > 1 else []
+
+    def on_before_optimizer_step(
+        self, trainer: TrainerView, module: TrainingModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """The gradients of what was unfrozen after DDP wrapped the model, averaged over the ranks as DDP averages
+        the others (Lightning leaves them apart: each rank trains its own copy, and the ranks drift)."""
+        for param in self._unsynced:
+            if param.requires_grad and param.grad is not None:  # the same on every rank: one model, one graph
+                param.grad.copy_(trainer.strategy.all_reduce(param.grad, op="mean"))
 
     def on_fit_start(self, trainer: TrainerView, module: TrainingModule) -> None:
         if self._restarting:  # not rebuilt at load (no setup before it): rebuild now, as Lightning does
@@ -247,3 +254,20 @@ def _restore_flags(module: nn.Module, state: Dict[str, Any]) -> None:
         for name, sub in module.named_modules():
             if isinstance(sub, _BatchNorm):
                 sub.track_running_stats = name in tracking
+
+
+def _check_strategy(callback: BaseFinetuning, trainer: TrainerView) -> None:
+    """DeepSpeed is refused (as Lightning refuses it); on several processes, DDP only (see on_before_optimizer_step)."""
+    names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
+        raise ConfigurationError(
+            f"{type(callback).__name__} (BaseFinetuning) cannot run under DeepSpeed, which builds its own optimizer "
+            "from the parameters at setup and takes no groups added later (Lightning refuses it too): use "
+            "strategy='ddp', or leave this callback out"
+        )
+    if trainer.world_size > 1 and "DDPStrategy" not in names:
+        raise ConfigurationError(
+            f"{type(callback).__name__} (BaseFinetuning) on {trainer.world_size} processes needs strategy='ddp': "
+            f"under {type(trainer.strategy).__name__} the parameters unfrozen after the model is wrapped would not "
+            "be reduced like the others. Use strategy='ddp', or one process"
+        )

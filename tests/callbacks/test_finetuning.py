@@ -9,10 +9,15 @@ the unfreeze) does not give them: ``freeze_before_training`` freezes the backbon
 unfreezes it (backbone weights ``[-0.0996, -0.1017, ...]``, BatchNorm running mean ``[-0.1734, ...]``).
 trainforge also keeps which parameters were unfrozen and which BatchNorm layers track statistics, so its
 resume gives the uninterrupted run's weights exactly (a deliberate difference).
+
+On several processes, DDP leaves out of its gradient averaging the parameters frozen when it wrapped the model; the
+backbone unfrozen later then trains apart on each rank (Lightning's behaviour: the ranks drift, 0.26 apart here).
+BaseFinetuning averages those gradients itself, so 2 ranks of 4 samples give the 1-process run of 8.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -21,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainforge.lightning as L
+from tests.helpers.procs import REPO, run, trainforge_launch
 from trainforge.callbacks import BaseFinetuning, ModelCheckpoint
 from trainforge.strategies.errors import ConfigurationError
 
@@ -122,3 +128,22 @@ def test_a_checkpoint_without_the_flags_keeps_what_setup_froze():
         callback.load_state_dict({"internal_optimizer_metadata": {0: [{"lr": 0.01, "params": ["head.weight"]}]}})
     assert callback._internal_optimizer_metadata == {0: [{"lr": 0.01, "params": ["head.weight"]}]}
     assert not net.backbone[0].weight.requires_grad
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_unfrozen_backbone_as_one_process_does(tmp_path):
+    script = REPO / "tests/scripts/finetuning_ddp.py"
+    run([sys.executable, script, tmp_path / "one", "8"], timeout=180)
+    run(trainforge_launch(script, tmp_path / "two", "4"), timeout=180)
+    one, *ranks = (torch.load(tmp_path / d / f"rank-{r}.pt") for d, r in (("one", 0), ("two", 0), ("two", 1)))
+    for name, value in one.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name  # the ranks agree
+        assert torch.allclose(ranks[0][name], value, atol=1e-6), name  # and train as one process
+
+
+def test_several_processes_other_than_ddp_are_refused():
+    class View:
+        world_size, strategy = 2, type("FSDPStrategy", (), {})()
+
+    with pytest.raises(ConfigurationError, match=r"on 2 processes needs strategy='ddp'"):
+        Unfreeze().on_setup(View(), Net(), "fit")
