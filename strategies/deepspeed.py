@@ -31,6 +31,7 @@ fp32 master weights gathered with DeepSpeed's public ``safe_get_full_fp32_param`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -141,6 +142,18 @@ def _check_activation_mode(spec: Any, stage: Any) -> None:
             "would make the gradients wrong. Use 'full' or 'selective:<n>' with stage 3, or 'op' with "
             "stage 1 or 2"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigOptimizer:
+    """Given to ``DeepSpeedStrategy.setup`` in place of the optimizers: DeepSpeed builds the optimizer of the
+    config's ``optimizer`` section (and the scheduler of its ``scheduler`` section, or ``lr_scheduler(optimizer)``)
+    over ``params``, as Accelerate's ``DummyOptim``/``DummyScheduler`` ask. ``auto``: values for the sections'
+    ``"auto"`` entries, by dotted path (``{"optimizer.params.lr": 1e-3}``); only those entries are filled."""
+
+    params: Any
+    auto: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    lr_scheduler: Optional[Any] = None
 
 
 class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
@@ -271,14 +284,15 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
                 f"DeepSpeed wraps one optimizer per model, got {len(optimizers)}; put the "
                 "parameters in param groups of one optimizer"
             )
-        optimizer = optimizers[0] if optimizers else None
+        from_config = optimizers[0] if optimizers and isinstance(optimizers[0], ConfigOptimizer) else None
+        optimizer = optimizers[0] if optimizers and from_config is None else None
         if self.settings.gradient_clip_val is not None and self.settings.gradient_clip_algorithm != "norm":
             raise ConfigurationError(
                 "gradient_clip_algorithm='value' is not available with strategy='deepspeed' "
                 "(DeepSpeed clips by global norm inside engine.step()); use "
                 "gradient_clip_algorithm='norm'"
             )
-        self.config = self.build_config(module, optimizer)
+        self.config = self.build_config(module, optimizer, from_config)
         _check_activation_mode(self.activation_memory, self.config.get("zero_optimization", {}).get("stage"))
         # DeepSpeed keeps the parameters in half precision and its engine turns autocast off for the
         # accelerator inside forward, so floating inputs are cast as Lightning does (input_dtype, read
@@ -292,12 +306,15 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
         )
         self._check_nvme()
         self.wrap_activation_blocks(module)
+        built = {} if from_config is None else {"model_parameters": from_config.params}
+        if from_config is not None and from_config.lr_scheduler is not None:
+            built["lr_scheduler"] = from_config.lr_scheduler
         engine, ds_optimizer, _, _ = self._ds.initialize(
-            model=module, optimizer=optimizer, config=self.config, dist_init_required=False
+            model=module, optimizer=optimizer, config=self.config, dist_init_required=False, **built
         )
         engine.checkpoint_engine.load = weights_only_load  # shadows DeepSpeed's weights_only=False load
         self._engines.append(engine)
-        if optimizer is None:
+        if optimizer is None and from_config is None:
             return engine, []
         self._by_optimizer[id(ds_optimizer)] = engine
         return engine, [ds_optimizer]
@@ -311,9 +328,15 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
             or user_offload.get("device", "none") not in (None, "none")
         )
 
-    def build_config(self, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
+    def build_config(
+        self,
+        module: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        from_config: Optional[ConfigOptimizer] = None,
+    ) -> Dict[str, Any]:
         """The DeepSpeed config for this run: generated from the Trainer's settings (set on this
-        strategy by the Accelerator/Trainer before ``setup``), merged with the user's config."""
+        strategy by the Accelerator/Trainer before ``setup``), merged with the user's config (whose
+        ``optimizer``/``scheduler`` sections are taken only with a ``from_config`` optimizer)."""
         run = self.settings
         settings = TrainingSettings(
             micro_batch_size=run.micro_batch_size,
@@ -334,6 +357,7 @@ class DeepSpeedStrategy(DeepSpeedState, ProcessGroupMixin, Strategy):
             self.user_config,
             explicit_settings(settings, zero, self._zero_given),
             hidden_size=hidden if isinstance(hidden, int) else None,
+            optimizer_auto=None if from_config is None else from_config.auto,
         )
 
     def _choose_auto(self, module: nn.Module, optimizer: Any, precision: str) -> ZeroSettings:

@@ -243,22 +243,36 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _sections_auto(auto: Mapping[str, Any]) -> Dict[str, Any]:
+    """``{"optimizer.params.lr": 1e-3}`` as nested sections, where "auto" values of the user's are looked up."""
+    sections: Dict[str, Any] = {}
+    for path, value in auto.items():
+        _set(sections, path, value)
+    return sections
+
+
 def merge_config(
     generated: Mapping[str, Any],
     user: Optional[Mapping[str, Any]],
     explicit: Mapping[str, Explicit],
     hidden_size: Optional[int] = None,
+    optimizer_auto: Optional[Mapping[str, Any]] = None,
 ) -> Dict[str, Any]:
     """``generated`` overridden by ``user``; "auto" filled from ``generated`` (or from
-    ``hidden_size`` for the bucket sizes; dropped when it is unknown); conflicts raise."""
+    ``hidden_size`` for the bucket sizes; dropped when it is unknown); conflicts raise. The user's
+    ``optimizer``/``scheduler`` sections are taken only when DeepSpeed builds the optimizer from them
+    (``optimizer_auto`` not None: Accelerate's ``DummyOptim``), their "auto" values from ``optimizer_auto``."""
     merged = copy.deepcopy(dict(generated))
     for key in ("optimizer", "scheduler"):
-        if user and key in user:
+        if user and key in user and optimizer_auto is None:
             raise ConfigurationError(
                 f"the DeepSpeed config has an {key!r} section, but trainforge hands DeepSpeed the optimizer and "
                 f"scheduler you create (configure_optimizers / prepare); remove {key!r} from the config and create "
-                "that optimizer/scheduler in code (deepspeed.ops.adam.DeepSpeedCPUAdam is a torch optimizer too)"
+                "that optimizer/scheduler in code (deepspeed.ops.adam.DeepSpeedCPUAdam is a torch optimizer too), "
+                "or, with the Accelerator, prepare trainforge.utils.DummyOptim / DummyScheduler to let DeepSpeed "
+                "build them from the config"
             )
+    sections = _sections_auto(optimizer_auto or {})
     if user and _get(user, "checkpoint.load_universal") is True:
         raise ConfigurationError(
             "checkpoint.load_universal=True in the DeepSpeed config makes DeepSpeed read "
@@ -266,6 +280,9 @@ def merge_config(
             "remove it (trainforge checkpoints resume on the same number of processes)"
         )
     for path, value in _leaves(user or {}):
+        if value == "auto" and _get(sections, path) is not KeyError:
+            _set(merged, path, _get(sections, path))  # the DummyOptim's / DummyScheduler's value
+            continue
         if value == "auto":
             if path in _HIDDEN_SIZE_KEYS:
                 if hidden_size:

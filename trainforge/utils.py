@@ -23,6 +23,7 @@ from trainforge.trainer.compat.accelerate.dataclasses import (
     ProjectConfiguration,
     TorchDynamoPlugin,
 )
+from trainforge.trainer.compat.accelerate.deepspeed import DummyOptim, DummyScheduler
 from trainforge.trainer.compat.accelerate.imports import (  # the is_*_available helpers
     is_4bit_bnb_available,
     is_8bit_bnb_available,
@@ -100,6 +101,8 @@ __all__ = [
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "DummyOptim",
+    "DummyScheduler",
     "FP8RecipeKwargs",
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",

@@ -47,6 +47,7 @@ from trainforge.trainer.accelerator.wrappers import (
 from trainforge.trainer.cluster.stop_signals import SignalsArg, StopSignals
 from trainforge.trainer.compat.accelerate.accelerator_args import AccelerateOptions, release_memory
 from trainforge.trainer.compat.accelerate.dataclasses import ProjectConfiguration
+from trainforge.trainer.compat.accelerate.deepspeed import config_optimizer, prepared_stand_ins
 from trainforge.trainer.compat.accelerate.state import (
     DistributedType,
     PartialState,
@@ -414,6 +415,8 @@ class Accelerator:
             self.update_run_settings(micro_batch_size=loaders[0].batch_size)
         models = [o for o in objects if isinstance(o, nn.Module)]
         optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        # Accelerate's DummyOptim/DummyScheduler: DeepSpeed builds them from its config (compat/accelerate/deepspeed.py)
+        from_config = config_optimizer(self.strategy, objects, self.num_processes, self.split_batches)
         if models:
             # a layout chosen from the model ("auto" sizes) decides the loaders' shards
             self.strategy.plan_layout(models[0], loaders[0] if loaders else None)
@@ -425,10 +428,12 @@ class Accelerator:
         result: Dict[int, Any] = {}
         optimizers_out = optimizers
         for model in models:
-            result[id(model)], optimizers_out = self._setup_model(model, optimizers)
+            result[id(model)], optimizers_out = self._setup_model(model, [from_config] if from_config else optimizers)
             self._autocast_forward(result[id(model)])
         for original, opt in zip(optimizers, optimizers_out):
             result[id(original)] = self._prepared_optimizer(opt)
+        if from_config is not None and models:
+            result.update(prepared_stand_ins(objects, result[id(models[0])], optimizers_out, self._prepared_optimizer))
         out = [self._prepare_other(obj) if id(obj) not in result else result[id(obj)] for obj in objects]
         return out[0] if len(out) == 1 else tuple(out)
 
