@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from tests.helpers import forklaunch
-from trainforge import Accelerator
+from trainforge import Accelerator, seed_everything
 from trainforge.strategies.data.loader import prepare_dataloader
 from trainforge.strategies.errors import ConfigurationError
 
@@ -183,3 +183,52 @@ def test_a_whole_batch_position_another_global_batch_cannot_continue_is_refused(
 def test_data_sharding_names_its_choices():
     with pytest.raises(ConfigurationError, match="data_sharding='rows' is not one of: batches, samples"):
         Accelerator(data_sharding="rows", cpu=True)
+
+
+# ahead_program() on Accelerate 1.15, one process: sha256 of the final parameters (the same program with
+# `from accelerate import Accelerator; from accelerate.utils import set_seed` and Accelerator(cpu=True))
+ACCELERATE_READ_AHEAD = "7257b779658118c1f69563009ba6f029ddaca8c15a773b06e17f8a03ed20f6b2"
+
+
+def _masking_collate(items):
+    """Random masking with the global RNG in the collate function, as DataCollatorForLanguageModeling does."""
+    x = torch.stack(items)
+    return x * (torch.rand(x.shape) > 0.2)
+
+
+def _ahead_setup():
+    seed_everything(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    data = [torch.randn(4) for _ in range(20)]
+    loader = DataLoader(data, batch_size=4, shuffle=True, collate_fn=_masking_collate)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), loader
+
+
+def _digest(model):
+    weights = model.state_dict()
+    return hashlib.sha256(b"".join(weights[k].numpy().tobytes() for k in sorted(weights))).hexdigest()
+
+
+def test_a_prepared_loader_reads_one_batch_ahead_as_accelerate():
+    """Accelerate's DataLoaderShard reads the next batch before handing out the current one, so a collate
+    function (or dataset) drawing from the global RNG draws before the current batch's forward (dropout): the
+    Accelerator does the same, bit for bit with a plain loop that reads ahead and with Accelerate's figure."""
+    acc = Accelerator(cpu=True)
+    model, optimizer, loader = _ahead_setup()
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    for _ in range(2):
+        for x in loader:
+            acc.backward(model(x).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    plain, plain_optimizer, plain_loader = _ahead_setup()
+    for _ in range(2):
+        batches = iter(plain_loader)
+        current = next(batches)
+        while current is not None:
+            following = next(batches, None)  # the next batch is made before the current one's step
+            plain(current).pow(2).mean().backward()
+            plain_optimizer.step()
+            plain_optimizer.zero_grad()
+            current = following
+    assert _digest(acc.unwrap_model(model)) == _digest(plain) == ACCELERATE_READ_AHEAD

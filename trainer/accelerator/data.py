@@ -93,6 +93,7 @@ class DataPreparer:
             base_generator=loader.generator,
             order_generator=getattr(sampler, "generator", None),
             order_seed=order_seed,
+            read_ahead=self.whole_batches,  # Accelerate's DataLoaderShard reads one batch ahead
             broadcast=(lambda obj: self.strategy.broadcast(obj, 0)) if world > 1 else None,
             dispatcher=self._dispatcher(sharded, split, even) if dispatch else None,
             gather_object=self.strategy.all_gather_object if world > 1 else None,

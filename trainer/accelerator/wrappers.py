@@ -115,6 +115,7 @@ class PreparedDataLoader:
         base_generator: Optional[torch.Generator] = None,
         order_generator: Optional[torch.Generator] = None,
         order_seed: Optional[int] = None,
+        read_ahead: bool = False,
         broadcast: Optional[Callable[[Any], Any]] = None,
         dispatcher: Any = None,
         gather_object: Optional[Callable[[Any], List[Any]]] = None,
@@ -133,6 +134,7 @@ class PreparedDataLoader:
         # use_seedable_sampler: epoch e's permutation from a generator seeded with order_seed + e (Accelerate's
         # SeedableRandomSampler, which reseeds the sampler's generator, the user's when it has one)
         self.order_seed = order_seed
+        self.read_ahead = read_ahead  # Accelerate's one batch read ahead (``_reads_ahead``)
         self._skip = 0  # skip_first_batches: batches the next pass starts into the epoch
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -171,7 +173,7 @@ class PreparedDataLoader:
         self._held_state = None
         contiguous = self.dispatcher is not None or self.loader.kind == "stream"
         try:
-            total = -1 if contiguous else len(self.loader)
+            total = -1 if contiguous or self._reads_ahead() else len(self.loader)
         except TypeError:  # an IterableDataset without __len__: the end is known only when it comes
             total = -1
         state = self.gradient_state
@@ -207,7 +209,7 @@ class PreparedDataLoader:
                 for batch, padding, last in self._looked_ahead():
                     self.batch_in_epoch += 1
                     state.end_of_dataloader = last
-                    if last:
+                    if last and contiguous:
                         state.padding = padding
                     if move or tracked:
                         batch = move_to_device(batch, device)
@@ -221,6 +223,14 @@ class PreparedDataLoader:
         state.end_of_dataloader = True
         self.epoch += 1
         self.batch_in_epoch = 0
+
+    def _reads_ahead(self) -> bool:
+        """Read one batch ahead as Accelerate's DataLoaderShard does (``read_ahead``): with workers the batches
+        are made in them, so only a loader without workers draws from this process's RNG in its collate or
+        dataset (random masking, augmentation), and reading ahead then puts those draws where Accelerate has
+        them, before the previous batch's forward. A strategy's own device loader (XLA) prefetches itself."""
+        reads_itself = self.loader.kind in ("map", "custom")  # streams and iterables read ahead anyway
+        return self.read_ahead and reads_itself and self.loader.num_workers == 0 and self.device_batches is None
 
     def _looked_ahead(self) -> Iterator[Any]:
         """``(batch, padding, is_last)`` for a loader whose end is known only when it comes: one batch is
