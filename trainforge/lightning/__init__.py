@@ -5,7 +5,10 @@
 ``from trainforge.lightning import ...``. The classes are trainforge's own (``TrainingModule`` is the
 LightningModule); docs/guides/lightning.md ("Coming from Lightning") lists what they take and where they differ.
 
-A submodule, not top-level names: ``trainforge`` itself keeps one name per thing."""
+A submodule, not top-level names: ``trainforge`` itself keeps one name per thing. Lightning's modules map to
+this package's: ``lightning.pytorch.utilities`` (``rank_zero_only``...) -> ``trainforge.lightning.utilities``,
+``lightning.pytorch.cli`` -> ``trainforge.lightning.cli``, ``lightning.pytorch.demos`` ->
+``trainforge.lightning.demos``; ``lightning.pytorch.callbacks`` and ``.loggers`` -> ``trainforge.callbacks``."""
 
 from trainforge.callbacks import Callback
 from trainforge.trainer import DataModule as LightningDataModule
