@@ -8,7 +8,7 @@ LightningModule); docs/guides/lightning.md ("Coming from Lightning") lists what 
 A submodule, not top-level names: ``trainforge`` itself keeps one name per thing. Lightning's modules map to
 this package's: ``lightning.pytorch.utilities`` (``rank_zero_only``...) -> ``trainforge.lightning.utilities``,
 ``lightning.pytorch.cli`` -> ``trainforge.lightning.cli``, ``lightning.pytorch.demos`` ->
-``trainforge.lightning.demos``; ``lightning.pytorch.callbacks`` and ``.loggers`` -> ``trainforge.callbacks``."""
+``trainforge.lightning.demos``; ``lightning.pytorch.callbacks`` -> ``trainforge.callbacks``."""
 
 from trainforge.callbacks import Callback
 from trainforge.trainer import DataModule as LightningDataModule
