@@ -83,8 +83,8 @@ class DataPreparer:
         order_seed = None
         if use_seedable and isinstance(sampler, torch.utils.data.RandomSampler):  # Accelerate's SeedableRandomSampler
             order_seed = data_seed if data_seed is not None else torch.initial_seed()
-        elif self.whole_batches and world > 1 and not dispatch and sharded.kind != "stream":
-            _synchronized_generator(sampler)
+        elif self.whole_batches and world > 1 and not dispatch and sharded.kind == "map":
+            _synchronized_generator(sampler)  # (a custom sampler, kept as is, keeps drawing as it does)
         prepared = PreparedDataLoader(
             sharded,
             self.strategy.root_device if device_placement else torch.device("cpu"),  # cpu: nothing moved
