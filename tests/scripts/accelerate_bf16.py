@@ -16,14 +16,6 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-BACKEND = sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else "trainforge"
-if BACKEND == "accelerate":
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-elif BACKEND == "trainforge":
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    from trainforge import Accelerator
-    from trainforge.utils import set_seed
 VOCAB, LENGTH, WIDTH, HEADS = 50, 12, 32, 4
 
 
@@ -87,9 +79,27 @@ class ByHand:
         loss.backward()
 
 
-def main():
-    accelerator = ByHand() if BACKEND == "by_hand" else Accelerator(cpu=True, mixed_precision="bf16")
-    torch.manual_seed(42) if BACKEND == "by_hand" else set_seed(42)
+def library(backend):
+    """(Accelerator class, set_seed) of ``backend``; only these imports differ."""
+    if backend == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+    else:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+        from trainforge import Accelerator
+        from trainforge.utils import set_seed
+    return Accelerator, set_seed
+
+
+def train(backend):
+    """(the 30 losses, the sum of the final weights) under ``backend``."""
+    if backend == "by_hand":
+        accelerator = ByHand()
+        torch.manual_seed(42)
+    else:
+        Accelerator, set_seed = library(backend)
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        set_seed(42)
     model = Encoder()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
@@ -104,10 +114,10 @@ def main():
         scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    weights = sum(float(p.detach().double().sum()) for p in model.parameters())
-    print("LOSSES " + json.dumps(losses))
-    print(f"WEIGHTS {weights!r}", flush=True)
+    return losses, sum(float(p.detach().double().sum()) for p in model.parameters())
 
 
 if __name__ == "__main__":
-    main()
+    losses, weights = train(sys.argv[sys.argv.index("--backend") + 1] if "--backend" in sys.argv else "trainforge")
+    print("LOSSES " + json.dumps(losses))
+    print(f"WEIGHTS {weights!r}", flush=True)

@@ -154,6 +154,13 @@ def test_the_is_available_helpers_programs_import_are_there():
     assert trainforge.utils.is_torch_version(">=", "2.0") and not trainforge.utils.is_torch_version("<", "2.0")
     with pytest.raises(ValueError, match=r"operation='=>'\) must be one of <, <=, ==, !=, >=, >"):
         trainforge.utils.is_torch_version("=>", "2.0")
+    with pytest.raises(ValueError, match=r"check_is_tpu and check_is_gpu cannot both be True"):
+        trainforge.utils.is_torch_xla_available(check_is_tpu=True, check_is_gpu=True)
+
+
+def test_use_distributed_is_false_on_one_process():
+    """Accelerate's ``Accelerator.use_distributed`` (True on two processes: test_accelerate_ddp_comm_hooks.py)."""
+    assert trainforge.Accelerator(cpu=True).use_distributed is False
 
 
 def _fake_distribution(root, package: str, body: str = "", metadata: bool = True):
