@@ -56,8 +56,9 @@ def wrapping_report(trainer: Any) -> Dict[str, Any]:
 
 
 def accelerator_run(out: Path, results: Dict[str, Any]) -> None:
-    """The thin API: optimizer built on the unsharded parameters, then prepared with the model."""
-    acc = Accelerator(strategy=FSDPStrategy())
+    """The thin API: optimizer built on the unsharded parameters, then prepared with the model. Its loader is
+    laid out as the Trainer's (one sample at a time), so each rank's losses compare with the Trainer's run."""
+    acc = Accelerator(strategy=FSDPStrategy(), data_sharding="samples")
     torch.manual_seed(0)
     net = TinyLM()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
