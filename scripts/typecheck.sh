@@ -18,6 +18,10 @@ VIEW=$ROOT/.mypy_cache/view
 rm -rf "$VIEW"
 mkdir -p "$VIEW/trainforge"
 for f in trainforge/*.py; do ln -s "$ROOT/$f" "$VIEW/trainforge/"; done
+for d in trainforge/*/; do  # sub-packages of trainforge/ itself (trainforge.lightning)
+    d=${d%/}
+    if [ -f "$d/__init__.py" ] && [ ! -L "$d" ]; then ln -s "$ROOT/$d" "$VIEW/trainforge/"; fi
+done
 for d in trainer callbacks strategies; do ln -s "$ROOT/$d" "$VIEW/trainforge/$d"; done
 
 set +e

@@ -171,7 +171,7 @@ class LightningCLI:
         self.trainer = self.trainer_class(**kwargs, callbacks=callbacks or None)
 
     def _run(self, config: Any) -> None:
-        method = getattr(self.trainer, self.subcommand)
+        method = getattr(self.trainer, str(self.subcommand))
         own = ("config", "seed_everything", "trainer", "model", "data", "__path__")
         extra = {k: v for k, v in config.as_dict().items() if k not in own}
         method(model=self.model, datamodule=self.datamodule, **extra)

@@ -123,7 +123,7 @@ def tokenize(path: Path) -> Tuple[Tensor, Dictionary]:
     """Every line's whitespace-separated words plus ``<eos>``, as one int64 tensor of ids."""
     if not os.path.exists(path):
         raise ConfigurationError(f"WikiText2: {path} does not exist; pass download=True or write a text file there")
-    dictionary, ids = Dictionary(), []
+    dictionary, ids = Dictionary(), []  # type: Dictionary, List[int]
     with open(path, encoding="utf8") as f:
         for line in f:
             ids.extend(dictionary.add_word(word) for word in [*line.split(), EOS])
