@@ -26,6 +26,7 @@ _EXPORTS = {
     "ModelSummary": "trainforge.callbacks.model_summary",
     "WeightAveraging": "trainforge.callbacks.weight_averaging",
     "BaseFinetuning": "trainforge.callbacks.finetuning",
+    "BackboneFinetuning": "trainforge.callbacks.finetuning",
     "RichModelSummary": "trainforge.callbacks.rich_display",
     "RichProgressBar": "trainforge.callbacks.rich_display",
     "LossSpikes": "trainforge.callbacks.loss_spikes",

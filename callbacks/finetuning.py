@@ -12,8 +12,9 @@ resumed run is exact.
 
 from __future__ import annotations
 
+import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainforge.callbacks.view import TrainerView
 
 Modules = Union[nn.Module, Iterable[Any]]
+log = logging.getLogger("trainforge")
 
 
 class BaseFinetuning(Callback):
@@ -233,6 +235,92 @@ class BaseFinetuning(Callback):
             self._internal_optimizer_metadata[index] = by_name(groups)
         elif before != len(groups):  # groups added by finetune_function: kept with the others
             self._internal_optimizer_metadata[index].extend(by_name(groups[before:]))
+
+
+def multiplicative(epoch: int) -> float:
+    """``BackboneFinetuning``'s default ``lambda_func``: the backbone's learning rate doubles every epoch."""
+    return 2.0
+
+
+class BackboneFinetuning(BaseFinetuning):
+    """Lightning's ``BackboneFinetuning``: the module's ``backbone`` is frozen before training and unfrozen at
+    ``unfreeze_backbone_at_epoch`` with the learning rate ``backbone_initial_lr`` (default: the first group's times
+    ``backbone_initial_ratio_lr``), then multiplied by ``lambda_func(epoch + 1)`` each epoch, and (``should_align``)
+    never above the first group's. ``verbose`` logs both rates (``trainforge`` logger, INFO) rounded to
+    ``rounding`` digits."""
+
+    def __init__(
+        self,
+        unfreeze_backbone_at_epoch: int = 10,
+        lambda_func: Callable[[int], float] = multiplicative,
+        backbone_initial_ratio_lr: float = 10e-2,
+        backbone_initial_lr: Optional[float] = None,
+        should_align: bool = True,
+        initial_denom_lr: float = 10.0,
+        train_bn: bool = True,
+        verbose: bool = False,
+        rounding: int = 12,
+    ) -> None:
+        super().__init__()
+        if isinstance(unfreeze_backbone_at_epoch, bool) or not isinstance(unfreeze_backbone_at_epoch, int):
+            raise ConfigurationError(
+                f"BackboneFinetuning(unfreeze_backbone_at_epoch={unfreeze_backbone_at_epoch!r}) must be an epoch (int)"
+            )
+        if not callable(lambda_func):
+            raise ConfigurationError(
+                f"BackboneFinetuning(lambda_func={lambda_func!r}) must be a function of the epoch, e.g. lambda e: 1.5"
+            )
+        self.unfreeze_backbone_at_epoch, self.lambda_func = unfreeze_backbone_at_epoch, lambda_func
+        self.backbone_initial_ratio_lr, self.backbone_initial_lr = backbone_initial_ratio_lr, backbone_initial_lr
+        self.should_align, self.initial_denom_lr, self.train_bn = should_align, initial_denom_lr, train_bn
+        self.verbose, self.rounding = verbose, rounding
+        self.previous_backbone_lr: Optional[float] = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "previous_backbone_lr": self.previous_backbone_lr}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.previous_backbone_lr = state_dict["previous_backbone_lr"]
+        super().load_state_dict(state_dict)
+
+    def on_setup(self, trainer: TrainerView, module: TrainingModule, stage: str) -> None:
+        if not isinstance(getattr(module, "backbone", None), nn.Module):
+            raise ConfigurationError(
+                f"BackboneFinetuning: {type(module).__name__} has no torch.nn.Module attribute 'backbone' (the part "
+                "it freezes and unfreezes); name it self.backbone, or subclass BaseFinetuning"
+            )
+        super().on_setup(trainer, module, stage)
+
+    def freeze_before_training(self, pl_module: TrainingModule) -> None:
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module: TrainingModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        current_lr = optimizer.param_groups[0]["lr"]
+        if epoch == self.unfreeze_backbone_at_epoch:
+            backbone_lr = (
+                self.backbone_initial_lr
+                if self.backbone_initial_lr is not None
+                else current_lr * self.backbone_initial_ratio_lr
+            )
+            self.unfreeze_and_add_param_group(
+                pl_module.backbone,
+                optimizer,
+                backbone_lr,
+                train_bn=self.train_bn,
+                initial_denom_lr=self.initial_denom_lr,
+            )
+        elif epoch > self.unfreeze_backbone_at_epoch and self.previous_backbone_lr is not None:
+            backbone_lr = self.lambda_func(epoch + 1) * self.previous_backbone_lr
+            if self.should_align and backbone_lr > current_lr:
+                backbone_lr = current_lr
+            optimizer.param_groups[-1]["lr"] = backbone_lr
+        else:
+            return
+        self.previous_backbone_lr = backbone_lr
+        if self.verbose:
+            log.info(
+                "Current lr: %s, Backbone lr: %s", round(current_lr, self.rounding), round(backbone_lr, self.rounding)
+            )
 
 
 def _flags(module: nn.Module) -> Dict[str, List[str]]:

@@ -147,3 +147,59 @@ def test_several_processes_other_than_ddp_are_refused():
 
     with pytest.raises(ConfigurationError, match=r"on 2 processes needs strategy='ddp'"):
         Unfreeze().on_setup(View(), Net(), "fit")
+
+
+BACKBONE_LIGHTNING = {  # /tmp/w6/bb_prog.py with lightning.pytorch.callbacks.BackboneFinetuning, Lightning 2.6.6
+    "head": [-0.1567666083574295, 0.21166378259658813, -0.4424745440483093, -0.07311700284481049],
+    "backbone": [-0.16470953822135925, -0.18046657741069794, -0.3848710060119629, -0.37291285395622253],
+    "bn_mean": [-0.42884504795074463, 0.02919848822057247, -0.1948382407426834],
+}
+
+
+class HeadOnly(Net):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.head.parameters(), lr=0.01)
+
+
+def test_backbone_finetuning_gives_lightnings_weights_and_rates(tmp_path):
+    """``BackboneFinetuning(unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 3.0, backbone_initial_ratio_lr=0.1)``
+    over 5 epochs: the backbone's rate 0.001, then x3 each epoch, aligned at the head's 0.01 (Lightning's)."""
+    from trainforge.callbacks import BackboneFinetuning
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    y = x.sum(1, keepdim=True) + 0.1 * torch.randn(32, 1)
+    model = HeadOnly()
+    callback = BackboneFinetuning(
+        unfreeze_backbone_at_epoch=1, lambda_func=lambda e: 3.0, backbone_initial_ratio_lr=0.1
+    )
+    trainer = L.Trainer(
+        max_epochs=5,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [0.01, 0.01]
+    assert callback.previous_backbone_lr == 0.01
+    assert model.head.weight.flatten()[:4].tolist() == pytest.approx(BACKBONE_LIGHTNING["head"], abs=1e-7)
+    assert model.backbone[0].weight.flatten()[:4].tolist() == pytest.approx(BACKBONE_LIGHTNING["backbone"], abs=1e-7)
+    assert model.backbone[1].running_mean[:3].tolist() == pytest.approx(BACKBONE_LIGHTNING["bn_mean"], abs=1e-7)
+
+
+def test_backbone_finetuning_needs_a_backbone(tmp_path):
+    from trainforge.callbacks import BackboneFinetuning
+
+    class NoBackbone(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(2, 1)
+
+    class View:
+        world_size, strategy = 1, object()
+
+    with pytest.raises(ConfigurationError, match=r"NoBackbone has no torch.nn.Module attribute 'backbone'"):
+        BackboneFinetuning().on_setup(View(), NoBackbone(), "fit")
