@@ -52,6 +52,7 @@ def test_a_bad_rank_is_refused_naming_the_value():
         rank_zero_only(3)
 
 
+@pytest.mark.slow
 def test_each_launched_rank_knows_its_rank_before_any_trainer():
     out = run(trainforge_launch(REPO / "tests/scripts/rank_zero_names.py"), timeout=120).stdout
     assert "rank=0 result=ran default=1 warned=1" in out, out
