@@ -120,9 +120,9 @@ class ModelCheckpoint(Checkpointer):
             synchronously on CPU; True/False force it. Asynchronous: the loop waits only while the
             state is copied to host memory; writing, fsync, checksums and the commit run in the
             background, one save at a time, and pruning waits for the new checkpoint's commit.
-        verbose: print on rank 0 what each monitored save did (Lightning's messages: ``Epoch 3, global step 20:
-            'val_acc' reached 0.75000 (best 0.75000), saving model to '...' as top 2``, or ``was not in top
-            2``) and where each periodic save went (default False).
+        verbose: print on rank 0 what each monitored save did and where each periodic save went (default
+            False), in Lightning's words: ``Epoch 3, global step 20: 'val_acc' reached 0.75000 (best 0.75000),
+            saving model to '...' as top 2``, or ``... was not in top 2``.
         enable_version_counter: when a name is taken (by another run's checkpoint, or by a top-k checkpoint
             this callback keeps, as ``filename="best"`` with ``save_top_k=2``), save as ``name-v1``, ``-v2``...
             (default True, Lightning's). False: a name held by a top-k checkpoint is replaced, as Lightning
