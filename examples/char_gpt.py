@@ -6,8 +6,10 @@
 
 This is the shape docs/guides/training-module.md asks of a training script: a ``TrainingModule`` with
 ``training_step``/``validation_step``/``configure_optimizers``, standard DataLoaders, and
-``Trainer(...).fit(...)``. Checkpoints go to ``<root-dir>/checkpoints``; metrics to MLflow (a local
-SQLite store ``<root-dir>/mlflow.db``) when mlflow is installed, else to ``<root-dir>/metrics.csv``.
+``Trainer(...).fit(...)``. Metrics go to MLflow (a local SQLite store ``<root-dir>/mlflow.db``) when mlflow is
+installed, checkpoints to ``<root-dir>/checkpoints``; else (``--tracker csv``) both to the CSV logger's version
+folder, as Lightning lays them out: ``<root-dir>/lightning_logs/version_<N>/metrics.csv`` and ``checkpoints/``
+(``--resume`` continues the newest version).
 At the end the main process prints the validation loss before and after training and a sample.
 """
 

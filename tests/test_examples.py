@@ -63,12 +63,13 @@ def check_run(root, output, world_size):
     assert final < initial - 0.5, output
     assert f"{world_size} process(es)" in output
     assert "char_gpt: sample:\ndef " in output  # the generated text continues the prompt
-    checkpoints = root / "checkpoints"
+    run_dir = root / "lightning_logs" / "version_0"  # the CSV tracker's version folder (Lightning's layout)
+    checkpoints = run_dir / "checkpoints"
     assert (checkpoints / "latest").is_file()
     final_ckpt = checkpoints / "epoch=0-step=30"
     assert (final_ckpt / "model.safetensors").is_file()
     assert {p.name for p in final_ckpt.glob("rng_rank*.pt")} == {f"rng_rank{r}.pt" for r in range(world_size)}
-    with open(root / "metrics.csv") as f:
+    with open(run_dir / "metrics.csv") as f:
         val = [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")]
     assert len(val) == 3 and val[-1] == pytest.approx(final, abs=1e-4)  # steps 10, 20, 30, as printed
 

@@ -48,7 +48,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from trainforge.callbacks.base import Callback
 from trainforge.callbacks.trackers.experiment import experiment_or_stand_in
@@ -158,6 +158,27 @@ class TrackerCallback(Callback):
         self._spill_dir: Optional[str] = None
         self._spill_file: Optional[str] = None  # created at the first dropped metric value of a run
 
+    @property
+    def tracker_name(self) -> str:
+        """The tracker's name in messages and file names (its class); ``name`` is Lightning's experiment name
+        for the file loggers (CSVLogger, TensorBoardLogger) and the tracker's name for the others."""
+        return type(self).__name__
+
+    def settle(self, default_root_dir: str, broadcast: Callable[[Any, int], Any], continuing: bool = False) -> None:
+        """Called by the Trainer on every rank at the start of a fit, before its checkpoints are looked for: the
+        file loggers fix their ``version_<N>`` folder here (``versioned.py``); the others have nothing to fix."""
+
+    @property
+    def version(self) -> Optional[Union[int, str]]:
+        """Lightning's ``logger.version``: the file loggers' ``version_<N>`` number (or name); None for the others."""
+        return None
+
+    def version_dir(self, default_root_dir: str) -> Optional[str]:
+        """Lightning's ``<save_dir>/<name>/<version>`` of the file loggers (CSVLogger, TensorBoardLogger): when
+        the first logger has one, a ModelCheckpoint without ``dirpath`` writes to its ``checkpoints/``, as
+        Lightning; None (the other trackers): ``<default_root_dir>/checkpoints``."""
+        return None
+
     # --- backend interface (``_prepare`` on the training thread, the rest on the writer thread) ---
     def _prepare(self, trainer: TrainerView) -> None:
         """Read what the backend calls need from the trainer (paths, step); no I/O here."""
@@ -172,7 +193,7 @@ class TrackerCallback(Callback):
         raise NotImplementedError
 
     def _write_artifacts(self, path: str) -> None:
-        raise NotImplementedError(f"{self.name} does not store artifacts")
+        raise NotImplementedError(f"{self.tracker_name} does not store artifacts")
 
     def _close(self, status: str) -> None:
         raise NotImplementedError
@@ -197,12 +218,14 @@ class TrackerCallback(Callback):
         try:
             os.makedirs(self._spill_dir, exist_ok=True)
             if self._spill_file is None:
-                self._spill_file = _new_spill_file(self._spill_dir, self.name)
+                self._spill_file = _new_spill_file(self._spill_dir, self.tracker_name)
             with open(self._spill_file, "a") as f:
                 for step, values in records:
                     f.write(json.dumps({"step": int(step), "metrics": values}) + "\n")
         except OSError as e:
-            log.warning("trainforge: %s could not keep dropped values in %s (%s)", self.name, self._spill_file, e)
+            log.warning(
+                "trainforge: %s could not keep dropped values in %s (%s)", self.tracker_name, self._spill_file, e
+            )
 
     def _secrets(self) -> List[str]:
         """Strings that must never appear in a message (API keys)."""
@@ -322,13 +345,13 @@ class TrackerCallback(Callback):
                 return False
             log.warning(
                 "trainforge: %s is still writing the run's last values (%s); waiting for it",
-                self.name,
+                self.tracker_name,
                 "a store on local disk" if local else "the backend is making progress",
             )
 
     def _report(self, writer: BackendWriter, lost: int, complete: bool) -> str:
         timeout = self.failure_policy.flush_timeout_s
-        parts = [f"{self.name}: {writer.dropped} metric value(s) could not be written and were dropped"]
+        parts = [f"{self.tracker_name}: {writer.dropped} metric value(s) could not be written and were dropped"]
         if lost:
             parts.append(f" ({lost} of them still pending {timeout:g} s after the run ended)")
         if writer.dropped_other:
@@ -358,7 +381,7 @@ class TrackerCallback(Callback):
         self._warned_first = True
         policy = self.failure_policy
         warnings.warn(
-            f"{self.name}: writing to the tracker failed ({writer.first_error}). Training continues; "
+            f"{self.tracker_name}: writing to the tracker failed ({writer.first_error}). Training continues; "
             f"writes are retried with back-off ({policy.initial_backoff_s:g} s doubling up to "
             f"{policy.max_backoff_s:g} s) and metric values that cannot be written are dropped and "
             "counted (reported at the end of the run).",

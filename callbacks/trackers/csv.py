@@ -1,20 +1,25 @@
-"""``CSVLogger``: metrics to a CSV file, hyperparameters to ``hparams.yaml``; no extra dependency.
+"""``CSVLogger``: metrics to ``metrics.csv``, hyperparameters to ``hparams.yaml``, as Lightning writes them.
 
-Format (wide): one row per LOG event, columns ``step`` and then the metric names in the order they
-first appeared; a metric absent from an event leaves its cell empty. When a new metric name appears
-later the file is rewritten once with the extended header (through a temporary file and an atomic
-rename), so the file is always a plain rectangular CSV that ``csv.DictReader`` or ``pandas.read_csv``
-reads directly. The run's end status (FINISHED or FAILED) goes to ``status.txt`` beside it.
+Where (Lightning's layout, ``versioned.py``): ``<save_dir>/<name>/version_<N>/`` (``save_dir`` None: the Trainer's
+``default_root_dir``; ``name`` ``"lightning_logs"``; the next free ``N`` unless ``version`` is given), so a second
+run gets ``version_<N+1>`` and its own files. ``path=`` (trainforge's, keyword only) names the CSV file itself.
 
-A new run (not a resume) that finds a previous run's file renames it to ``metrics.1.csv`` (next free
-number) rather than mixing two runs in one file. A resumed fit appends to the same file and first
-drops the rows written after the checkpoint's step, which the resumed fit logs again.
+Format (Lightning's ``ExperimentWriter``): one row per LOG event, with the metrics of that event, ``epoch`` (the
+Trainer's epoch, added to every event as Lightning adds it) and ``step``; the columns are every name seen so far,
+sorted; a metric absent from an event leaves its cell empty; a new name rewrites the file once with the extended
+header (through a temporary file and an atomic rename). ``hparams.yaml``: the module's (and datamodule's)
+``save_hyperparameters``, as Lightning dumps them (``yaml``, keys sorted). The run's end status (FINISHED or
+FAILED) goes to ``status.txt`` beside them (trainforge's).
 
-Where it writes comes from the current run, never from a checkpoint (``run_paths.py``): the file is
-``path`` or ``<default_root_dir>/metrics.csv``. It writes over or moves only files trainforge wrote
-(listed in the folder's ``.trainforge-owned.json``): ``path=`` beside the user's own metrics file,
-``hparams.yaml`` or ``status.txt`` is refused when the logger is built; a default folder holding such
-files gets the logger's files in a ``csv_logger/`` subfolder instead, with a warning.
+A version folder or ``path=`` file that already holds a metrics file trainforge wrote (a ``version`` or ``path``
+given again) is started afresh, with a warning, as Lightning does. A resumed fit (a checkpoint restored, or
+``Trainer(resume="auto")``) appends to the checkpoint's file and first drops the rows written after the
+checkpoint's step, which the resumed fit logs again.
+
+Where it writes comes from the current run, never from a checkpoint (``run_paths.py``). It writes over only files
+trainforge wrote (listed in the folder's ``.trainforge-owned.json``): ``path=`` beside the user's own metrics file,
+``hparams.yaml`` or ``status.txt`` is refused when the logger is built; a folder holding such files gets the
+logger's files in a ``csv_logger/`` subfolder instead, with a warning.
 """
 
 from __future__ import annotations
@@ -23,12 +28,19 @@ import csv
 import logging
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 import yaml
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, check_text
 from trainforge.callbacks.trackers.run_paths import claim, foreign_files, run_relative
+from trainforge.callbacks.trackers.versioned import (
+    VersionedDir,
+    check_positive,
+    check_prefix,
+    module_hparams,
+    plain_params,
+)
 from trainforge.strategies.checkpoint.run_lock import RunLock, acquire_run_lock
 from trainforge.strategies.errors import CheckpointError, ConfigurationError
 
@@ -39,14 +51,41 @@ log = logging.getLogger("trainforge")
 
 
 class CSVLogger(TrackerCallback):
-    """Write metrics to ``path`` (default ``<default_root_dir>/metrics.csv``) on the main process."""
+    """Lightning's ``CSVLogger(save_dir, name, version, prefix, flush_logs_every_n_steps)``, written on the main
+    process; ``path`` (keyword only) names the CSV file instead. See the module docstring."""
 
-    name = "CSVLogger"
+    LOGGER_JOIN_CHAR = "-"
 
-    def __init__(self, path: Optional[str] = None, failure_policy: Optional[FailurePolicy] = None) -> None:
+    def __init__(
+        self,
+        save_dir: Optional[str] = None,
+        name: Optional[str] = "lightning_logs",
+        version: Optional[Union[int, str]] = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+        *,
+        path: Optional[str] = None,
+        failure_policy: Optional[FailurePolicy] = None,
+    ) -> None:
         super().__init__(failure_policy)
+        if isinstance(save_dir, (str, os.PathLike)) and os.fspath(save_dir).endswith(".csv"):
+            raise ConfigurationError(
+                f"CSVLogger(save_dir={os.fspath(save_dir)!r}): save_dir is the folder that gets "
+                "<name>/version_<N>/metrics.csv (Lightning's layout); to name the CSV file itself pass "
+                f"CSVLogger(path={os.fspath(save_dir)!r})"
+            )
+        self._dirs = VersionedDir("CSVLogger", save_dir, name, version)
+        self.prefix = check_prefix(prefix, "CSVLogger")
+        self.flush_logs_every_n_steps = check_positive(
+            flush_logs_every_n_steps, "CSVLogger", "flush_logs_every_n_steps"
+        )
         self.path = check_text(path, "CSVLogger", "path", "runs/metrics/metrics.csv", path=True)
         if self.path is not None:
+            if save_dir is not None or version is not None:
+                raise ConfigurationError(
+                    f"CSVLogger(save_dir={save_dir!r}, version={version!r}, path={self.path!r}): path names the "
+                    "file itself; pass either path or save_dir/name/version"
+                )
             foreign = foreign_files(_targets(os.path.abspath(self.path)))
             if foreign:
                 raise ConfigurationError(
@@ -66,6 +105,29 @@ class CSVLogger(TrackerCallback):
     def __repr__(self) -> str:
         return f"CSVLogger(path={self._file or self.path!r})"
 
+    # --- Lightning's names ---
+    @property
+    def name(self) -> str:  # type: ignore[override]  # Lightning's: the experiment's folder name
+        return self._dirs.name
+
+    @property
+    def version(self) -> Optional[Union[int, str]]:
+        """Lightning's: the version folder's number (or name); None with ``path=``."""
+        return None if self.path is not None else self._dirs.version
+
+    @property
+    def save_dir(self) -> str:
+        return os.path.dirname(self.path) if self.path is not None else self._dirs.required_save_dir()
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.dirname(self.path) if self.path is not None else self._dirs.root_dir
+
+    @property
+    def log_dir(self) -> str:
+        """Where metrics.csv and hparams.yaml go: ``<save_dir>/<name>/version_<N>`` (Lightning)."""
+        return os.path.dirname(os.path.abspath(self.path)) if self.path is not None else self._dirs.log_dir
+
     @property
     def file(self) -> Optional[str]:
         """The CSV file of the current (or last) run."""
@@ -81,6 +143,20 @@ class CSVLogger(TrackerCallback):
             "Trainer(logger=TensorBoardLogger()), whose experiment is TensorBoard's SummaryWriter"
         )
 
+    def log_hyperparams(self, params: Any) -> None:
+        """Lightning's: add ``params`` (a dict or an ``argparse.Namespace``) to ``hparams.yaml``."""
+        self._hparams.update(plain_params(params, "CSVLogger"))
+        if self._writer is not None:
+            self._writer.put("params", dict(self._hparams))
+
+    def settle(self, default_root_dir: str, broadcast: Any, continuing: bool = False) -> None:
+        """Fix the version folder on every rank (``versioned.py``); the Trainer calls it at the start of a fit."""
+        if self.path is None:
+            self._dirs.settle(default_root_dir, broadcast, continuing)
+
+    def version_dir(self, default_root_dir: str) -> Optional[str]:
+        return None if self.path is not None else self._dirs.version_dir(default_root_dir)
+
     def state_dict(self) -> Dict[str, Any]:
         # where the file was, relative to the run (for reading only: a resume writes where the current
         # run's settings say, so a copied or downloaded checkpoint never names the file to write)
@@ -95,10 +171,14 @@ class CSVLogger(TrackerCallback):
         return True
 
     def _prepare(self, trainer: TrainerView) -> None:
-        self._hparams = dict(trainer.hparams)
+        self._hparams = {**module_hparams(trainer.hparams), **self._hparams}
         self._fresh = not self._started_once and self._resumed_step is None
         self._root = os.path.abspath(trainer.default_root_dir)
-        wanted = os.path.abspath(self.path) if self.path is not None else os.path.join(self._root, "metrics.csv")
+        if self.path is not None:
+            wanted = os.path.abspath(self.path)
+        else:
+            self._dirs.place(self._root)  # validate/test: only this rank writes, the version picked here if not yet
+            wanted = os.path.join(os.path.abspath(self._dirs.log_dir), "metrics.csv")
         self._file = _own_place(wanted)
         if self._resumed_step is not None:
             self._resumed_step = int(trainer.global_step)
@@ -115,9 +195,13 @@ class CSVLogger(TrackerCallback):
         os.makedirs(os.path.dirname(self._run_file), exist_ok=True)
         claim(_targets(self._run_file))
         if self._fresh and os.path.exists(self._run_file) and os.path.getsize(self._run_file) > 0:
-            older = _free_name(self._run_file)
-            claim([older])
-            os.replace(self._run_file, older)  # a previous run's file, written by trainforge (checked in _prepare)
+            # a version (or path) given again: started afresh, as Lightning (a file trainforge wrote: checked)
+            log.warning(
+                "trainforge: CSVLogger: %s holds the metrics of an earlier run; this run writes a new file "
+                "in its place (as Lightning). To keep both, leave version=None: each run gets its own version_<N>",
+                self._run_file,
+            )
+            os.remove(self._run_file)
         self._fresh = False
         header, rows = self._read()
         if self._resumed_step is not None:
@@ -125,22 +209,32 @@ class CSVLogger(TrackerCallback):
             rows = [r for r in rows if not r.get("step") or int(float(r["step"])) <= self._resumed_step]
             self._rewrite(header, rows)
             self._resumed_step = None
-        self._columns = header[1:] if header else []
+        self._columns = header
 
     def _write_params(self, params: Dict[str, Any]) -> None:
         target = os.path.join(os.path.dirname(self._run_file), "hparams.yaml")
-        _atomic_write(target, yaml.safe_dump(_plain(self._hparams), sort_keys=False))
+        _atomic_write(target, yaml.safe_dump(_plain(self._hparams)))
 
     def _write_metrics(self, records: MetricRecords) -> None:
-        new = [k for _, values in records for k in values if k not in self._columns]
+        rows = [self._row(step, values) for step, values in records]
+        new = sorted({k for row in rows for k in row} - set(self._columns))
         if new or not os.path.exists(self._run_file) or os.path.getsize(self._run_file) == 0:
-            header, rows = self._read()
-            self._columns += list(dict.fromkeys(new))
-            self._rewrite(["step"] + self._columns, rows)
+            header, old = self._read()
+            self._columns = sorted(set(self._columns) | set(new))
+            self._rewrite(self._columns, old)
         with open(self._run_file, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["step"] + self._columns)
-            for step, values in records:
-                writer.writerow({"step": step, **{k: repr(float(v)) for k, v in values.items()}})
+            csv.DictWriter(f, fieldnames=self._columns).writerows(rows)
+
+    def _row(self, step: int, values: Dict[str, Any]) -> Dict[str, Any]:
+        """One LOG event as Lightning's ExperimentWriter writes it: the prefixed metrics, ``epoch``, ``step``."""
+        join = self.LOGGER_JOIN_CHAR
+        row: Dict[str, Any] = {}
+        for key, value in values.items():
+            # Lightning adds the epoch as an int
+            written = int(value) if key == "epoch" and float(value).is_integer() else repr(float(value))
+            row[f"{self.prefix}{join}{key}" if self.prefix else key] = written
+        row["step"] = int(step)
+        return row
 
     def _close(self, status: str) -> None:
         _atomic_write(os.path.join(os.path.dirname(self._run_file), "status.txt"), status + "\n")
@@ -188,15 +282,6 @@ def _own_place(wanted: str) -> str:
             candidate,
         )
     return candidate
-
-
-def _free_name(path: str) -> str:
-    stem, ext = os.path.splitext(path)
-    for n in range(1, 100_000):
-        candidate = f"{stem}.{n}{ext}"
-        if not os.path.exists(candidate):
-            return candidate
-    raise FileExistsError(f"no free name left for an old {path}")
 
 
 def _temporary(path: str) -> str:

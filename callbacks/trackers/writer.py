@@ -38,7 +38,7 @@ class BackendWriter:
         self.progress = 0
         # The batch being written, its items removed as they are handled (what abandon() keeps in the spill).
         self.current: List[Tuple[str, Any, int]] = []
-        self.thread = threading.Thread(target=self._run, name=f"trainforge-{tracker.name}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"trainforge-{tracker.tracker_name}", daemon=True)
         self.thread.start()
 
     def put(self, kind: str, payload: Any = None, n_values: int = 0) -> None:

@@ -20,6 +20,9 @@ def names(directory: Path):
 
 def fit(tmp_path, callbacks, module=None, val=True, **kwargs):
     kwargs.setdefault("max_epochs", 2)
+    # no logger: checkpoints in <root>/checkpoints, Lightning's place without one (with a logger they go to its
+    # version folder: tests/callbacks/test_lightning_loggers.py)
+    kwargs.setdefault("logger", False)
     trainer = Trainer(callbacks=callbacks, default_root_dir=str(tmp_path), enable_progress_bar=False, **kwargs)
     data = regression_data(n=32)
     trainer.fit(
@@ -92,7 +95,7 @@ def test_resume_from_last_skips_a_corrupted_newest_checkpoint(tmp_path):
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
-    explicit = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False)
+    explicit = Trainer(max_epochs=3, default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False)
     with pytest.raises(CheckpointError, match="model.safetensors"):  # an explicit path never falls back
         explicit.fit(
             Regressor(make_net()), DataLoader(regression_data(n=32), batch_size=8), ckpt_path=str(newest.parent)

@@ -4,6 +4,7 @@ server is not followed, and a tracker never overwrites or moves a file trainforg
 
 from __future__ import annotations
 
+import csv
 import http.server
 import json
 import logging
@@ -37,11 +38,17 @@ def fit(root: Path, callbacks, max_epochs: int, ckpt_path=None) -> Trainer:
 
 
 def steps(csv_path: Path) -> list:
-    return [int(line.split(",")[0]) for line in csv_path.read_text().splitlines()[1:]]
+    with open(csv_path, newline="") as f:
+        return [int(row["step"]) for row in csv.DictReader(f)]
 
 
 def files_of(folder: Path) -> dict:
-    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def version(root: Path, n: int = 0) -> Path:
+    """A file logger's folder of a run (Lightning's layout): ``<root>/lightning_logs/version_<n>``."""
+    return root / "lightning_logs" / f"version_{n}"
 
 
 def edit_callback_state(ckpt: Path, key: str, state: dict) -> None:
@@ -72,17 +79,19 @@ def test_a_copied_run_resumed_writes_only_inside_its_copy(tmp_path):
     run_a, branch = tmp_path / "run_a", tmp_path / "run_a_branch"
     fit(run_a, [CSVLogger(), ModelCheckpoint(save_top_k=-1)], max_epochs=3)
     original = files_of(run_a)
-    assert steps(run_a / "metrics.csv")[-1] == 12 and "hparams.yaml" in original and "status.txt" in original
+    assert steps(version(run_a) / "metrics.csv")[-1] == 11  # the last of 12 steps, at Lightning's step
+    assert {"hparams.yaml", "status.txt"} <= {os.path.basename(name) for name in original}
     shutil.copytree(run_a, branch)
     fit(
         branch,
         [CSVLogger(), ModelCheckpoint(save_top_k=-1)],
         max_epochs=2,
-        ckpt_path=str(branch / "checkpoints" / "epoch=0-step=4"),
+        ckpt_path=str(version(branch) / "checkpoints" / "epoch=0-step=4"),
     )
     assert files_of(run_a) == original  # not a byte of the original run changed
-    after = steps(branch / "metrics.csv")
-    assert after[-1] == 8 and after == sorted(after) and 12 not in after  # the copy: resumed at 4, ran to 8
+    # a checkpoint path (not "last"): a new version of the copy, as Lightning; resumed at 4, ran to 8
+    after = steps(version(branch, 1) / "metrics.csv")
+    assert after == [4, 5, 6, 7]
 
 
 def test_a_checkpoint_naming_another_projects_metrics_file_is_not_followed(tmp_path):
@@ -91,12 +100,14 @@ def test_a_checkpoint_naming_another_projects_metrics_file_is_not_followed(tmp_p
     before = files_of(victim)
     downloaded = tmp_path / "downloaded"
     fit(downloaded, [CSVLogger(), ModelCheckpoint(save_top_k=-1)], max_epochs=1)
-    ckpt = downloaded / "checkpoints" / (downloaded / "checkpoints" / "latest").read_text().strip()
-    edit_callback_state(ckpt, "CSVLogger", {"path": str(victim / "metrics.csv")})
-    mine = tmp_path / "mine"
-    fit(mine, [CSVLogger()], max_epochs=2, ckpt_path=str(ckpt))
-    assert files_of(victim) == before
-    assert steps(mine / "metrics.csv")[-1] == 8
+    checkpoints = version(downloaded) / "checkpoints"
+    ckpt = checkpoints / (checkpoints / "latest").read_text().strip()
+    for key in ("path", "file"):
+        edit_callback_state(ckpt, "CSVLogger", {key: str(version(victim) / "metrics.csv"), "resumed": True})
+        mine = tmp_path / f"mine_{key}"
+        fit(mine, [CSVLogger()], max_epochs=2, ckpt_path=str(ckpt))
+        assert files_of(victim) == before
+        assert steps(version(mine) / "metrics.csv") == [4, 5, 6, 7]
 
 
 class _FakeMLflowServer(http.server.BaseHTTPRequestHandler):
@@ -138,7 +149,7 @@ def test_mlflow_state_naming_another_server_is_not_followed_and_a_copy_continues
         fit(copy, [resumed], max_epochs=2, ckpt_path=str(copy / "checkpoints" / ckpt.name))
         assert resumed.run_id == first.run_id
         history = MlflowClient(f"sqlite:///{copy / 'mlflow.db'}").get_metric_history(first.run_id, "train/loss")
-        assert max(m.step for m in history) == 8
+        assert max(m.step for m in history) == 7  # the last of 8 steps, at Lightning's step
         # a checkpoint that names another server: nothing reaches it; a new run in the local store
         url = f"http://127.0.0.1:{server.server_address[1]}"
         edit_callback_state(ckpt, "MLflowLogger", {"run_id": "r1", "tracking_uri": url, "experiment_id": "0"})
@@ -166,32 +177,39 @@ def test_csvlogger_path_beside_the_users_own_files_is_refused_before_training(tm
     assert files_of(exp) == before
 
 
-def test_a_default_folder_holding_the_users_files_gets_a_subfolder_and_a_second_run_rotates_its_own(tmp_path, caplog):
-    (tmp_path / "hparams.yaml").write_text("mine: true\n")
+def test_a_version_folder_holding_the_users_files_gets_a_subfolder_and_the_users_files_stay(tmp_path, caplog):
+    folder = version(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "hparams.yaml").write_text("mine: true\n")
     with caplog.at_level(logging.WARNING, logger="trainforge"):
-        first = CSVLogger()
+        first = CSVLogger(version=0)
         fit(tmp_path, [first], max_epochs=1)
-    assert first.file == str(tmp_path / "csv_logger" / "metrics.csv") and "leaves" in caplog.text
-    assert (tmp_path / "hparams.yaml").read_text() == "mine: true\n"
-    assert json.loads((tmp_path / "csv_logger" / OWNED_LIST).read_text()) == [
+    assert first.file == str(folder / "csv_logger" / "metrics.csv") and "leaves" in caplog.text
+    assert (folder / "hparams.yaml").read_text() == "mine: true\n"
+    assert json.loads((folder / "csv_logger" / OWNED_LIST).read_text()) == [
         "metrics.csv",
         "hparams.yaml",
         "status.txt",
     ]
-    written = (tmp_path / "csv_logger" / "metrics.csv").read_text()
-    fit(tmp_path, [CSVLogger()], max_epochs=1)  # a new run: the earlier run's file (ours) is kept beside
-    assert (tmp_path / "csv_logger" / "metrics.1.csv").read_text() == written
+    fit(tmp_path, [CSVLogger(version=0)], max_epochs=1)  # the version again: its own file started afresh
+    assert (folder / "hparams.yaml").read_text() == "mine: true\n" and not list(tmp_path.rglob("metrics.1.csv"))
+    assert steps(folder / "csv_logger" / "metrics.csv") == [0, 1, 2, 3]
+    # without a version, a folder of the user's is never written into: the next version is the logger's own
+    other = CSVLogger()
+    fit(tmp_path, [other], max_epochs=1)
+    assert other.log_dir == str(version(tmp_path, 1)) and (folder / "hparams.yaml").read_text() == "mine: true\n"
 
 
 def test_model_checkpoint_paths_of_a_copied_run_point_into_the_copy(tmp_path, caplog):
     run_a, branch = tmp_path / "run_a", tmp_path / "run_a_branch"
     fit(run_a, [ModelCheckpoint(save_top_k=2, monitor="train/loss")], max_epochs=2)
-    original = sorted(p.name for p in (run_a / "checkpoints").iterdir())
+    original = sorted(p.name for p in (version(run_a) / "checkpoints").iterdir())
     shutil.copytree(run_a, branch)
     resumed = ModelCheckpoint(save_top_k=2, monitor="train/loss")
     with caplog.at_level(logging.WARNING, logger="trainforge"):
         fit(branch, [resumed], max_epochs=4, ckpt_path="last")
-    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == original  # the original: untouched
+    assert sorted(p.name for p in (version(run_a) / "checkpoints").iterdir()) == original  # the original: untouched
     kept = [Path(p) for p in resumed.best_k_models]
-    assert len(kept) == 2 and all(p.parent == branch / "checkpoints" and p.is_dir() for p in kept)
+    # "last": the newest version of the copy goes on, with its checkpoints
+    assert len(kept) == 2 and all(p.parent == version(branch) / "checkpoints" and p.is_dir() for p in kept)
     assert "not pruning" not in caplog.text  # pruning found the copy's own checkpoints

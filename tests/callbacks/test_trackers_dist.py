@@ -36,7 +36,7 @@ def main(root: Path) -> None:
         def training_step(self, batch, batch_idx):
             x, y = batch
             loss = nn.functional.mse_loss(self.net(x), y)
-            self.local[self.global_step + 1] = float(loss)  # logged at the step this batch completes
+            self.local[self.global_step] = float(loss)  # logged at Lightning's step: the steps before this one
             self.log("train/loss", loss, sync_dist=True)
             self.log("rank/synced", float(self.trainer.global_rank), sync_dist=True)
             self.log("rank/local", float(self.trainer.global_rank))
@@ -125,7 +125,7 @@ def test_two_process_fit_only_rank_zero_writes_and_sync_dist_is_the_mean(tmp_pat
     # What the trackers hold is exactly what rank 0 logged.
     history = sorted((m.step, m.value) for m in client.get_metric_history(r0["mlflow"], "train/loss"))
     assert history == [(s, m["train/loss"]) for s, m in train]
-    _, rows = read_csv(tmp_path / "metrics.csv")
+    _, rows = read_csv(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")
     assert [(int(r["step"]), float(r["train/loss"])) for r in rows if r["train/loss"]] == history
     assert len(rows) == len(logged)
     (wandb_file,) = run_files(tmp_path)  # one W&B run, rank 0's, with the same history

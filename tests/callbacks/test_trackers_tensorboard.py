@@ -37,8 +37,10 @@ def test_fit_writes_scalars_and_hparams(tmp_path):
 
     recorder, logger = Recorder(), TensorBoardLogger()
     trainer = fit([recorder, logger], tmp_path, log_every=2)
-    assert logger.directory == str(tmp_path / "tensorboard" / "version_0")
+    assert logger.directory == logger.log_dir == str(tmp_path / "lightning_logs" / "version_0")
     acc = load(logger.directory)
+    assert scalars(acc, "hp_metric") == [(0, -1.0)]  # Lightning's default_hp_metric
+    assert (tmp_path / "lightning_logs" / "version_0" / "hparams.yaml").read_text() == "lr: 0.05\nwidth: 4\n"
     for tag in ("train/loss", "val/loss"):
         expected = recorder.history(tag)
         assert [s for s, _ in scalars(acc, tag)] == [s for s, _ in expected] != []
@@ -68,6 +70,8 @@ def test_a_new_run_gets_its_own_version_and_resume_purges_the_replayed_steps(tmp
 
     resumed = TensorBoardLogger()
     resumed.load_state_dict(state)
+    # fit(ckpt_path="last") / resume="auto": the Trainer settles the logger on the newest version
+    resumed.settle(str(tmp_path), lambda value, src: value, continuing=True)
     resumed.on_fit_start(StandIn(tmp_path, step=4), None)  # the checkpoint of step 4
     for step in range(5, 8):
         resumed.on_log(trainer, None, {"loss": step * 10.0}, step)
@@ -86,4 +90,4 @@ def test_a_new_run_gets_its_own_version_and_resume_purges_the_replayed_steps(tmp
     fresh = TensorBoardLogger()
     fresh.on_fit_start(trainer, None)
     fresh.on_fit_end(trainer, None)
-    assert fresh.directory == str(tmp_path / "tensorboard" / "version_1")
+    assert fresh.directory == str(tmp_path / "lightning_logs" / "version_1")

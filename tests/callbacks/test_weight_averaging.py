@@ -71,6 +71,7 @@ def _fit(root: Path, max_steps: int, callbacks: list, ckpt_path=None, **kwargs):
         num_sanity_val_steps=0,
         val_check_interval=3,
         seed=0,
+        logger=False,  # checkpoints in <root>/checkpoints (a logger's would be in its version folder)
         **kwargs,
     )
     data = regression_data(n=64)

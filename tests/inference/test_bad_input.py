@@ -116,6 +116,7 @@ def test_a_corrupted_trainforge_checkpoint_is_refused_for_inference_too(tmp_path
         max_epochs=1,
         enable_progress_bar=False,
         callbacks=[ModelCheckpoint(save_top_k=-1)],
+        logger=False,  # checkpoints in <root>/checkpoints
     ).fit(Regressor(make_net()), torch.utils.data.DataLoader(regression_data(16), batch_size=4))
     ck = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
     with init_empty_weights():

@@ -55,6 +55,7 @@ def fit(
         enable_model_summary=False,
         gradient_clip_val=0.5,
         seed=0,
+        logger=False,  # checkpoints in <root>/checkpoints (a logger's would be in its version folder)
         callbacks=[ema, ModelCheckpoint(every_n_steps=CUT)] if averaging else [ModelCheckpoint(every_n_steps=CUT)],
         **kwargs,
     )

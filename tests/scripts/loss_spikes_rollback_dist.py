@@ -73,6 +73,7 @@ def fit(root, strategy, ckpt_path=None):
         default_root_dir=root,
         enable_progress_bar=False,
         enable_model_summary=False,
+        logger=False,  # checkpoints in <root>/checkpoints (a logger's would be in its version folder)
     )
     trainer.fit(module, DataLoader(regression_data(n=64), batch_size=4), ckpt_path=ckpt_path)
     return trainer, module, spikes, probe

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from trainforge import Trainer, TrainingModule
-from trainforge.callbacks import Callback, ModelCheckpoint
+from trainforge.callbacks import Callback, CSVLogger, ModelCheckpoint
 from trainforge.strategies.errors import CheckpointError
 
 
@@ -68,6 +68,7 @@ def main() -> None:
         log_every_n_steps=1,
         enable_progress_bar=False,
         callbacks=callbacks,
+        logger=CSVLogger(),  # <root>/lightning_logs/version_0: metrics and checkpoints (resume="auto": the newest)
         resume="auto",
         strategy="ddp" if devices > 1 else "auto",
         devices=devices,

@@ -144,6 +144,7 @@ def main():
         callbacks=callbacks,
         default_root_dir=a.root,
         enable_progress_bar=False,
+        logger=False,  # checkpoints in ROOT/checkpoints (a logger's would be in its version folder)
         resume="auto" if a.resume else None,
         precision=a.precision,
         strategy=a.strategy,

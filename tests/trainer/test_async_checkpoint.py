@@ -175,6 +175,7 @@ def _fit(root: Path, ckpt_path=None, keep_last_k=None, max_steps=8):
         default_root_dir=str(root),
         enable_progress_bar=False,
         callbacks=[ModelCheckpoint(every_n_steps=2, keep_last_k=keep_last_k, async_save=True)],
+        logger=False,  # checkpoints in <root>/checkpoints (a logger's would be in its version folder)
     )
     trainer.fit(module, DataLoader(regression_data(), batch_size=4, shuffle=True), ckpt_path=ckpt_path)
     return module.state_dict()

@@ -246,14 +246,14 @@ def test_resume_with_another_optimizer_names_the_settings(tmp_path):
 
 
 def test_ckpt_path_pointing_at_the_checkpoints_root(tmp_path):
-    fit(tmp_path, callbacks=[ModelCheckpoint(every_n_epochs=1, save_top_k=0)], enable_checkpointing=True)
+    first = fit(tmp_path, callbacks=[ModelCheckpoint(every_n_epochs=1, save_top_k=0)], enable_checkpointing=True)
     trainer = Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, max_epochs=2)
     with pytest.raises(
         CheckpointError,
         match=r"is a directory of checkpoints, not one checkpoint; pass one of "
         r"them \(newest: \['epoch=0-step=4'\]\), or ckpt_path='last'",
     ):
-        trainer.fit(Regressor(make_net()), loader(), ckpt_path=str(tmp_path / "checkpoints"))
+        trainer.fit(Regressor(make_net()), loader(), ckpt_path=first.default_checkpoint_dir)
 
 
 def test_fsdp_load_failure_is_a_checkpoint_error_not_a_base_exception(tmp_path):

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import forklaunch
 from trainforge import CheckpointError, ConfigurationError, DataModule, Trainer, TrainingModule
-from trainforge.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint, ModelSummary
+from trainforge.callbacks import CSVLogger, EarlyStopping, ModelCheckpoint, ModelSummary, TensorBoardLogger
 from trainforge.callbacks.model_summary import summarize
 from trainforge.strategies import resolve_strategy
 from trainforge.strategies.environment import ClusterEnvironment
@@ -123,10 +123,11 @@ def test_trainer_model_is_set_before_configure_optimizers(tmp_path):
 
 # ---- logger ---------------------------------------------------------------------------------------
 def test_logger_true_false_a_tracker_or_a_list(tmp_path):
+    pytest.importorskip("tensorboard")  # Lightning's default logger: TensorBoard when installed, else CSVLogger
     default = make(tmp_path)
-    assert isinstance(default.logger, CSVLogger) and default.loggers == [default.logger]
+    assert isinstance(default.logger, TensorBoardLogger) and default.loggers == [default.logger]
     on = make(tmp_path, logger=True)
-    assert isinstance(on.logger, CSVLogger) and on.loggers == [on.logger]
+    assert isinstance(on.logger, TensorBoardLogger) and on.loggers == [on.logger]
     off = make(tmp_path, logger=False)
     assert off.logger is None and off.loggers == []
     mine = CSVLogger(str(tmp_path / "mine"))

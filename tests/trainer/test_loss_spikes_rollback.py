@@ -51,6 +51,7 @@ def fit(root, net, spikes, ckpt_path=None, every=2, loader=None, extra=(), **kwa
         default_root_dir=str(root),
         enable_progress_bar=False,
         callbacks=[spikes, probe, *extra, ModelCheckpoint(every_n_steps=every)],
+        logger=False,  # checkpoints in <root>/checkpoints (a logger's would be in its version folder)
         **kwargs,
     )
     trainer.fit(module, loader or data(), ckpt_path=ckpt_path)

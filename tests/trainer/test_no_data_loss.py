@@ -26,6 +26,7 @@ from trainforge.strategies.checkpoint.io import (
 
 def _trainer(tmp_path, callbacks=None, **kwargs):
     kwargs.setdefault("max_epochs", 2)
+    kwargs.setdefault("logger", False)  # checkpoints in <root>/checkpoints (a logger's: in its version folder)
     return Trainer(default_root_dir=str(tmp_path), enable_progress_bar=False, callbacks=callbacks, **kwargs)
 
 

@@ -5,6 +5,7 @@ the Accelerator's automatically named checkpoints of one project_dir."""
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -44,22 +45,23 @@ def run(root: Path, steps: int, lr: float) -> subprocess.CompletedProcess:
 
 def test_a_second_process_on_a_run_in_progress_stops_before_writing_and_names_the_holder(tmp_path):
     root = tmp_path / "run"
+    run_dir = root / "lightning_logs" / "version_0"  # the logger's version: resume="auto" goes on in the newest
     holder = start_holding(root)
     try:
-        before = snapshot(root / "checkpoints")
+        before = snapshot(run_dir / "checkpoints")
         second = run(root, 16, 0.2)
         assert second.returncode == 3, second.stdout
-        assert f"{root / 'checkpoints'} is in use by another process" in second.stdout
+        assert f"{run_dir / 'checkpoints'} is in use by another process" in second.stdout
         assert f"pid {holder.pid}" in second.stdout and "resume='auto'" in second.stdout
-        assert snapshot(root / "checkpoints") == before
+        assert snapshot(run_dir / "checkpoints") == before
     finally:
         Path(f"{root}.go").touch()
         out = holder.communicate(timeout=180)[0]
     assert holder.returncode == 0 and "done 8" in out, out
     # the first run's metrics and status are its own, whole
-    steps = [line.split(",")[0] for line in (root / "metrics.csv").read_text().splitlines()[1:]]
-    assert steps == [str(s) for s in range(1, 9)]
-    assert (root / "status.txt").read_text().strip() == "FINISHED"
+    with open(run_dir / "metrics.csv", newline="") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == [str(s) for s in range(8)]  # Lightning's steps
+    assert (run_dir / "status.txt").read_text().strip() == "FINISHED"
     # the first run ended: its run is free to be continued
     third = run(root, 10, 0.1)
     assert third.returncode == 0 and "done 10" in third.stdout, third.stdout

@@ -194,7 +194,9 @@ def test_trainer_raises_training_stopped_after_the_stop_step_checkpoint(tmp_path
             if trainer.global_step == 3:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
-    trainer = Trainer(max_steps=10, callbacks=[SignalAt()], default_root_dir=str(tmp_path), enable_progress_bar=False)
+    trainer = Trainer(
+        max_steps=10, callbacks=[SignalAt()], default_root_dir=str(tmp_path), enable_progress_bar=False, logger=False
+    )
     loader = torch.utils.data.DataLoader(torch.randn(64, 8), batch_size=4)
     with pytest.raises(TrainingStopped) as stopped:
         trainer.fit(Model(), loader)
@@ -225,7 +227,9 @@ class SignalAtTheEnd(Callback):
         if trainer.global_step == 4:
             os.kill(os.getpid(), signal.SIGTERM)
 
-trainer = Trainer(max_steps=4, callbacks=[SignalAtTheEnd()], default_root_dir=sys.argv[1], enable_progress_bar=False)
+trainer = Trainer(
+    max_steps=4, callbacks=[SignalAtTheEnd()], default_root_dir=sys.argv[1], enable_progress_bar=False, logger=False
+)
 trainer.fit(Model(), torch.utils.data.DataLoader(torch.randn(64, 8), batch_size=4))
 print("after fit: step", trainer.global_step, flush=True)
 """

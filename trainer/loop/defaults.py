@@ -24,7 +24,6 @@ def default_callbacks(
     from trainforge.callbacks.model_summary import ModelSummary
     from trainforge.callbacks.progress import ProgressBar
     from trainforge.callbacks.trackers.base import TrackerCallback
-    from trainforge.callbacks.trackers.csv import CSVLogger
 
     out = list(user)
     if progress_bar and not any(isinstance(c, ProgressBar) for c in out):
@@ -32,9 +31,23 @@ def default_callbacks(
     if model_summary and not any(isinstance(c, ModelSummary) for c in out):
         out.append(ModelSummary())  # Lightning's: the layer table at fit start (enable_model_summary=False: none)
     if tracker and not any(isinstance(c, TrackerCallback) for c in out):
-        out.append(CSVLogger())  # always available; the default when no tracker is given
+        out.append(default_logger())
     if checkpointing and not any(isinstance(c, Checkpointer) for c in out):
         out.append(ModelCheckpoint())  # Lightning's default: every epoch end (and the end of fit), the newest kept
     # Checkpointing callbacks run last, whatever the list order (Lightning does the same): a checkpoint
     # written at an event holds every other callback's state of that event (EarlyStopping's count).
     return [c for c in out if not isinstance(c, Checkpointer)] + [c for c in out if isinstance(c, Checkpointer)]
+
+
+def default_logger() -> Callback:
+    """Lightning's default logger: ``TensorBoardLogger`` when tensorboard is installed, else ``CSVLogger``, both
+    under ``<default_root_dir>/lightning_logs/version_<N>`` (their ``save_dir`` is the Trainer's root)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        from trainforge.callbacks.trackers.tensorboard import TensorBoardLogger
+
+        return TensorBoardLogger()
+    from trainforge.callbacks.trackers.csv import CSVLogger
+
+    return CSVLogger()

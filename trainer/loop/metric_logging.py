@@ -6,6 +6,10 @@
   ``<name>_step``, the epoch value ``<name>_epoch``, and the plain ``<name>`` holds the newest of
   the two.
 - ``trainer.logged_metrics``: what was last sent to the trackers (the LOG event), as floats.
+- The LOG event, as Lightning's loggers get it: the metrics with ``epoch`` (the Trainer's epoch) added, at
+  Lightning's step: during fit the optimizer steps taken before the logging batch's own (``global_step - 1``
+  once it stepped: 859 on the last of 860 steps; the epoch-end and validation rows of that batch too),
+  outside fit ``global_step``. ``trainer.log_metrics(metrics, step)`` with a step: as given, no ``epoch``.
 - ``trainer.progress_bar_metrics``: the values logged with ``prog_bar=True``, as floats.
 - Values logged in an epoch-end hook (``on_train_epoch_end``, ``on_validation_end``...) are logged
   for that epoch, at that step.
@@ -60,13 +64,19 @@ class MetricLogging:
         # "/dataloader_idx_N" suffix; validate/test return one dict per loader)
         self.dataloader_idx: Optional[int] = None
         self.loader_of: Dict[str, int] = {}
+        # the Trainer runs a fit (Lightning's step of a LOG event is then one less: see the module docstring)
+        self.fitting = False
 
     def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
         """Send metrics to every tracker (the LOG event); call it on every rank."""
         for name, value in metrics.items():
             self.callback_metrics[name] = torch.tensor(float(value))
         self.logged_metrics.update({k: float(v) for k, v in metrics.items()})
-        self.fire(Event.LOG, dict(metrics), self.progress.global_step if step is None else step)
+        sent = dict(metrics)
+        if step is None:
+            sent.setdefault("epoch", self.progress.epoch)  # Lightning's loggers get the epoch with every row
+            step = max(self.progress.global_step - 1, 0) if self.fitting else self.progress.global_step
+        self.fire(Event.LOG, sent, step)
 
     def emit_step_metrics(self) -> None:
         """The training step values of the window, reduced and sent (a log point)."""

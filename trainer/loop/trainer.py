@@ -114,9 +114,10 @@ class Trainer(LightningAttributes):
         num_nodes: Machines the run spans; must agree with the launcher. Default 1.
         precision: "32", "16-mixed", "bf16-mixed", "bf16-true" or "fp8" (aliases "fp32"/"no", "fp16",
             "bf16"); None (the default): what ``trainforge launch`` was told, else "32".
-        logger: The trackers: None or True installs ``CSVLogger`` unless ``callbacks`` holds a tracker,
-            False installs none, a tracker (``CSVLogger``, ``TensorBoardLogger``, ``MLflowLogger``,
-            ``CometLogger``) or a list of them is added to the callbacks.
+        logger: The trackers: None or True installs Lightning's default logger unless ``callbacks`` holds a
+            tracker (``TensorBoardLogger`` when tensorboard is installed, else ``CSVLogger``, under
+            ``<default_root_dir>/lightning_logs/version_<N>``), False installs none, a tracker (``CSVLogger``,
+            ``TensorBoardLogger``, ``MLflowLogger``, ``CometLogger``) or a list of them is added to the callbacks.
         max_epochs: Epochs to train; None: only ``max_steps`` ends the run (one of the two is required).
         min_epochs: ``trainer.should_stop`` (EarlyStopping, Timer) ends fit only after this many epochs;
             None: no minimum.
@@ -137,8 +138,11 @@ class Trainer(LightningAttributes):
         log_every_n_steps: Send the step metrics to the trackers every N optimizer steps (default 50);
             ``trainer.callback_metrics`` is current after every step whatever N is.
         callbacks: A ``Callback`` or a list of them; the defaults the other settings ask for are added
-            (progress bar, model summary, ``CSVLogger``, ``ModelCheckpoint``) unless one of the same kind is given.
-        default_root_dir: Where logs, trackers and checkpoints go (``<dir>/checkpoints``); None: ``./runs``.
+            (progress bar, model summary, the default logger, ``ModelCheckpoint``) unless one of the same kind is
+            given.
+        default_root_dir: Where logs, trackers and checkpoints go (``<dir>/lightning_logs/version_<N>`` with the
+            default logger, its checkpoints in ``checkpoints/`` there; ``<dir>/checkpoints`` without a file
+            logger); None: ``./runs``.
             A URL (``s3://bucket/run``) holds the checkpoints, and logs stay on local disk.
         enable_progress_bar: Install a ``ProgressBar`` (default True).
         enable_checkpointing: Install a ``ModelCheckpoint`` when none is given (default True): a checkpoint at
@@ -339,10 +343,8 @@ class Trainer(LightningAttributes):
     callback_metrics = property(lambda self: self._logging.callback_metrics)
     # what was last sent to the trackers
     logged_metrics = property(lambda self: self._logging.logged_metrics)
-    # the values logged with prog_bar=True, training's and evaluation's (Lightning's)
-    progress_bar_metrics = property(
-        lambda self: {**self._logging.stores["train"].prog_bar, **self._logging.stores["val"].prog_bar}
-    )
+    # the values logged with prog_bar=True
+    progress_bar_metrics = property(lambda self: dict(self._logging.stores["train"].prog_bar))
 
     @property
     def hparams(self) -> Dict[str, Any]:
@@ -361,11 +363,15 @@ class Trainer(LightningAttributes):
 
     @property
     def default_checkpoint_dir(self) -> str:
-        """``<default_root_dir>/checkpoints``, a URL when ``default_root_dir`` was one (``default_root_dir`` is
+        """Where a ModelCheckpoint without ``dirpath`` writes, as Lightning: ``<logger's version folder>/checkpoints``
+        when the first logger has one (CSVLogger, TensorBoardLogger: ``<save_dir>/lightning_logs/version_<N>``),
+        else ``<default_root_dir>/checkpoints``; a URL when ``default_root_dir`` was one (``default_root_dir`` is
         then the local folder of logs and trackers: trainer/loop/settings.py ``resolve_root_dirs``)."""
         if self._remote_root:
             return f"{self._remote_root}/checkpoints"
-        return str(Path(self.default_root_dir) / "checkpoints")
+        logger = self.logger
+        version_dir = logger.version_dir(str(self.default_root_dir)) if logger is not None else None
+        return str(Path(version_dir or self.default_root_dir) / "checkpoints")
 
     # ---- events ----------------------------------------------------------------------------------
     def _fire(self, event: Event, *args: Any) -> None:
@@ -540,6 +546,8 @@ class Trainer(LightningAttributes):
         """This fit's run id (every rank the same), then resume from ``ckpt_path`` (or, with
         ``resume="auto"``, from the newest checkpoint if there is one): a resumed run keeps its run id."""
         path = ckpt_path if ckpt_path is not None else ("last" if self.resume == "auto" else None)
+        for logger in self.loggers:  # each file logger's version_<N>: resuming "last", the newest (its checkpoints)
+            logger.settle(str(self.default_root_dir), self.strategy.broadcast, continuing=path == "last")
         self.run_id = self._checkpoints.begin_run()
         if ckpt_path is None and self.resume == "auto" and self.requeue.restarted:
             # a job SLURM started again resumes its own run (trainer/cluster/slurm_requeue.py)
@@ -1068,7 +1076,7 @@ class Trainer(LightningAttributes):
         object.__setattr__(module, "_trainer", self)
         self.module, self.stage, self.should_stop = module, stage, False
         add_module_callbacks(self.callbacks, module)
-        self._logging.module = module
+        self._logging.module, self._logging.fitting = module, stage == "fit"
         if stage == "fit":
             warn_unknown_hooks(module)
             for cb in self.callbacks:

@@ -196,7 +196,7 @@ class Trackers:
         if not self.is_main_process:
             return OffMainTracker(name)
         for known, tracker in self._tracker_names:
-            if name in (known, tracker.name):
+            if name in (known, tracker.name, tracker.tracker_name):
                 return tracker
         raise ConfigurationError(
             f"get_tracker({name!r}): no such tracker; this Accelerator has "
@@ -215,6 +215,10 @@ def _installed(package: str) -> bool:
         return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
         return False
+
+
+#: The file loggers' Lightning layout arguments, which the default log_dir/path of a named tracker replaces.
+_LAYOUT_ARGS = ("save_dir", "name", "version", "sub_dir", "kwargs")
 
 
 def _build(name: str, project_name: str, logging_dir: Optional[str], kwargs: Mapping[str, Any]) -> TrackerCallback:
@@ -236,7 +240,8 @@ def _build(name: str, project_name: str, logging_dir: Optional[str], kwargs: Map
     try:
         inspect.signature(cls).bind(**arguments)
     except TypeError as err:
-        params = [p for p in inspect.signature(cls).parameters if p not in defaults]
+        # not the folder layout (Accelerate's is <logging_dir>/<project_name>), nor TensorBoard's **kwargs
+        params = [p for p in inspect.signature(cls).parameters if p not in defaults and p not in _LAYOUT_ARGS]
         raise ConfigurationError(
             f"init_kwargs[{name!r}]={dict(kwargs)!r}: {err}; they go to trainforge's {cls.__name__}, which takes "
             f"{', '.join(params)}"

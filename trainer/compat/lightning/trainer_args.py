@@ -13,9 +13,10 @@ error naming the value, the valid choices and the fix (issue 20).
   with it cuDNN's benchmark off and ``CUBLAS_WORKSPACE_CONFIG`` set, as Lightning does; None leaves
   torch's setting alone.
 - ``logger``: trainforge's trackers (``trainforge.callbacks.CSVLogger``, ``TensorBoardLogger``,
-  ``MLflowLogger``, ``CometLogger``). True (and None) installs the default tracker, ``CSVLogger``,
-  unless one is in ``callbacks`` (Lightning's default is TensorBoard when it is installed);
-  False installs none; a tracker or a list of them is added to the callbacks.
+  ``MLflowLogger``, ``CometLogger``; also ``trainforge.lightning.loggers``). True (and None) installs Lightning's
+  default logger unless one is in ``callbacks``: ``TensorBoardLogger`` when tensorboard is installed, else
+  ``CSVLogger``, under ``<default_root_dir>/lightning_logs/version_<N>`` (and the checkpoints in its
+  ``checkpoints/``); False installs none; a tracker or a list of them is added to the callbacks.
 - ``min_epochs`` / ``min_steps``: ``trainer.should_stop`` (EarlyStopping, Timer) ends fit only once
   both are reached; ``max_epochs``/``max_steps`` still end it (``trainer/loop/fit_loop.py``).
 """
@@ -334,7 +335,7 @@ def tracker_callbacks(logger: Any, callbacks: List[Any]) -> Tuple[List[Any], boo
                 else f"pass one of {_TRACKERS} (a Lightning logger is not one: change its import)"
             )
             raise ConfigurationError(
-                f"{where}={shown} is not a trainforge tracker; {fix}, or logger=True (CSVLogger) / False (none)"
+                f"{where}={shown} is not a trainforge tracker; {fix}, or logger=True (Lightning's default logger) / False (none)"
             )
     return callbacks + [t for t in trackers if not any(t is c for c in callbacks)], False
 
