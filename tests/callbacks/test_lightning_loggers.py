@@ -162,6 +162,27 @@ def test_resuming_last_goes_on_in_the_newest_version(tmp_path):
     assert_same_metrics((tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text(), LIGHTNING_METRICS_CSV)
 
 
+def test_progress_bar_shows_v_num_and_the_prog_bar_metrics(tmp_path):
+    from trainforge.callbacks import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    trainer = run(tmp_path, max_epochs=1, callbacks=[ProgressBar(stream=stream)], enable_progress_bar=True)
+    last = stream.getvalue().rstrip().splitlines()[-1]
+    # Lightning 2.6 ends epoch 0 of this program with: v_num=0, train_loss_step=0.173, val_loss=0.157,
+    # train_loss_epoch=0.668 (the epoch's mean, not a batch's value)
+    assert "Epoch 0: 100%" in last and "v_num=0, train_loss_step=0.173" in last
+    assert "train_loss_epoch=0.668" in last and "val_loss=0.157" in last
+    assert {k: round(float(v), 3) for k, v in trainer.progress_bar_metrics.items()} == {
+        "train_loss_step": 0.173,
+        "train_loss_epoch": 0.668,
+        "val_loss": 0.157,
+    }
+
+
 def test_lightning_arguments(tmp_path):
     logger = CSVLogger(tmp_path, name=None, version="baseline", prefix="exp", flush_logs_every_n_steps=1)
     assert logger.log_dir == str(tmp_path / "baseline") and logger.root_dir == str(tmp_path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Set
 
 import torch
 
@@ -57,6 +57,9 @@ class MetricStore:
     step_sync: Dict[str, bool] = field(default_factory=dict)
     epoch_means: Dict[str, _EpochMean] = field(default_factory=dict)
     prog_bar: Dict[str, torch.Tensor] = field(default_factory=dict)
+    # names logged on_epoch with prog_bar=True: shown once the epoch's value is known (Lightning's bar shows the
+    # last epoch's value during an epoch, never a batch's value under the epoch's name)
+    prog_bar_epoch: Set[str] = field(default_factory=set)
     epoch_objects: Dict[str, Any] = field(default_factory=dict)  # torchmetrics.Metric logged on_epoch
     logged_objects: Dict[int, Any] = field(default_factory=dict)  # every Metric logged: reset at the epoch end
 
@@ -143,7 +146,7 @@ class MetricStore:
                     torch.maximum(acc.total, weighted) if reduce_fx == "max" else torch.minimum(acc.total, weighted)
                 )
             if prog_bar:
-                self.prog_bar[epoch_name] = tensor
+                self.prog_bar_epoch.add(epoch_name)
 
     def pop_step_metrics(self, strategy: Any) -> Dict[str, float]:
         """Latest step values as floats (mean over ranks where sync_dist), then forgotten."""
@@ -180,4 +183,6 @@ class MetricStore:
                 weight = strategy.all_reduce(weight.to(strategy.root_device), "sum")
             out[name] = float(total.double().cpu() / weight.cpu())
         self.epoch_means.clear()
+        if compute:  # not the sanity check's values (dropped)
+            self.prog_bar.update({n: torch.tensor(v) for n, v in out.items() if n in self.prog_bar_epoch})
         return out

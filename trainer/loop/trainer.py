@@ -343,8 +343,10 @@ class Trainer(LightningAttributes):
     callback_metrics = property(lambda self: self._logging.callback_metrics)
     # what was last sent to the trackers
     logged_metrics = property(lambda self: self._logging.logged_metrics)
-    # the values logged with prog_bar=True
-    progress_bar_metrics = property(lambda self: dict(self._logging.stores["train"].prog_bar))
+    # the values logged with prog_bar=True, training's and evaluation's (Lightning's)
+    progress_bar_metrics = property(
+        lambda self: {**self._logging.stores["train"].prog_bar, **self._logging.stores["val"].prog_bar}
+    )
 
     @property
     def hparams(self) -> Dict[str, Any]:
