@@ -11,6 +11,7 @@ import torch
 
 from trainforge.strategies.data.utils import move_to_device
 from trainforge.strategies.errors import ConfigurationError
+from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
 
 log = logging.getLogger("trainforge")
 
@@ -135,6 +136,10 @@ class PreparedDataLoader:
         # SeedableRandomSampler, which reseeds the sampler's generator, the user's when it has one)
         self.order_seed = order_seed
         self.read_ahead = read_ahead  # Accelerate's one batch read ahead (``_reads_ahead``)
+        # The process's RNG states before the batch read ahead was made (a collate or dataset drawing from the
+        # global RNG drew there); saved with the position, and replayed by a resumed pass to make that batch again
+        self._rng_before_ahead: Optional[Dict[str, Any]] = None
+        self._replay_rng: Optional[Dict[str, Any]] = None
         self._skip = 0  # skip_first_batches: batches the next pass starts into the epoch
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -165,12 +170,13 @@ class PreparedDataLoader:
 
         if not self._resumed or self.batch_in_epoch == 0:  # a new epoch (also one resumed at its start)
             self.batch_in_epoch = 0
+            self._replay_rng = None
             self._start_epoch()
             if self._skip:
                 self._start_at(self._skip)
         self._skip = 0
         self._resumed = False
-        self._held_state = None
+        self._held_state = self._rng_before_ahead = None
         contiguous = self.dispatcher is not None or self.loader.kind == "stream"
         try:
             total = -1 if contiguous or self._reads_ahead() else len(self.loader)
@@ -243,7 +249,8 @@ class PreparedDataLoader:
         else:
             loader = self.loader
             source = ((batch, loader.last_padding, loader_state_dict(loader)) for batch in loader)
-        previous = next(source, None)
+        capture = self._reads_ahead()
+        previous = self._first_read(source, capture)
         kind = self.loader.kind
         if self.gather_object is not None and kind == "stream":
             self._check_same_stream(previous is not None and self.loader.last_fingerprint or None)
@@ -259,13 +266,29 @@ class PreparedDataLoader:
         if agree:
             self._check_same_end(previous is not None, 0)
         while previous is not None:
+            before = rng_state() if capture else None
             current = next(source, None)
             if agree:
                 self._check_same_end(current is not None, self.batch_in_epoch + 1)
             batch, padding, position = previous
             self._held_state = position
+            self._rng_before_ahead = before if current is not None else None
             yield batch, padding, current is None
             previous = current
+
+    def _first_read(self, source: Iterator[Any], capture: bool) -> Any:
+        """The pass's first batch. Resumed after a checkpoint that held a batch read ahead: made again under the
+        RNG states it was first made under, then the restored states continue (exact with a collate or dataset
+        that draws from the global RNG)."""
+        replay, self._replay_rng = self._replay_rng, None
+        if not capture or replay is None:
+            return next(source, None)
+        restored = rng_state()
+        set_rng_state(replay)
+        try:
+            return next(source, None)
+        finally:
+            set_rng_state(restored)
 
     def _gather(self, obj: Any) -> List[Any]:
         assert self.gather_object is not None, "the checks that gather run with several processes only"
@@ -437,6 +460,8 @@ class PreparedDataLoader:
         }
         if self.dispatcher is not None and self.dispatcher.first_rows is not None:
             state["dispatch_first_rows"] = [t.detach().cpu() for t in self.dispatcher.first_rows]
+        if self._rng_before_ahead is not None:
+            state["rng_before_read_ahead"] = self._rng_before_ahead
         return state
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
@@ -446,6 +471,8 @@ class PreparedDataLoader:
             world_size, rank = 1, 0
         load_loader_state(self.loader, state["loader"], world_size=world_size, rank=rank)
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        # made again by the resumed pass under the states it was first made under (``_first_read``)
+        self._replay_rng = state.get("rng_before_read_ahead")
         if self.dispatcher is not None:  # what a resumed epoch pads its last group with
             first = state.get("dispatch_first_rows")
             self.dispatcher.first_rows = [t.to(self.dispatcher.device) for t in first] if first else None
