@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from trainforge import Accelerator
 
@@ -28,13 +28,16 @@ class Augmented(Dataset):
         return x, torch.tensor([float(i % 3)])
 
 
-def train(root, stop_at=None, resume=False):
+def train(root, stop_at=None, resume=False, stream=False):
     torch.manual_seed(0)
     random.seed(0)
     acc = Accelerator()
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, opt, loader = acc.prepare(model, opt, DataLoader(Augmented(), batch_size=4, shuffle=True))
+    data = (
+        DataLoader(AugmentedStream(), batch_size=4) if stream else DataLoader(Augmented(), batch_size=4, shuffle=True)
+    )
+    model, opt, loader = acc.prepare(model, opt, data)
     if resume:
         acc.load_state(str(root))
     while loader.epoch < EPOCHS:
@@ -49,9 +52,30 @@ def train(root, stop_at=None, resume=False):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["map", "stream"])
 @pytest.mark.parametrize("stop_at", [(0, 3), (0, BATCHES), (1, 5)], ids=["mid-epoch", "epoch-end", "second-epoch"])
-def test_resume_with_an_augmenting_dataset_is_exact(tmp_path, stop_at):
-    uninterrupted = train(tmp_path / "unused")
-    train(tmp_path / "ckpt", stop_at=stop_at)
-    resumed = train(tmp_path / "ckpt", resume=True)
+def test_resume_with_an_augmenting_dataset_is_exact(tmp_path, stop_at, stream):
+    uninterrupted = train(tmp_path / "unused", stream=stream)
+    train(tmp_path / "ckpt", stop_at=stop_at, stream=stream)
+    resumed = train(tmp_path / "ckpt", resume=True, stream=stream)
     assert torch.equal(resumed, uninterrupted)
+
+
+class AugmentedStream(IterableDataset):
+    """A stream with a resumable position whose samples draw from the global RNG."""
+
+    def __init__(self):
+        self.start = 0
+
+    def __iter__(self):
+        data = Augmented()
+        for i in range(self.start, len(data)):
+            self.start = i + 1
+            yield data[i]
+        self.start = 0
+
+    def state_dict(self):
+        return {"start": self.start}
+
+    def load_state_dict(self, state):
+        self.start = state["start"]

@@ -249,7 +249,8 @@ class PreparedDataLoader:
         else:
             loader = self.loader
             source = ((batch, loader.last_padding, loader_state_dict(loader)) for batch in loader)
-        capture = self._reads_ahead()
+        # made in this process (no workers, not rank 0's dispatch): its draws from the global RNG are replayed
+        capture = self.loader.num_workers == 0 and self.dispatcher is None and self.device_batches is None
         previous = self._first_read(source, capture)
         kind = self.loader.kind
         if self.gather_object is not None and kind == "stream":
