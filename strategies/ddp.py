@@ -121,7 +121,7 @@ def comm_hook_and_state(hook: Any, state: Any, wrapper: Optional[str]) -> tuple:
             raise ConfigurationError(f"comm_hook_state={state!r} for comm_hook={hook!r}: {err}") from None
     if wrapper is not None:
         wrap = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
-        function = wrap[wrapper](function)
+        function = wrap[wrapper](function)  # type: ignore[arg-type]  # torch's hooks are typed loosely
     return state, function
 
 

@@ -107,7 +107,8 @@ class TrainingModule(ModuleHooks, LoopHooks, HyperparametersMixin, nn.Module):
                 f"{type(self).__name__} is not attached to a Trainer; "
                 "self.trainer, self.log and friends work inside Trainer.fit/validate/test/predict"
             )
-        return self._trainer
+        # None only while torch.jit reads the attributes (to_torchscript), as in Lightning
+        return self._trainer  # type: ignore[return-value]
 
     @property
     def device(self) -> torch.device:

@@ -12,7 +12,7 @@ import importlib.util
 import operator
 import os
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -261,7 +261,7 @@ def is_hpu_available(init_hccl: bool = False) -> bool:
         importlib.import_module("habana_frameworks.torch")
         if init_hccl:
             importlib.import_module("habana_frameworks.torch.distributed.hccl")
-        return bool(torch.hpu.is_available())
+        return bool(torch.hpu.is_available())  # type: ignore[attr-defined]  # registered by habana_frameworks
     except Exception:
         return False
 
@@ -300,7 +300,7 @@ def is_habana_gaudi1() -> bool:
     """Whether the HPU is a first-generation Gaudi (which has no fp16)."""
     if not is_hpu_available():
         return False
-    import habana_frameworks.torch.utils.experimental as htexp
+    htexp: Any = importlib.import_module("habana_frameworks.torch.utils.experimental")
 
     return htexp._get_device_type() == htexp.synDeviceType.synDeviceGaudi
 
