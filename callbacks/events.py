@@ -31,16 +31,16 @@ module)::
                 for each val batch: VALIDATION_BATCH_START(batch, batch_idx); module.validation_step(...);
                                     VALIDATION_BATCH_END(outputs, batch, batch_idx)
                 (several loaders: dataloader_idx follows batch_idx in the step and both events)
-                LOG(validation epoch metrics, step)
-                VALIDATION_EPOCH_END
+                VALIDATION_EPOCH_END               # the epoch's values are in callback_metrics
+                LOG(validation epoch metrics and what VALIDATION_EPOCH_END logged, step)   # one row (Lightning)
                 VALIDATION_END                     # monitored checkpoints and early stopping act here
             BATCH_END(outputs, batch, batch_idx)   # step checkpoints are written here
             [the validation above, if trainer.should_stop may be obeyed, this epoch validates and it did not run]
             if trainer.should_stop (min_epochs/min_steps met) or max_steps reached: break
         if the epoch ran to its end or trainer.should_stop ended it (Lightning; not max_steps):
-            LOG(training epoch metrics, step)
             scheduler.step() ("epoch")
             EPOCH_END                              # epoch checkpoints are written here
+            LOG(training epoch metrics and what EPOCH_END logged, step)   # one row (Lightning)
     TRAIN_END
     FIT_END
     TEARDOWN(stage="fit")

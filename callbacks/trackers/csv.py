@@ -212,6 +212,8 @@ class CSVLogger(TrackerCallback):
         self._columns = header
 
     def _write_params(self, params: Dict[str, Any]) -> None:
+        if not self._hparams:
+            return  # Lightning's CSVLogger writes no hparams.yaml for a module without hyperparameters
         target = os.path.join(os.path.dirname(self._run_file), "hparams.yaml")
         _atomic_write(target, yaml.safe_dump(_plain(self._hparams)))
 

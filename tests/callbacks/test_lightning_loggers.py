@@ -41,6 +41,16 @@ epoch,plain,step,train_loss_epoch,train_loss_step,val_loss
 2,,14,0.03979285806417465,,
 """
 LIGHTNING_HPARAMS_YAML = "hidden: 4\nlr: 0.1\n"
+# ``HookLogs`` below through Lightning 2.6.6 as ``Boring`` (max_epochs=2, then trainer.validate): what the epoch-end
+# hooks log shares the row of the loop's epoch values; validate() after fit logs at step global_step (10).
+LIGHTNING_HOOK_ROWS_CSV = """\
+epoch,hook_value,step,train_loss,val_hook,val_loss
+0,,4,,1.25,0.15728113055229187
+0,0.5,4,0.6678283214569092,,
+1,,9,,1.25,0.04775961488485336
+1,1.5,9,0.13306577503681183,,
+2,,10,,1.25,0.04775961488485336
+"""
 
 
 class Boring(L.LightningModule):
@@ -116,6 +126,43 @@ def test_csv_logger_writes_lightnings_metrics_and_hparams(tmp_path):
     assert trainer.global_step == 15 and rows((version_0 / "metrics.csv").read_text())[-1][2] == "14"
     # checkpoints without a dirpath go to the logger's version folder, as Lightning
     assert trainer.checkpoint_callback.best_model_path == str(version_0 / "checkpoints" / "epoch=2-step=15")
+
+
+class HookLogs(L.LightningModule):
+    """No hyperparameters; values logged on_epoch in the steps and in the epoch-end hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log("hook_value", float(self.current_epoch) + 0.5)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def on_validation_epoch_end(self):
+        self.log("val_hook", 1.25)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_epoch_end_hook_values_share_the_epochs_row_and_no_hparams_no_file(tmp_path):
+    torch.manual_seed(0)  # the module's initial weights, as in the Lightning run
+    module = HookLogs()
+    trainer = run(tmp_path, max_epochs=2, module=module, logger=CSVLogger(tmp_path), enable_checkpointing=False)
+    trainer.validate(trainer.module, DataLoader(data(8, 2), batch_size=4))
+    version_0 = tmp_path / "lightning_logs" / "version_0"
+    assert_same_metrics((version_0 / "metrics.csv").read_text(), LIGHTNING_HOOK_ROWS_CSV)
+    assert not (version_0 / "hparams.yaml").exists()  # Lightning's CSVLogger writes none without hyperparameters
 
 
 def test_a_second_run_gets_the_next_version_and_leaves_the_first_alone(tmp_path):

@@ -63,8 +63,8 @@ def test_fit_event_order_matches_documented_loop(tmp_path):
         "on_validation_epoch_start",
         "on_validation_batch_start",
         "on_validation_batch_end",
-        "on_log",
         "on_validation_epoch_end",
+        "on_log",  # the epoch's values with what on_validation_epoch_end logged: one LOG (Lightning's row)
         "on_validation_end",
     ]
     sanity = ["on_sanity_check_start"] + [e for e in validation if e != "on_log"] + ["on_sanity_check_end"]

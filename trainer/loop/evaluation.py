@@ -129,7 +129,7 @@ class Evaluation:
         metrics = logging.stores["val"].pop_epoch_metrics(self.strategy, compute=not sanity)
         if not sanity:
             # the sanity check's values are dropped (Lightning)
-            logging.emit(metrics)
+            logging.emit(metrics, hold=True)  # one LOG event with what on_*_epoch_end logs (Lightning's row)
         logging.fire_epoch_end(epoch_end, drop=sanity)
         logging.fire_epoch_end(end, drop=sanity)
         logging.running = "train"

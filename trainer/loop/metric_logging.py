@@ -12,7 +12,8 @@
   outside fit ``global_step``. ``trainer.log_metrics(metrics, step)`` with a step: as given, no ``epoch``.
 - ``trainer.progress_bar_metrics``: the values logged with ``prog_bar=True``, as floats.
 - Values logged in an epoch-end hook (``on_train_epoch_end``, ``on_validation_end``...) are logged
-  for that epoch, at that step.
+  for that epoch, at that step; those of ``on_train_epoch_end`` / ``on_validation_epoch_end`` in one LOG event
+  with the loop's epoch values (one row of Lightning's metrics.csv).
 - A ``torchmetrics.Metric`` (an attribute of the module) is logged as Lightning logs it: on_epoch its
   ``compute()`` at the epoch end, over every rank's samples, then ``reset()`` after the epoch-end
   hooks (after the sanity check too, whose values are dropped); on_step the batch's forward value
@@ -66,6 +67,8 @@ class MetricLogging:
         self.loader_of: Dict[str, int] = {}
         # the Trainer runs a fit (Lightning's step of a LOG event is then one less: see the module docstring)
         self.fitting = False
+        # a loop's epoch values, sent with what the epoch-end hooks log (emit(hold=True))
+        self._held: Dict[str, float] = {}
 
     def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
         """Send metrics to every tracker (the LOG event); call it on every rank."""
@@ -207,9 +210,10 @@ class MetricLogging:
                 )
         return True
 
-    def emit(self, metrics: Dict[str, float]) -> None:
+    def emit(self, metrics: Dict[str, float], hold: bool = False) -> None:
         """Metrics of a log point or an epoch's end: into ``callback_metrics``, and (unless logged with
-        ``logger=False``) to the trackers."""
+        ``logger=False``) to the trackers. ``hold``: the loop's epoch values, sent by the next
+        ``fire_epoch_end`` in one LOG event with what its hooks log (one row, as Lightning's loggers get it)."""
         if not metrics:
             return
         for name in metrics:  # the plain name: the newest value ("v_epoch/dataloader_idx_1" -> "v/dataloader_idx_1")
@@ -220,7 +224,10 @@ class MetricLogging:
         for name in hidden.intersection(metrics):
             self.callback_metrics[name] = torch.tensor(float(metrics[name]))
         loggable = {k: v for k, v in metrics.items() if k not in hidden} if hidden else metrics
-        if loggable:
+        if hold:  # current for the epoch-end hooks; sent after them
+            self.callback_metrics.update({k: torch.tensor(float(v)) for k, v in loggable.items()})
+            self._held.update(loggable)
+        elif loggable:
             self.log_metrics(loggable)
 
     def fire_epoch_end(self, event: Event, drop: bool = False) -> None:
@@ -232,8 +239,9 @@ class MetricLogging:
             logged = self._epoch_end_logged
         finally:
             self._epoch_end_logged = None
+        held, self._held = self._held, {}
         if not drop:
-            self.emit({k: float(v) for k, v in logged.items()})
+            self.emit({**held, **{k: float(v) for k, v in logged.items()}})
         if event in _LAST_HOOKS:
             # the torchmetrics.Metric logged are reset after the loop's last hook (Lightning)
             self.stores[_LAST_HOOKS[event]].reset_metric_objects()

@@ -834,7 +834,8 @@ class Trainer(LightningAttributes):
         if p.batch_idx < self.num_training_batches != float("inf"):
             # ended by should_stop: a checkpoint written at EPOCH_END resumes at the next epoch (Lightning)
             p.batch_idx = int(self.num_training_batches)
-        self._logging.emit(self._logging.stores["train"].pop_epoch_metrics(self.strategy))
+        # one LOG event with what on_train_epoch_end logs (Lightning's row)
+        self._logging.emit(self._logging.stores["train"].pop_epoch_metrics(self.strategy), hold=True)
         step_schedulers(
             self.lr_scheduler_configs,
             "epoch",
