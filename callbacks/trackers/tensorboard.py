@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 import yaml
 
 from trainforge.callbacks.trackers.base import FailurePolicy, MetricRecords, TrackerCallback, check_text, require
-from trainforge.callbacks.trackers.run_paths import run_relative
+from trainforge.callbacks.trackers.run_paths import claim, foreign_files, run_relative
 from trainforge.callbacks.trackers.versioned import VersionedDir, check_prefix, module_hparams, plain_params
 from trainforge.strategies.errors import ConfigurationError
 
@@ -203,12 +203,22 @@ class TensorBoardLogger(TrackerCallback):
             self._summary.file_writer.add_summary(summary)
         for key, value in hp_metric.items():
             self._summary.add_scalar(key, value, 0)
-        target = os.path.join(self._dir, "hparams.yaml")  # Lightning's: the module's hyperparameters
-        with open(target, "w") as f:
-            yaml.safe_dump(_yaml_safe(self._yaml_hparams), f)
+        self._write_hparams_yaml()
         rows = "\n".join(f"| {k} | {str(v).replace('|', '/')} |" for k, v in values.items())
         self._summary.add_text("hparams", "| name | value |\n|---|---|\n" + rows)
         self._summary.flush()
+
+    def _write_hparams_yaml(self) -> None:
+        """Lightning's ``hparams.yaml`` beside the events: the module's hyperparameters. A file of that name
+        that trainforge did not write (a version folder given again, holding the user's) is left alone."""
+        assert self._dir is not None, "the run's folder is resolved (_prepare) before anything is written"
+        target = os.path.join(self._dir, "hparams.yaml")
+        if foreign_files([target]):
+            log.warning("trainforge: TensorBoardLogger leaves %s alone (not written by trainforge)", target)
+            return
+        claim([target])
+        with open(target, "w") as f:
+            yaml.safe_dump(_yaml_safe(self._yaml_hparams), f)
 
     def _write_metrics(self, records: MetricRecords) -> None:
         for step, values in records:

@@ -196,10 +196,20 @@ def test_default_logger_is_tensorboard_under_lightning_logs(tmp_path):
     version_0 = tmp_path / "lightning_logs" / "version_0"
     assert isinstance(trainer.logger, TensorBoardLogger) and trainer.loggers == [trainer.logger]
     assert trainer.logger.log_dir == str(version_0) and seen == ["SummaryWriter"] * 3
-    names = sorted(p.name for p in version_0.iterdir())
+    names = sorted(p.name for p in version_0.iterdir() if not p.name.startswith("."))  # .trainforge-owned.json
     assert names[0] == "checkpoints" and names[1].startswith("events.out.tfevents.") and names[2:] == ["hparams.yaml"]
     assert (version_0 / "hparams.yaml").read_text() == LIGHTNING_HPARAMS_YAML
     assert (version_0 / "checkpoints" / "epoch=2-step=15").is_dir()
+
+
+def test_tensorboard_leaves_a_users_hparams_yaml_alone(tmp_path):
+    pytest.importorskip("tensorboard")
+    mine = tmp_path / "lightning_logs" / "version_0"
+    mine.mkdir(parents=True)
+    (mine / "hparams.yaml").write_text("lr: 0.3  # my notes\n")
+    run(tmp_path, max_epochs=1, logger=TensorBoardLogger(tmp_path, version=0), enable_checkpointing=False)
+    assert (mine / "hparams.yaml").read_text() == "lr: 0.3  # my notes\n"
+    assert list(mine.glob("events.out.tfevents.*"))
 
 
 def test_resuming_last_goes_on_in_the_newest_version(tmp_path):
