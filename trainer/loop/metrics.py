@@ -181,7 +181,8 @@ class MetricStore:
             if acc.sync_dist and strategy.world_size > 1:
                 total = strategy.all_reduce(total.to(strategy.root_device, torch.float64), "sum")
                 weight = strategy.all_reduce(weight.to(strategy.root_device), "sum")
-            out[name] = float(total.double().cpu() / weight.cpu())
+            # divided in float32, as Lightning's epoch mean (its float32 sum over the batch sizes)
+            out[name] = float(total.float().cpu() / weight.float().cpu())
         self.epoch_means.clear()
         if compute:  # not the sanity check's values (dropped)
             self.prog_bar.update({n: torch.tensor(v) for n, v in out.items() if n in self.prog_bar_epoch})
