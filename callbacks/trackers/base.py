@@ -164,6 +164,15 @@ class TrackerCallback(Callback):
         for the file loggers (CSVLogger, TensorBoardLogger) and the tracker's name for the others."""
         return type(self).__name__
 
+    def place(self, default_root_dir: str) -> None:
+        """Called by the Trainer that gets this tracker: a file logger without ``save_dir`` writes under the
+        Trainer's ``default_root_dir`` (so ``log_dir`` is known from then on, as Lightning's)."""
+
+    @property
+    def log_dir(self) -> Optional[str]:
+        """Lightning's ``logger.log_dir``: the file loggers' version folder; None for the others."""
+        return None
+
     def settle(self, default_root_dir: str, broadcast: Callable[[Any, int], Any], continuing: bool = False) -> None:
         """Called by the Trainer on every rank at the start of a fit, before its checkpoints are looked for: the
         file loggers fix their ``version_<N>`` folder here (``versioned.py``); the others have nothing to fix."""

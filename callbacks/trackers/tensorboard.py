@@ -130,6 +130,10 @@ class TensorBoardLogger(TrackerCallback):
         if self._given_dir is None:
             self._dirs.settle(default_root_dir, broadcast, continuing)
 
+    def place(self, default_root_dir: str) -> None:
+        if self._given_dir is None:
+            self._dirs.place(default_root_dir)
+
     def version_dir(self, default_root_dir: str) -> Optional[str]:
         return None if self._given_dir is not None else self._dirs.version_dir(default_root_dir)
 

@@ -307,3 +307,13 @@ def test_two_ranks_use_rank_zeros_version_folder(tmp_path):
     )
     assert (version_0 / "metrics.csv").is_file() and (version_0 / "checkpoints" / "epoch=0-step=2").is_dir()
     assert not (tmp_path / "lightning_logs" / "version_3").exists()
+
+
+def test_trainer_log_dir_and_a_logger_without_save_dir(tmp_path):
+    """Lightning's trainer.log_dir: the first file logger's version folder, known from the Trainer's construction
+    (a logger without save_dir takes default_root_dir), else default_root_dir."""
+    made = L.Trainer(default_root_dir=str(tmp_path), max_epochs=1, logger=CSVLogger(), enable_progress_bar=False)
+    assert made.log_dir == made.logger.log_dir == str(tmp_path / "lightning_logs" / "version_0")
+    assert L.Trainer(default_root_dir=str(tmp_path), max_epochs=1, logger=False).log_dir == str(tmp_path)
+    trainer = run(tmp_path, max_epochs=1, enable_checkpointing=False)  # the default logger
+    assert trainer.log_dir == trainer.logger.log_dir == str(tmp_path / "lightning_logs" / "version_0")

@@ -274,6 +274,8 @@ class Trainer(LightningAttributes):
         self.callbacks: List[Callback] = default_callbacks(
             callbacks, enable_progress_bar, enable_checkpointing, default_tracker, enable_model_summary
         )
+        for logger in self.loggers:  # a file logger without save_dir writes under default_root_dir (Lightning's)
+            logger.place(str(self.default_root_dir))
         self.progress = Progress()
         self.stage = "fit"
         self.should_stop = False

@@ -348,6 +348,7 @@ class LightningAttributes:
     # part they would be six forwarding properties on the Trainer; here they stay with the other
     # Lightning translations. The list it reads is the host's ``callbacks``, declared here once.
     callbacks: List[Any]
+    default_root_dir: str
 
     @property
     def loggers(self) -> List[TrackerCallback]:
@@ -360,6 +361,14 @@ class LightningAttributes:
         """The first tracker (Lightning's ``trainer.logger``), or None with ``logger=False``."""
         found = self.loggers
         return found[0] if found else None
+
+    @property
+    def log_dir(self) -> str:
+        """Lightning's ``trainer.log_dir``: the first logger's version folder (CSVLogger, TensorBoardLogger),
+        else ``default_root_dir``. Fixed for every rank when a fit starts; read before, it is this rank's."""
+        logger = self.logger
+        found = logger.log_dir if logger is not None else None
+        return found if found is not None else str(self.default_root_dir)
 
     @property
     def checkpoint_callbacks(self) -> List[Checkpointer]:
