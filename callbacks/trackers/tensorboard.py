@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 import yaml
@@ -193,6 +194,7 @@ class TensorBoardLogger(TrackerCallback):
         options = {**self._writer_args}
         if self._purge_step is not None:
             options["purge_step"] = self._purge_step
+            _after_existing_events(self._dir)
         self._summary = SummaryWriter(log_dir=self._dir, **options)
 
     def _backend(self) -> Any:
@@ -242,6 +244,20 @@ class TensorBoardLogger(TrackerCallback):
 
 #: SummaryWriter's arguments that TensorBoardLogger(**kwargs) hands on (log_dir is the logger's own).
 _WRITER_ARGS = frozenset({"comment", "max_queue", "flush_secs", "filename_suffix"})
+
+
+def _after_existing_events(folder: Optional[str]) -> None:
+    """Wait (at most a second) until the clock is past the newest event file's second in ``folder``: TensorBoard
+    reads a folder's files in name order, ``events.out.tfevents.<second>.<host>.<pid>.<n>``, and within one second
+    ``<n>`` (a per-process count) may sort a resumed run's file, whose purge hides the replayed steps, first."""
+    stamps = []
+    for name in os.listdir(folder) if folder and os.path.isdir(folder) else []:
+        parts = name.split(".")
+        if name.startswith("events.out.tfevents.") and len(parts) > 3 and parts[3].isdigit():
+            stamps.append(int(parts[3]))
+    wait = max(stamps, default=0) + 1 - time.time()
+    if 0 < wait <= 1:
+        time.sleep(wait)
 
 
 def _yaml_safe(value: Any) -> Any:
