@@ -162,7 +162,7 @@ def check_async_ckpt(out):
     res = summary(trainer, module)
     res["async_used"] = saver is not None
     res["pinned"] = bool(staged) and all(t.is_pinned() for t in staged)
-    res["kept"] = sorted(os.listdir(os.path.join(root, "checkpoints")))
+    res["kept"] = sorted(os.listdir(trainer.default_checkpoint_dir))  # the default logger's version folder
     fresh = Net()
     again = Trainer(max_steps=40, enable_progress_bar=False, enable_checkpointing=False, precision="bf16-mixed")
     again.fit(fresh, DataLoader(data(), batch_size=32, shuffle=True), ckpt_path=ckpt.last_path)
