@@ -317,3 +317,22 @@ def test_trainer_log_dir_and_a_logger_without_save_dir(tmp_path):
     assert L.Trainer(default_root_dir=str(tmp_path), max_epochs=1, logger=False).log_dir == str(tmp_path)
     trainer = run(tmp_path, max_epochs=1, enable_checkpointing=False)  # the default logger
     assert trainer.log_dir == trainer.logger.log_dir == str(tmp_path / "lightning_logs" / "version_0")
+
+
+def test_log_graph_adds_the_modules_graph(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class WithExample(Boring):
+        def __init__(self) -> None:
+            super().__init__()
+            self.example_input_array = torch.zeros(2, 3)
+
+        def forward(self, x):
+            return self.net(x)
+
+    logger = TensorBoardLogger(tmp_path, log_graph=True)
+    run(tmp_path, max_epochs=1, module=WithExample(), logger=logger, enable_checkpointing=False)
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    assert events.Tags()["graph"] is True
