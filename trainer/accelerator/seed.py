@@ -55,12 +55,22 @@ def worker_init_fn(worker_id: int) -> None:
     random.seed(seed)
 
 
-def rng_state() -> Dict[str, Any]:
-    """This process's generator states, as tensors and plain values (loadable with weights_only)."""
+def raw_rng_state() -> Tuple[Any, ...]:
+    """The CPU generators' states as the libraries return them: the cheapest copy (a loader takes one per
+    batch it reads ahead); ``rng_state(raw)`` makes it the saved form. Not XLA's, and CUDA only when it is
+    initialized (as ``rng_state``)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]  # unannotated in torch
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def rng_state(raw: Optional[Tuple[Any, ...]] = None) -> Dict[str, Any]:
+    """This process's generator states, as tensors and plain values (loadable with weights_only); ``raw``:
+    those ``raw_rng_state`` took earlier, instead of the current ones."""
+    python, numpy_state, torch_state, cuda = raw if raw is not None else (random.getstate(), None, None, None)
     # the legacy tuple (numpy's default, legacy=True; its stubs give a dict-or-tuple union)
-    np_state = cast(Tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    np_state = cast(Tuple[str, np.ndarray, int, int, float], numpy_state if raw is not None else np.random.get_state())
     state: Dict[str, Any] = {
-        "python": _plain(random.getstate()),
+        "python": _plain(python),
         "numpy": {
             "kind": np_state[0],
             "keys": torch.from_numpy(np_state[1].astype(np.int64)),
@@ -68,8 +78,12 @@ def rng_state() -> Dict[str, Any]:
             "has_gauss": int(np_state[3]),
             "cached_gaussian": float(np_state[4]),
         },
-        "torch": torch.get_rng_state(),
+        "torch": torch_state if raw is not None else torch.get_rng_state(),
     }
+    if raw is not None:
+        if cuda is not None:
+            state["cuda"] = cuda
+        return state
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # unannotated in torch
         state["cuda"] = torch.cuda.get_rng_state_all()
     xm = _xla_model()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from trainforge.strategies.data.utils import move_to_device
 from trainforge.strategies.errors import ConfigurationError
-from trainforge.trainer.accelerator.seed import rng_state, set_rng_state
+from trainforge.trainer.accelerator.seed import raw_rng_state, rng_state, set_rng_state
 
 log = logging.getLogger("trainforge")
 
@@ -138,7 +138,7 @@ class PreparedDataLoader:
         self.read_ahead = read_ahead  # Accelerate's one batch read ahead (``_reads_ahead``)
         # The process's RNG states before the batch read ahead was made (a collate or dataset drawing from the
         # global RNG drew there); saved with the position, and replayed by a resumed pass to make that batch again
-        self._rng_before_ahead: Optional[Dict[str, Any]] = None
+        self._rng_before_ahead: Optional[Tuple[Any, ...]] = None
         self._replay_rng: Optional[Dict[str, Any]] = None
         self._skip = 0  # skip_first_batches: batches the next pass starts into the epoch
         self.epoch = 0
@@ -267,7 +267,7 @@ class PreparedDataLoader:
         if agree:
             self._check_same_end(previous is not None, 0)
         while previous is not None:
-            before = rng_state() if capture else None
+            before = raw_rng_state() if capture else None
             current = next(source, None)
             if agree:
                 self._check_same_end(current is not None, self.batch_in_epoch + 1)
@@ -462,7 +462,7 @@ class PreparedDataLoader:
         if self.dispatcher is not None and self.dispatcher.first_rows is not None:
             state["dispatch_first_rows"] = [t.detach().cpu() for t in self.dispatcher.first_rows]
         if self._rng_before_ahead is not None:
-            state["rng_before_read_ahead"] = self._rng_before_ahead
+            state["rng_before_read_ahead"] = rng_state(self._rng_before_ahead)
         return state
 
     def load_state_dict(self, state: Dict[str, Any], *, world_size: int, rank: int) -> None:
