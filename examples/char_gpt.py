@@ -3,6 +3,7 @@
     python examples/char_gpt.py                                      # one process
     trainforge launch --nproc-per-node 2 examples/char_gpt.py        # two processes, DDP ("auto")
     python examples/char_gpt.py --resume                             # continue from runs/char_gpt
+    python examples/char_gpt.py --resume auto                        # ... if there is a checkpoint there
 
 This is the shape docs/guides/training-module.md asks of a training script: a ``TrainingModule`` with
 ``training_step``/``validation_step``/``configure_optimizers``, standard DataLoaders, and
@@ -125,7 +126,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--strategy", default=None, help="auto, single, ddp, fsdp, deepspeed (default: auto)")
     p.add_argument("--root-dir", default="runs/char_gpt", help="checkpoints and logs go here")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint under --root-dir")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="last",
+        choices=("last", "auto"),
+        help="continue from the last checkpoint under --root-dir; '--resume auto': when there is one, else start "
+        "fresh (a cluster job's command, the same at its first start and at every restart)",
+    )
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -161,6 +169,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
         log_every_n_steps=args.log_every,
         gradient_clip_val=1.0,
         default_root_dir=args.root_dir,
+        resume="auto" if args.resume == "auto" else None,
         seed=args.seed,
         callbacks=[
             ModelCheckpoint(every_n_steps=args.ckpt_every, save_last=True, keep_last_k=2),
@@ -186,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, float]:
     module = LitCharGPT(cfg, lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
     initial = evaluate(module.net, val_loader) if trainer.is_global_zero and not args.resume else float("nan")
 
-    trainer.fit(module, train_loader, val_loader, ckpt_path="last" if args.resume else None)
+    trainer.fit(module, train_loader, val_loader, ckpt_path="last" if args.resume == "last" else None)
 
     result = {
         "initial_val_loss": initial,
