@@ -7,6 +7,9 @@ we add:
 
 - settings from the config file, overridden by flags, validated before anything starts, written
   to a temporary YAML file whose path the workers get as ``TRAINFORGE_LAUNCH_CONFIG``;
+- under Kubeflow (Trainer v2 TrainJob, PyTorchJob) or SkyPilot, the node count, node rank and master
+  address their controllers set (PET_*, SKYPILOT_*) as the flags' defaults, checked, each error naming the
+  variable (``trainforge.trainer.cli.cluster_env``);
 - single node without ``--master-port``: torchrun's ``--standalone`` rendezvous on a free port,
   so concurrent jobs on one machine do not collide;
 - an explicit master port already in use on node 0 is reported before any process starts;
@@ -39,6 +42,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 from trainforge.strategies.environment import STOP_GRACE_ENV, port_is_free, temporary_environ
 from trainforge.strategies.errors import ConfigurationError, LaunchError
 from trainforge.strategies.watchdog import HANG_EXIT_CODE, hang_summary
+from trainforge.trainer.cli.cluster_env import cluster_settings
 from trainforge.trainer.cli.launch_settings import (
     add_setting_arguments,
     default_config_path,
@@ -86,14 +90,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_settings(args: argparse.Namespace) -> dict:
-    """Config file values (``--config-file`` or the default file when present), then flags."""
+    """Config file values (``--config-file`` or the default file when present), then what a cluster's
+    controller set in the environment (PET_*, SKYPILOT_*: trainer/cli/cluster_env.py), then flags."""
     default_file = default_config_path()
     if args.config_file:
         settings = load_config(args.config_file)
     else:
         settings = load_config(default_file) if default_file.is_file() else {}
+    from_cluster, family = cluster_settings()
+    settings.update(from_cluster)
     settings.update(flags_given(args))
-    return validate(settings, "config file and flags")
+    return validate(settings, f"config file, {family} and flags" if family else "config file and flags")
 
 
 def _effective(settings: Mapping[str, Any], key: str, environ: Mapping[str, str]) -> Any:

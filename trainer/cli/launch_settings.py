@@ -1,7 +1,8 @@
 """Launch settings: the YAML file ``trainforge config`` writes (trainer/cli/config.py, which shows its
 layout) and ``trainforge launch`` reads.
 
-Precedence: built-in defaults < config file (``--config-file`` or the default file) < flags. ``launch``
+Precedence: built-in defaults < config file (``--config-file`` or the default file) < a cluster's variables
+(PET_*, SKYPILOT_*; ``launch`` only: trainer/cli/cluster_env.py) < flags. ``launch``
 writes the resolved settings to a temporary YAML file and exports its path as ``TRAINFORGE_LAUNCH_CONFIG``
 to the workers; ``launch_defaults()`` reads it back there, and the Trainer/Accelerator use those values
 where the user's code set nothing.
@@ -391,10 +392,14 @@ def launch_defaults(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
 FLAG_HELP = {
     "compute_environment": "this_machine or multi_node: whether `trainforge config` asks about the other "
     "machines (default: this_machine)",
-    "nnodes": "number of machines, or MIN:MAX for an elastic job (default: 1)",
-    "node_rank": "this machine's rank, 0 .. nnodes-1; 0 is the one the others connect to (default: 0)",
-    "master_addr": "address of the rank-0 machine (default: 127.0.0.1)",
-    "master_port": "port on the rank-0 machine (default on one machine: a free port; with several: 29500)",
+    "nnodes": "number of machines, or MIN:MAX for an elastic job (default: PET_NNODES or SKYPILOT_NUM_NODES when "
+    "set, else 1)",
+    "node_rank": "this machine's rank, 0 .. nnodes-1; 0 is the one the others connect to (default: PET_NODE_RANK "
+    "or SKYPILOT_NODE_RANK when set, else 0)",
+    "master_addr": "address of the rank-0 machine (default: PET_MASTER_ADDR or the first of SKYPILOT_NODE_IPS "
+    "when set, else 127.0.0.1)",
+    "master_port": "port on the rank-0 machine (default: PET_MASTER_PORT when set; else on one machine a free "
+    "port, with several 29500)",
     "rdzv_backend": "rendezvous backend: static, c10d, etcd or etcd-v2 (default: static)",
     "rdzv_endpoint": "rendezvous endpoint host:port of a c10d/etcd rendezvous (default: none)",
     "max_restarts": "how many times the whole group is restarted after a worker fails (default: 0)",
@@ -403,7 +408,8 @@ FLAG_HELP = {
     "(default: 30; needs torch >= 2.12)",
     "accelerator": "device type: auto, cpu or gpu (default: what the script passes, else auto: a GPU "
     "when there is one)",
-    "nproc_per_node": "processes (ranks) per machine, usually one per GPU (default: 1)",
+    "nproc_per_node": "processes (ranks) per machine, usually one per GPU (default: PET_NPROC_PER_NODE or "
+    "SKYPILOT_NUM_GPUS_PER_NODE when set, else 1)",
     "strategy": "strategy for the script's Trainer or Accelerator: " + ", ".join(STRATEGY_NAMES) + " (default: "
     "what the script passes, else auto)",
     "deepspeed.zero_stage": "DeepSpeed ZeRO stage 0-3, with --strategy deepspeed (default: 2)",
