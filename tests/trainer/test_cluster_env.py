@@ -8,7 +8,7 @@ them: WORLD_SIZE = pods x nprocPerNode, RANK = PET_NODE_RANK = the pod's index),
 SKYPILOT_NODE_RANK/SKYPILOT_NODE_IPS/SKYPILOT_NUM_GPUS_PER_NODE. Here two "nodes" of one process each run on
 this machine (127.0.0.1, a free port, gloo): each gets only its node's variables and the same command with no
 rank flag, and the two must form one job that trains (a short DDP fit) to the same weights on both ranks (for
-PyTorchJob, whose variables include Trainer v2's, and SkyPilot: about 6 s each on an idle 2-core machine).
+PyTorchJob, whose variables include Trainer v2's, and SkyPilot: about 7 s each on an idle 2-core machine).
 What only a real cluster shows (pods scheduled, DNS names, volumes, restarts) is not tested here.
 """
 
@@ -195,6 +195,10 @@ def test_contradictory_or_malformed_variables_name_the_variable_value_and_fix(en
 
 
 def test_a_bad_variable_ends_launch_with_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+    def started(*args, **kwargs):
+        raise AssertionError("torchrun was started: the launch should have been refused before")
+
+    monkeypatch.setattr("torch.distributed.run.run", started)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     monkeypatch.setenv("PET_NNODES", "2")
     monkeypatch.setenv("PET_NODE_RANK", "3")
