@@ -19,6 +19,7 @@ from trainforge.trainer.accelerator.accelerator import Accelerator
 from trainforge.trainer.loop.metric_logging import MetricLogging
 from trainforge.trainer.loop.module_hooks import check_dataloader_idx
 from trainforge.trainer.loop.settings import LoopConfig, limited, loader_length
+from trainforge.trainer.loop.step_hooks import keep_on_host, overridden
 from trainforge.trainer.module.training_module import TrainingModule
 
 
@@ -35,20 +36,17 @@ def restore_modes(modes: Dict[nn.Module, bool]) -> None:
         m.training = training
 
 
-def _mode_hook(module: TrainingModule, step_name: str, mode: str) -> Callable[[], None]:
+def _mode_hook_name(step_name: str, mode: str) -> str:
     """Lightning's ``on_validation_model_<mode>`` (also for the sanity check) or ``on_test_model_<mode>``."""
-    stage = "test" if step_name == "test_step" else "validation"
-    return getattr(module, f"on_{stage}_model_{mode}")
+    return f"on_{'test' if step_name == 'test_step' else 'validation'}_model_{mode}"
 
 
 def _restore(module: TrainingModule, step_name: str, modes: Dict[nn.Module, bool]) -> None:
     """After the loop: the module's ``on_<stage>_model_train`` when it overrides it (Lightning), else each
     submodule's mode as it was before."""
-    from trainforge.trainer.loop.step_hooks import overridden
-
-    stage = "test" if step_name == "test_step" else "validation"
-    if overridden(module, f"on_{stage}_model_train"):
-        _mode_hook(module, step_name, "train")()
+    name = _mode_hook_name(step_name, "train")
+    if overridden(module, name):
+        getattr(module, name)()
     else:
         restore_modes(modes)
 
@@ -113,7 +111,7 @@ class Evaluation:
         logging = self.logging
         modes, logging.running = module_modes(module), "val"
         # Lightning's on_validation_model_eval / on_test_model_eval (default: eval mode)
-        _mode_hook(module, step_name, "eval")()
+        getattr(module, _mode_hook_name(step_name, "eval"))()
         check_dataloader_idx(module, self.callbacks, step_name, (batch_start.value, batch_end.value), len(loaders))
         logging.loader_of = {}
         self.fire(start)
@@ -200,11 +198,8 @@ class Evaluation:
         # Lightning: dataloader_idx passed, and one list of outputs per loader
         extra = (dataloader_idx,) if loader_count > 1 else ()
         outputs: List[Any] = []
-        prepared = self.accelerator.prepare_data_loader(loader)
         transfer = self.transfer
-        if transfer is not None:
-            # the module's hooks move the batches
-            prepared.device = torch.device("cpu")
+        prepared = keep_on_host(self.accelerator.prepare_data_loader(loader), transfer)
         limit = limited(loader_length(prepared), self.config.limit_predict_batches, "limit_predict_batches")
         for batch_idx, batch in enumerate(prepared):
             if batch_idx >= limit:

@@ -19,6 +19,7 @@ from trainforge.strategies.base import Strategy
 from trainforge.strategies.errors import ConfigurationError, TrainforgeError
 from trainforge.trainer.cluster.stop_signals import StopSignals
 from trainforge.trainer.loop.settings import LoopConfig, Progress
+from trainforge.trainer.loop.step_hooks import step_scheduler
 
 log = logging.getLogger("trainforge")
 
@@ -266,19 +267,12 @@ def validation_due(config: LoopConfig, progress: Progress, loaders: List[Any], n
     return done % every == 0
 
 
-def _step_scheduler(scheduler: Any, metric: Any) -> None:
-    if metric is None:
-        scheduler.step()
-    else:
-        scheduler.step(metric)
-
-
 def step_schedulers(
     configs: List[Dict[str, Any]],
     interval: str,
     count: int,
     metrics: Dict[str, Any],
-    step: Callable[[Any, Any], None] = _step_scheduler,
+    step: Callable[[Any, Any], None] = step_scheduler,
 ) -> None:
     """Step the schedulers of ``interval`` ("step" or "epoch") due at ``count``; a ReduceLROnPlateau
     with the value of its monitored metric among ``metrics``. ``step(scheduler, metric)`` steps one: the

@@ -18,6 +18,14 @@ import torch
 from trainforge.strategies.errors import ConfigurationError
 
 
+def step_scheduler(scheduler: Any, metric: Any) -> None:
+    """``scheduler.step()``, or ``scheduler.step(metric)`` for a monitored one (Lightning's default)."""
+    if metric is None:
+        scheduler.step()
+    else:
+        scheduler.step(metric)
+
+
 class LoopHooks:
     """Lightning's overridable loop hooks, with Lightning's defaults (a ``TrainingModule`` inherits them)."""
 
@@ -39,10 +47,7 @@ class LoopHooks:
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         """Step ``scheduler`` when its interval is due; ``metric`` is the monitored value (ReduceLROnPlateau)."""
-        if metric is None:
-            scheduler.step()
-        else:
-            scheduler.step(metric)
+        step_scheduler(scheduler, metric)
 
     # ---- evaluation modes ------------------------------------------------------------------------
     def on_validation_model_zero_grad(self) -> None:
