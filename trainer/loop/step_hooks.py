@@ -246,7 +246,7 @@ def _base_of(module: Any, name: str) -> type:
     return LoopHooks if name in vars(LoopHooks) else TrainingModule
 
 
-def keep_on_host(prepared: Any, transfer: Optional[BatchTransfer]) -> Any:
+def keep_on_host(prepared: Any, transfer: Optional[Callable[[Any, int], Any]]) -> Any:
     """A prepared loader whose batches the module's transfer hooks move (then it yields them unmoved)."""
     if transfer is not None:
         prepared.device = torch.device("cpu")
