@@ -322,3 +322,7 @@ def test_lightning_module_methods(tmp_path, capsys):
         module.to_torchscript(method="compile")
     with pytest.raises(ConfigurationError, match="torch_tensorrt.compile"):
         module.to_tensorrt()
+    with pytest.raises(ConfigurationError, match=r"to_onnx needs input_sample=\.\.\., or set self.example_input_array"):
+        module.to_onnx(str(tmp_path / "model.onnx"))
+    with pytest.raises(ConfigurationError, match=r"to_torchscript\(method='trace'\) needs example_inputs"):
+        module.to_torchscript(method="trace")
